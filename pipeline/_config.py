@@ -1,0 +1,88 @@
+"""Value objects that configure sampling and the pipeline.
+
+Both are pydantic models with ``extra="forbid"``, so a typo in a YAML/Hydra config is an error
+naming the field instead of a silently ignored key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline._exceptions import ConfigError
+
+
+def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One readable line per invalid field: ``field 'sampling.top_p': Input should be ...``."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(p) for p in err["loc"])
+        where = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
+        parts.append(f"field '{where}': {err['msg']} (got {err.get('input')!r:.80})")
+    return "; ".join(parts)
+
+
+class SamplingParams(BaseModel):
+    """How the engine samples, per turn and across the whole trajectory.
+
+    ``max_tokens`` caps one generation (one assistant turn); ``max_response_tokens`` caps the
+    whole response of a multi-turn trajectory (model tokens plus tool/template tokens), which is
+    what the trainer's ``max_response_len`` sees. ``n`` is the number of rollouts per prompt.
+    Stops are token ids, never strings: the pipeline never re-tokenizes model output.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_tokens: int = Field(512, gt=0)
+    max_response_tokens: int | None = Field(None, gt=0)
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+
+    def with_overrides(self, overrides: dict[str, Any], *, where: str = "sampling") -> SamplingParams:
+        """Return a copy with ``overrides`` applied and validated.
+
+        Raises:
+            ConfigError: an override names an unknown field or has an invalid value.
+        """
+        if not overrides:
+            return self
+        try:
+            return SamplingParams.model_validate({**self.model_dump(), **overrides})
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc, where)) from None
+
+
+class PipelineConfig(BaseModel):
+    """Options of a :class:`pipeline.Pipeline`; build from Python or from a plain dict.
+
+    Attributes:
+        sample_timeout_s: per-sample deadline, counted from when the sample starts running
+            (not while it waits for a concurrency slot). ``None`` disables it.
+        max_concurrency: samples running at once.
+        cleanup_timeout_s: limit for each stage's ``cleanup`` and the sample's exit stack.
+        seed: base seed; every sample gets its own seed derived from it.
+        pad_token_id: used when the tokenizer has none (and by the last-resort failure output).
+        sampling: default sampling parameters; rows may override them.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sample_timeout_s: float | None = Field(600.0, gt=0)
+    max_concurrency: int = Field(256, gt=0)
+    cleanup_timeout_s: float = Field(10.0, gt=0)
+    seed: int = 0
+    pad_token_id: int | None = Field(None, ge=0)
+    sampling: SamplingParams = SamplingParams()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PipelineConfig:
+        """Build from a plain dict (Hydra/YAML); unknown or invalid fields raise ConfigError."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc)) from None

@@ -1,0 +1,121 @@
+"""What a stage receives: the pipeline's shared resources and per-sample facts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from pipeline._config import PipelineConfig, SamplingParams
+from pipeline._models import AgentRolloutItem
+from pipeline._tokenizer import Tokenizer
+from pipeline.engines.base import Engine
+
+if TYPE_CHECKING:
+    from pipeline.stages.base import Stage
+
+_logger = structlog.get_logger("pipeline")
+
+
+@dataclass(kw_only=True)
+class Resources:
+    """Shared resources a pipeline is built with; every sample's context points at them.
+
+    Attributes:
+        engine: the inference engine.
+        tokenizer: used by prompt building and decoding.
+        tools: tool name -> tool, for tool-calling stages.
+        judgers: judgers for the judging stage.
+        limiters: the rate-limiter registry (per pipeline, never process-global).
+        extras: anything else custom stages need (a sandbox pool, an HTTP session, ...).
+    """
+
+    engine: Engine | None = None
+    tokenizer: Tokenizer | None = None
+    tools: Mapping[str, Any] = field(default_factory=dict)
+    judgers: Sequence[Any] = ()
+    limiters: Any = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Context:
+    """Per-sample context handed to every stage: resources plus the sample's own facts.
+
+    Attributes:
+        resources: the pipeline's shared :class:`Resources`.
+        config: the pipeline's :class:`PipelineConfig`.
+        item: the sample being run.
+        deadline: event-loop time when the sample times out, or None.
+        exit_stack: closed once when the sample ends (after stage cleanups); put resources
+            that must live as long as the sample here (a sandbox, a proxy session).
+        stage: name of the stage running now.
+        stage_started: monotonic time the current stage started.
+        turn: the current ``Loop`` turn (0-based), or None outside loops.
+    """
+
+    __slots__ = ("_started_stages", "abort_requested", "config", "deadline", "exit_stack",
+                 "item", "resources", "stage", "stage_started", "turn")
+
+    def __init__(self, resources: Resources, config: PipelineConfig, item: AgentRolloutItem,
+                 deadline: float | None = None) -> None:
+        self.resources = resources
+        self.config = config
+        self.item = item
+        self.deadline = deadline
+        self.exit_stack = contextlib.AsyncExitStack()
+        self.stage: str | None = None
+        self.stage_started: float | None = None
+        self.turn: int | None = None
+        self.abort_requested = False
+        self._started_stages: dict[int, Stage] = {}
+
+    @property
+    def engine(self) -> Engine:
+        """The engine; raises a clear error when the pipeline has none."""
+        if self.resources.engine is None:
+            raise RuntimeError(f"stage {self.stage!r} needs an engine but the pipeline has none")
+        return self.resources.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer; raises a clear error when the pipeline has none."""
+        if self.resources.tokenizer is None:
+            raise RuntimeError(f"stage {self.stage!r} needs a tokenizer but the pipeline has none")
+        return self.resources.tokenizer
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The sample's effective sampling parameters."""
+        return self.item.sampling
+
+    @property
+    def log(self) -> Any:
+        """A structlog logger bound to the sample's uid, group and current stage."""
+        return _logger.bind(uid=self.item.uid, group_id=self.item.group_id, stage=self.stage)
+
+    def time_left(self) -> float | None:
+        """Seconds until the sample's deadline (may be negative), or None without one."""
+        if self.deadline is None:
+            return None
+        return self.deadline - asyncio.get_running_loop().time()
+
+    def deadline_passed(self) -> bool:
+        """Whether the sample's deadline has passed."""
+        left = self.time_left()
+        return left is not None and left <= 0
+
+    def mark_started(self, stage: Stage) -> None:
+        """Note that ``stage`` ran on this sample, so its cleanup runs once at the end."""
+        self._started_stages.setdefault(id(stage), stage)
+        self.stage = stage.name
+        self.stage_started = time.monotonic()
+
+    @property
+    def started_stages(self) -> list[Stage]:
+        """Stages that started on this sample, in first-start order."""
+        return list(self._started_stages.values())

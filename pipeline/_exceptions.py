@@ -1,0 +1,59 @@
+"""The exceptions the library raises.
+
+Every error the library raises on purpose derives from :class:`PipelineError`::
+
+    PipelineError
+    ├── ConfigError          invalid PipelineConfig / SamplingParams / Pipeline argument
+    ├── RowError             a dataset row that does not fit the row schema
+    ├── StageDefinitionError something in a stage list that is not a stage
+    ├── EngineError          an engine failed to generate (foreign errors translated here)
+    ├── ContractError        data that breaks a trainer-facing contract
+    └── SampleAborted        raised by a stage to end its sample as aborted (not failed)
+
+Errors raised inside stages by user code are not wrapped: the sample runner records them on
+the sample (``status=failed``) and the batch goes on.
+"""
+
+from __future__ import annotations
+
+
+class PipelineError(Exception):
+    """Root of every error this library raises on purpose."""
+
+
+class ConfigError(PipelineError, ValueError):
+    """An invalid configuration value; the message names the field."""
+
+
+class RowError(PipelineError, ValueError):
+    """A dataset row that does not fit the row schema; names the row and the field.
+
+    Attributes:
+        row_index: position of the row in its source (0-based), if known.
+        field: dotted name of the offending field.
+    """
+
+    def __init__(self, message: str, *, row_index: int | None = None, field: str | None = None):
+        super().__init__(message)
+        self.row_index = row_index
+        self.field = field
+
+
+class StageDefinitionError(PipelineError, TypeError):
+    """An object in a stage list that cannot run as a stage."""
+
+
+class EngineError(PipelineError):
+    """An engine could not generate; the original exception is the ``__cause__``."""
+
+
+class ContractError(PipelineError):
+    """Data that violates a contract with the trainer (e.g. misaligned logprobs)."""
+
+
+class SampleAborted(PipelineError):
+    """Raise from a stage to end the sample with ``status=aborted, finish_reason=abort``.
+
+    For work stopped on purpose (the engine aborted the request, the trainer paused), which
+    is neither the sample's fault nor the model's.
+    """

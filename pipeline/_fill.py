@@ -1,0 +1,84 @@
+"""Building the trainer view (:class:`RolloutSample`) from a finished item.
+
+``fill_sample`` is DESIGN's ``FillState``: the default builder. ``minimal_sample`` is the last
+resort when a builder raises: it needs nothing but a pad token id and cannot fail on the
+item's artifacts, so a sample is never lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pipeline import artifacts as A
+from pipeline._context import Context
+from pipeline._exceptions import ContractError
+from pipeline._models import (
+    AgentRolloutItem,
+    ExitReason,
+    FinishReason,
+    RolloutSample,
+    Status,
+)
+
+SampleBuilder = Callable[[AgentRolloutItem, Context], RolloutSample]
+"""Turns a finished item into its trainer view; pass your own to ``Pipeline(fill=...)``."""
+
+
+def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
+    """Default builder: the trainer view from the built-in artifacts.
+
+    Samples that did not complete are masked; their partial artifacts stay on the item for the
+    dump. Response, mask and logprobs must be aligned.
+
+    Raises:
+        ContractError: misaligned response ids / mask / logprobs.
+    """
+    art = item.artifacts
+    status = item.status or Status.FAILED
+    response_ids: list[int] = list(art.get(A.RESPONSE_IDS, ()))
+    mask: list[int] = list(art.get(A.RESPONSE_MASK, ()))
+    logprobs_raw = art.get(A.LOGPROBS)
+    logprobs: list[float] | None = None if logprobs_raw is None else list(logprobs_raw)
+    if len(mask) != len(response_ids):
+        raise ContractError(f"sample {item.uid}: response_mask has {len(mask)} entries for "
+                            f"{len(response_ids)} response tokens")
+    if logprobs is not None and len(logprobs) != len(response_ids):
+        raise ContractError(f"sample {item.uid}: logprobs has {len(logprobs)} entries for "
+                            f"{len(response_ids)} response tokens")
+    masked = status is not Status.COMPLETED
+    reward = art.get(A.REWARD)
+    return RolloutSample(
+        uid=item.uid, group_id=item.group_id, index=item.index,
+        prompt_ids=list(art.get(A.PROMPT_IDS, ())), response_ids=response_ids,
+        response_mask=[0] * len(mask) if masked else mask, logprobs=logprobs,
+        reward=None if masked or reward is None else float(reward),
+        reward_payload=dict(art.get(A.REWARD_PAYLOAD) or {}),
+        status=status, finish_reason=item.finish_reason or FinishReason.ERROR,
+        raw_finish_reason=item.raw_finish_reason, masked=masked,
+        exit_reason=item.exit_reason or ExitReason.ERROR.value, error=item.error,
+        policy_version=art.get(A.POLICY_VERSION), routed_experts=art.get(A.ROUTED_EXPERTS),
+        tool_turns=int(art.get(A.TOOL_TURNS, 0)),
+        extra_fields=dict(art.get(A.EXTRA_FIELDS) or {}),
+    )
+
+
+def minimal_sample(item: AgentRolloutItem, pad_token_id: int, error: str) -> RolloutSample:
+    """Last-resort trainer view: fully masked, built from the pad token id alone."""
+    prompt: Any = item.artifacts.get(A.PROMPT_IDS)
+    prompt_ids = list(prompt) if _is_int_list(prompt) else [pad_token_id]
+    return RolloutSample.model_construct(
+        uid=item.uid, group_id=item.group_id, index=item.index,
+        prompt_ids=prompt_ids, response_ids=[pad_token_id], response_mask=[0], logprobs=[0.0],
+        reward=None, reward_payload={}, status=Status.FAILED, finish_reason=FinishReason.ERROR,
+        raw_finish_reason=item.raw_finish_reason, masked=True,
+        exit_reason=ExitReason.BUILD_FAILED.value, error=error, policy_version=None,
+        routed_experts=None, tool_turns=0, extra_fields={},
+    )
+
+
+def _is_int_list(value: Any) -> bool:
+    try:
+        return len(value) > 0 and all(isinstance(v, int) for v in value)
+    except TypeError:
+        return False

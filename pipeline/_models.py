@@ -1,0 +1,217 @@
+"""The data model: messages, items flowing through stages, records, and the trainer view.
+
+``model_dump(mode="json")`` of these models is the wire form everywhere (dumps, proxy, Ray).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline._config import SamplingParams
+from pipeline._rows import DatasetRow
+
+
+class Status(enum.StrEnum):
+    """How a sample ended. Everything but ``completed`` is masked out of the loss."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    ABORTED = "aborted"
+
+
+class FinishReason(enum.StrEnum):
+    """Why generation ended: a closed set consumers can switch on.
+
+    The engine's own reason (``"stop_token"``, ``"eos"``, ...) is kept beside it as
+    ``raw_finish_reason``.
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    ABORT = "abort"
+
+
+class ExitReason(enum.StrEnum):
+    """Why the agent loop (or the whole sample) ended; finer than the finish reason."""
+
+    DONE = "done"
+    """The stages ran to the end (the model stopped without further tool calls)."""
+    MAX_TURNS = "max_turns"
+    """A ``Loop`` ran out of turns."""
+    LENGTH = "length"
+    """A length budget ran out (per-turn cap, response budget or model context)."""
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    ABORT = "abort"
+    BUILD_FAILED = "build_failed"
+    """The trainer view could not be built; a fully masked stand-in was produced."""
+
+
+class ToolFunction(BaseModel):
+    """The function part of an OpenAI tool call; ``arguments`` is the raw JSON text."""
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message, in OpenAI's wire form."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class AgentMessage(BaseModel):
+    """An OpenAI-compatible chat message, plus engine facts for assistant turns.
+
+    ``token_ids``/``logprobs`` are exactly what the engine sampled for this turn; they are what
+    the trainer sees, never a re-tokenization of ``content``.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason | None = None
+
+
+class StageRecord(BaseModel):
+    """One run of one stage on one sample (or the cleanup of a stage).
+
+    ``start``/``end`` are ``time.monotonic()`` seconds (for durations and timelines);
+    ``start_wall`` is the Unix time the stage started (for humans and log correlation).
+    """
+
+    name: str
+    phase: Literal["run", "cleanup"] = "run"
+    turn: int | None = None
+    start: float
+    end: float | None = None
+    start_wall: float
+    status: Status = Status.COMPLETED
+    error_type: str | None = None
+    error_message: str | None = None
+
+    @property
+    def duration(self) -> float | None:
+        """Seconds the stage ran, or None while it runs."""
+        return None if self.end is None else self.end - self.start
+
+
+class AgentRolloutItem(BaseModel):
+    """One rollout in flight: the row, what stages produced, and how it ended.
+
+    Attributes:
+        uid: unique per rollout.
+        group_id: shared by the ``n`` rollouts of one prompt (verl's per-prompt ``uid``).
+        index: position in the batch's output.
+        sample_index: which of the group's ``n`` rollouts this is.
+        data: the dataset row.
+        sampling: effective sampling parameters (config defaults, row overrides, own seed).
+        artifacts: what stages wrote; keys in :mod:`pipeline.artifacts`.
+        records: one :class:`StageRecord` per stage run, in order.
+        status / finish_reason / error: set by the runner when the sample ends.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    uid: str
+    group_id: str
+    index: int = 0
+    sample_index: int = 0
+    data: DatasetRow
+    sampling: SamplingParams = SamplingParams()
+    artifacts: dict[str, Any] = Field(default_factory=dict)
+    records: list[StageRecord] = Field(default_factory=list)
+    status: Status | None = None
+    finish_reason: FinishReason | None = None
+    raw_finish_reason: str | None = None
+    exit_reason: str | None = None
+    error: str | None = None
+    error_stage: str | None = None
+    queued_at: float | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+
+    @property
+    def latency_s(self) -> float | None:
+        """Running time (excludes waiting for a concurrency slot)."""
+        if self.started_at is None or self.ended_at is None:
+            return None
+        return self.ended_at - self.started_at
+
+
+class RolloutSample(BaseModel):
+    """The trainer's view of one rollout: one per item, same order as the input, never dropped.
+
+    ``response_mask`` is 1 on tokens the model sampled and 0 on tool/template tokens;
+    ``logprobs`` is aligned with ``response_ids`` (0.0 where the mask is 0). A ``masked``
+    sample carries no loss (failed, timed out, aborted). ``routed_experts`` is an int array
+    ``[prompt_len + response_len, num_layers, topk]`` when the engine reports MoE routing.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    uid: str
+    group_id: str
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    logprobs: list[float] | None = None
+    reward: float | None = None
+    reward_payload: dict[str, Any] = Field(default_factory=dict)
+    status: Status
+    finish_reason: FinishReason
+    raw_finish_reason: str | None = None
+    masked: bool = False
+    exit_reason: str
+    error: str | None = None
+    policy_version: int | None = None
+    routed_experts: Any = None
+    tool_turns: int = 0
+    extra_fields: dict[str, Any] = Field(default_factory=dict)
+
+
+class BatchStats(BaseModel):
+    """Aggregate figures of one batch (see :func:`pipeline.compute_stats`)."""
+
+    num_samples: int
+    by_status: dict[str, int]
+    by_finish_reason: dict[str, int]
+    by_exit_reason: dict[str, int]
+    tool_turns_mean: float
+    tool_turns_min: int
+    tool_turns_max: int
+    reward_mean: float | None
+    reward_std: float | None
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+    latency_p99_s: float | None
+    latency_max_s: float | None
+    prompt_tokens: int
+    response_tokens: int
+    model_tokens: int
+    wall_time_s: float
+
+
+class ProduceBatchResult(BaseModel):
+    """What :meth:`pipeline.Pipeline.run_batch` returns: samples and items in input order."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    samples: list[RolloutSample]
+    items: list[AgentRolloutItem]
+    stats: BatchStats

@@ -1,0 +1,380 @@
+"""The sample runner: the one place where stage errors, timeouts and aborts become a status."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+import weakref
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+
+from pipeline import artifacts as A
+from pipeline._config import PipelineConfig, describe_validation_error
+from pipeline._context import Context, Resources
+from pipeline._exceptions import ConfigError, SampleAborted
+from pipeline._fill import SampleBuilder, fill_sample, minimal_sample
+from pipeline._models import (
+    AgentRolloutItem,
+    ExitReason,
+    FinishReason,
+    ProduceBatchResult,
+    RolloutSample,
+    StageRecord,
+    Status,
+)
+from pipeline._rows import DatasetRow, parse_row
+from pipeline._stats import compute_stats
+from pipeline.stages.base import Stage, as_stages, run_stage
+
+_logger = structlog.get_logger("pipeline")
+
+SampleCallback = Callable[[AgentRolloutItem, RolloutSample], None]
+
+
+@dataclass(frozen=True, slots=True)
+class InflightSample:
+    """A running sample as diagnostics see it."""
+
+    uid: str
+    group_id: str
+    stage: str | None
+    turn: int | None
+    running_s: float
+    in_stage_s: float | None
+
+
+_RUNNING: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
+
+def running_pipelines() -> list[Pipeline]:
+    """Pipelines with a batch in progress in this process (read by diagnostics only)."""
+    return [p for p in list(_RUNNING) if p._active_batches]
+
+
+class _Batch:
+    """Book-keeping of one ``run_batch`` call (for over-sampling)."""
+
+    __slots__ = ("completed", "num_needed", "runs")
+
+    def __init__(self, num_needed: int | None) -> None:
+        self.num_needed = num_needed
+        self.completed = 0
+        self.runs: list[_SampleRun] = []
+
+    def abort_rest(self) -> None:
+        for run in self.runs:
+            if (run.task is not None and not run.task.done() and not run.abort_requested
+                    and run.item.status is None):
+                run.abort_requested = True
+                if run.ctx is not None:
+                    run.ctx.abort_requested = True
+                run.task.cancel()
+
+
+class _SampleRun:
+    __slots__ = ("abort_requested", "ctx", "item", "task")
+
+    def __init__(self, item: AgentRolloutItem) -> None:
+        self.item = item
+        self.ctx: Context | None = None
+        self.task: asyncio.Task[RolloutSample] | None = None
+        self.abort_requested = False
+
+
+class Pipeline:
+    """A list of stages run on every sample, with per-sample failure isolation.
+
+    Args:
+        stages: stages (objects with ``name`` and ``async run(item, ctx)``, or bare async
+            functions ``f(item, ctx)``), run in order.
+        resources: shared resources; or give ``engine``/``tokenizer``/``tools``/``judgers``/
+            ``limiters``/``extras`` as keywords instead.
+        config: a :class:`PipelineConfig`; keyword ``options`` (``sample_timeout_s=...``,
+            ``max_concurrency=...``) override its fields.
+        fill: builds the trainer view of a finished item (default :func:`fill_sample`).
+
+    Raises:
+        StageDefinitionError: something in ``stages`` is not a stage.
+        ConfigError: an invalid option, naming the field.
+    """
+
+    def __init__(self, stages: Iterable[Any], *, resources: Resources | None = None,
+                 config: PipelineConfig | Mapping[str, Any] | None = None,
+                 fill: SampleBuilder = fill_sample, **options: Any) -> None:
+        resource_keys = {"engine", "tokenizer", "tools", "judgers", "limiters", "extras"}
+        given = {k: options.pop(k) for k in list(options) if k in resource_keys}
+        if resources is not None and given:
+            raise ConfigError(f"pass either resources= or {sorted(given)}, not both")
+        self.stages: list[Stage] = as_stages(stages)
+        self.resources = resources or Resources(**given)
+        self.config = _merge_config(config, options)
+        if not callable(fill):
+            raise ConfigError(f"fill must be callable, got {fill!r}")
+        self.fill = fill
+        self._slots: asyncio.Semaphore | None = None
+        self._inflight: dict[str, Context] = {}
+        self._active_batches = 0
+        self.samples_done = 0
+        """Samples finished by this pipeline so far (any status)."""
+        self.last_sample_done: float | None = None
+        """``time.monotonic()`` when the last sample finished (stall detection reads it)."""
+
+    @property
+    def pad_token_id(self) -> int:
+        """Pad id for failure outputs: config, else the tokenizer's pad or eos id, else 0."""
+        if self.config.pad_token_id is not None:
+            return self.config.pad_token_id
+        tok = self.resources.tokenizer
+        for candidate in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None)):
+            if isinstance(candidate, int):
+                return candidate
+        return 0
+
+    def make_items(self, rows: Iterable[Any], n: int | None = None) -> list[AgentRolloutItem]:
+        """Validate rows and expand each to ``n`` items sharing a ``group_id``.
+
+        Rows may be dicts (our schema or verl's), :class:`DatasetRow` or ready
+        :class:`AgentRolloutItem` objects (taken as they are). ``n`` defaults to the row's
+        ``sampling.n``. Each item gets its own seed.
+
+        Raises:
+            RowError: a malformed row, naming the row and field.
+            ConfigError: invalid ``n`` or sampling overrides.
+        """
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ConfigError(f"field 'n': must be an int >= 1, got {n!r}")
+        items: list[AgentRolloutItem] = []
+        for i, raw in enumerate(rows):
+            if isinstance(raw, AgentRolloutItem):
+                raw.index = len(items)
+                items.append(raw)
+                continue
+            row = parse_row(raw, i) if not isinstance(raw, DatasetRow) else raw
+            sampling = self.config.sampling.with_overrides(row.sampling, where=f"row {i}: sampling")
+            base_seed = self.config.seed if sampling.seed is None else sampling.seed
+            group_id = uuid.uuid4().hex[:16]
+            for k in range(n or sampling.n):
+                seed = zlib.crc32(f"{base_seed}:{i}:{k}".encode())
+                items.append(AgentRolloutItem(
+                    uid=f"{group_id}-{k}", group_id=group_id, index=len(items), sample_index=k,
+                    data=row, sampling=sampling.model_copy(update={"seed": seed})))
+        return items
+
+    async def run(self, item_or_row: AgentRolloutItem | DatasetRow | Mapping[str, Any]
+                  ) -> RolloutSample:
+        """Run one sample; a passed item is updated in place. Never raises for stage errors."""
+        result = await self.run_batch([item_or_row], n=1)
+        return result.samples[0]
+
+    async def run_batch(self, rows: Iterable[Any], *, n: int | None = None,
+                        num_needed: int | None = None,
+                        on_sample_done: SampleCallback | None = None) -> ProduceBatchResult:
+        """Run every sample of a batch; one :class:`RolloutSample` per sample, in input order.
+
+        Args:
+            rows: dicts, :class:`DatasetRow` or :class:`AgentRolloutItem` objects.
+            n: rollouts per prompt (default: ``sampling.n``).
+            num_needed: over-sampling: once this many samples completed, abort the rest
+                (they end ``status=aborted``; their engine requests are aborted).
+            on_sample_done: called with ``(item, sample)`` as each sample ends.
+
+        Raises:
+            RowError, ConfigError: bad input, before any work starts.
+            asyncio.CancelledError: the call was cancelled; every sample task is cancelled
+                and awaited first (stage cleanups run), none is left behind.
+        """
+        items = self.make_items(rows, n)
+        if num_needed is not None and not 1 <= num_needed <= len(items):
+            raise ConfigError(f"field 'num_needed': must be in [1, {len(items)}], got {num_needed}")
+        started = time.monotonic()
+        batch = _Batch(num_needed)
+        batch.runs = [_SampleRun(item) for item in items]
+        _RUNNING.add(self)
+        self._active_batches += 1
+        try:
+            async with asyncio.TaskGroup() as group:
+                for run in batch.runs:
+                    run.task = group.create_task(self._run_sample(run, batch, on_sample_done),
+                                                 name=f"sample:{run.item.uid}")
+        finally:
+            self._active_batches -= 1
+        samples = [run.task.result() for run in batch.runs if run.task is not None]
+        stats = compute_stats(samples, items, time.monotonic() - started)
+        _logger.info("batch_done", samples=stats.num_samples, by_status=stats.by_status,
+                     wall_time_s=round(stats.wall_time_s, 3))
+        return ProduceBatchResult(samples=samples, items=items, stats=stats)
+
+    def inflight(self) -> list[InflightSample]:
+        """The samples running now, with their current stage and how long they have run."""
+        now = time.monotonic()
+        return [
+            InflightSample(uid=ctx.item.uid, group_id=ctx.item.group_id, stage=ctx.stage,
+                           turn=ctx.turn, running_s=now - (ctx.item.started_at or now),
+                           in_stage_s=None if ctx.stage_started is None else now - ctx.stage_started)
+            for ctx in list(self._inflight.values())
+        ]
+
+    async def _run_sample(self, run: _SampleRun, batch: _Batch,
+                          on_done: SampleCallback | None) -> RolloutSample:
+        item = run.item
+        item.queued_at = time.monotonic()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.config.max_concurrency)
+        try:
+            async with self._slots:
+                await self._execute(run)
+        except asyncio.CancelledError:
+            if not run.abort_requested:
+                raise
+            _uncancel()
+            if item.status is None:
+                _end(item, Status.ABORTED, "aborted: the batch had enough completed samples")
+        sample = self._build(item, run.ctx)
+        self.samples_done += 1
+        self.last_sample_done = time.monotonic()
+        if item.status is Status.COMPLETED and batch.num_needed is not None:
+            batch.completed += 1
+            if batch.completed >= batch.num_needed:
+                batch.abort_rest()
+        if on_done is not None:
+            on_done(item, sample)
+        return sample
+
+    async def _execute(self, run: _SampleRun) -> None:
+        item = run.item
+        loop = asyncio.get_running_loop()
+        timeout = self.config.sample_timeout_s
+        deadline = None if timeout is None else loop.time() + timeout
+        ctx = run.ctx = Context(self.resources, self.config, item, deadline)
+        ctx.abort_requested = run.abort_requested
+        item.started_at = time.monotonic()
+        self._inflight[item.uid] = ctx
+        try:
+            scope = asyncio.timeout_at(deadline)
+            try:
+                async with scope:
+                    for stage in self.stages:
+                        await run_stage(stage, item, ctx)
+            except TimeoutError as exc:
+                if scope.expired():
+                    _end(item, Status.TIMEOUT,
+                         f"sample timed out after {timeout}s in stage '{_failed_stage(item)}'")
+                else:
+                    _end(item, Status.FAILED, _describe(exc, item))
+            except asyncio.CancelledError:
+                if not ctx.abort_requested:
+                    raise
+                _uncancel()
+                _end(item, Status.ABORTED, "aborted: the batch had enough completed samples")
+            except SampleAborted as exc:
+                _end(item, Status.ABORTED, f"aborted in stage '{_failed_stage(item)}': {exc}")
+            except Exception as exc:
+                _end(item, Status.FAILED, _describe(exc, item))
+            else:
+                _end(item, Status.COMPLETED, None)
+        finally:
+            await self._cleanup(item, ctx)
+            item.ended_at = time.monotonic()
+            self._inflight.pop(item.uid, None)
+            if item.status is not Status.COMPLETED and item.status is not None:
+                ctx.log.warning("sample_ended", status=item.status.value, error=item.error)
+
+    async def _cleanup(self, item: AgentRolloutItem, ctx: Context) -> None:
+        """Run each started stage's cleanup once, then the exit stack; never raise for them."""
+        limit = self.config.cleanup_timeout_s
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            (stage.name, lambda stage=stage: stage.cleanup(item, ctx))  # type: ignore[attr-defined]
+            for stage in reversed(ctx.started_stages) if hasattr(stage, "cleanup")
+        ]
+        steps.append(("exit_stack", ctx.exit_stack.aclose))
+        for name, step in steps:
+            record = StageRecord(name=name, phase="cleanup", start=time.monotonic(),
+                                 start_wall=time.time())
+            try:
+                async with asyncio.timeout(limit):
+                    await step()
+            except TimeoutError:
+                record.status, record.error_type = Status.TIMEOUT, "TimeoutError"
+                record.error_message = f"cleanup exceeded {limit}s"
+            except Exception as exc:
+                record.status, record.error_type = Status.FAILED, type(exc).__name__
+                record.error_message = str(exc)
+            record.end = time.monotonic()
+            if name != "exit_stack" or record.status is not Status.COMPLETED:
+                item.records.append(record)
+            if record.status is not Status.COMPLETED:
+                ctx.log.warning("cleanup_failed", cleanup=name, error=record.error_message)
+
+    def _build(self, item: AgentRolloutItem, ctx: Context | None) -> RolloutSample:
+        """The trainer view; falls back to a fully masked sample if the builder raises."""
+        try:
+            if ctx is None:  # aborted before it started: no context was ever made
+                ctx = Context(self.resources, self.config, item)
+            return self.fill(item, ctx)
+        except Exception as exc:
+            error = f"building the sample failed: {type(exc).__name__}: {exc}"
+            if item.error:
+                error = f"{item.error}; {error}"
+            _logger.error("sample_build_failed", uid=item.uid, error=error)
+            item.status, item.exit_reason, item.error = Status.FAILED, ExitReason.BUILD_FAILED, error
+            item.finish_reason = FinishReason.ERROR
+            return minimal_sample(item, self.pad_token_id, error)
+
+
+_FINISH = {Status.FAILED: FinishReason.ERROR, Status.TIMEOUT: FinishReason.TIMEOUT,
+           Status.ABORTED: FinishReason.ABORT}
+_EXIT = {Status.FAILED: ExitReason.ERROR, Status.TIMEOUT: ExitReason.TIMEOUT,
+         Status.ABORTED: ExitReason.ABORT}
+
+
+def _end(item: AgentRolloutItem, status: Status, error: str | None) -> None:
+    item.status = status
+    item.error = error
+    if status is Status.COMPLETED:
+        item.finish_reason = item.finish_reason or FinishReason.STOP
+        item.exit_reason = item.artifacts.get(A.EXIT_REASON) or ExitReason.DONE.value
+    else:
+        item.finish_reason = _FINISH[status]
+        item.exit_reason = _EXIT[status].value
+        item.error_stage = _failed_stage(item)
+
+
+def _failed_stage(item: AgentRolloutItem) -> str | None:
+    """The innermost stage that did not complete (records are appended as stages start)."""
+    for record in reversed(item.records):
+        if record.phase == "run" and record.status is not Status.COMPLETED:
+            return record.name
+    return None
+
+
+def _describe(exc: BaseException, item: AgentRolloutItem) -> str:
+    return f"stage '{_failed_stage(item)}' raised {type(exc).__name__}: {exc}"
+
+
+def _uncancel() -> None:
+    """Swallow the cancellation we asked for ourselves (an abort), keeping counts straight."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+
+
+def _merge_config(config: PipelineConfig | Mapping[str, Any] | None,
+                  options: dict[str, Any]) -> PipelineConfig:
+    if isinstance(config, PipelineConfig):
+        base = config.model_dump()
+    elif config is None:
+        base = {}
+    elif isinstance(config, Mapping):
+        base = dict(config)
+    else:
+        raise ConfigError(f"config must be a PipelineConfig or a dict, got {type(config).__name__}")
+    try:
+        return PipelineConfig.model_validate({**base, **options})
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None

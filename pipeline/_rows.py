@@ -1,0 +1,157 @@
+"""The dataset row schema and loading rows from JSONL / JSON / parquet-like dicts.
+
+A row is::
+
+    {"messages": [{"role": "user", "content": "..."}],   # or "prompt": str | list[message]
+     "tools": [{"type": "function", "function": {...}}],  # optional, OpenAI tool schemas
+     "ground_truth": ...,                                 # optional, read by judgers
+     "data_source": "gsm8k",                              # optional, routes judgers
+     "sampling": {"temperature": 0.6},                    # optional per-row overrides
+     "extra": {...}}                                      # optional, anything else
+
+verl-style rows load with this mapping: ``prompt`` (a list of chat messages) -> ``messages``,
+``reward_model.ground_truth`` -> ``ground_truth``, ``data_source`` -> ``data_source``,
+``extra_info`` -> ``extra``; any other top-level key is kept under ``extra``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline._config import describe_validation_error
+from pipeline._exceptions import RowError
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class DatasetRow(BaseModel):
+    """One prompt of a dataset, validated. Messages stay plain dicts (OpenAI wire form)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    ground_truth: Any = None
+    data_source: str = "default"
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> DatasetRow:
+    """Validate one row (our schema or verl's) into a :class:`DatasetRow`.
+
+    Args:
+        raw: the row as a mapping, or an already validated row.
+        index: the row's position in its source, used in error messages.
+
+    Raises:
+        RowError: naming the row and the field that is missing or invalid.
+    """
+    if isinstance(raw, DatasetRow):
+        return raw
+    where = f"row {index}" if index is not None else "row"
+    if not isinstance(raw, Mapping):
+        raise RowError(f"{where}: expected a mapping, got {type(raw).__name__}", row_index=index)
+    data = dict(raw)
+    if "messages" not in data:
+        if "prompt" not in data:
+            raise RowError(
+                f"{where}: field 'messages' is missing (a row needs 'messages' or 'prompt'); "
+                f"keys present: {sorted(data)}",
+                row_index=index,
+                field="messages",
+            )
+        prompt = data.pop("prompt")
+        data["messages"] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    reward_model = data.pop("reward_model", None)
+    if reward_model is not None:
+        if not isinstance(reward_model, Mapping):
+            raise RowError(f"{where}: field 'reward_model' must be a mapping", row_index=index,
+                           field="reward_model")
+        data.setdefault("ground_truth", reward_model.get("ground_truth"))
+    extra = dict(data.pop("extra", None) or {})
+    extra_info = data.pop("extra_info", None)
+    if extra_info is not None:
+        extra.setdefault("extra_info", extra_info)
+    for key in [k for k in data if k not in DatasetRow.model_fields]:
+        extra[key] = data.pop(key)
+    data["extra"] = extra
+    _check_messages(data["messages"], where, index)
+    try:
+        return DatasetRow.model_validate(data)
+    except ValidationError as exc:
+        raise RowError(f"{where}: {describe_validation_error(exc)}", row_index=index,
+                       field=".".join(str(p) for p in exc.errors()[0]["loc"])) from None
+
+
+def _check_messages(messages: Any, where: str, index: int | None) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RowError(f"{where}: field 'messages' must be a non-empty list of chat messages",
+                       row_index=index, field="messages")
+    for i, msg in enumerate(messages):
+        field = f"messages.{i}"
+        if not isinstance(msg, Mapping):
+            raise RowError(f"{where}: field '{field}' must be a mapping with 'role' and 'content'",
+                           row_index=index, field=field)
+        if msg.get("role") not in _ROLES:
+            raise RowError(f"{where}: field '{field}.role' must be one of {_ROLES}, "
+                           f"got {msg.get('role')!r}", row_index=index, field=f"{field}.role")
+        content = msg.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise RowError(f"{where}: field '{field}.content' must be a string, a list of parts "
+                           f"or null, got {type(content).__name__}", row_index=index,
+                           field=f"{field}.content")
+
+
+def iter_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[DatasetRow]:
+    """Stream validated rows from a ``.jsonl``/``.json``/``.parquet`` path or an iterable of dicts.
+
+    Parquet needs ``pyarrow`` (not a dependency of this package). Rows are validated as they
+    are read, so the first bad row raises before later ones are touched.
+
+    Raises:
+        RowError: a row is malformed (bad JSON included), naming its index (and line).
+        FileNotFoundError: the path does not exist.
+    """
+    if not isinstance(source, str | Path):
+        for i, raw in enumerate(source):
+            yield parse_row(raw, i)
+        return
+    path = Path(source)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with path.open(encoding="utf-8") as fh:
+            index = 0
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    raw = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise RowError(f"{path.name} line {lineno} (row {index}): invalid JSON: {exc.msg}",
+                                   row_index=index) from None
+                yield parse_row(raw, index)
+                index += 1
+    elif suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, list):
+            raise RowError(f"{path.name}: expected a JSON list of rows")
+        for i, raw in enumerate(data):
+            yield parse_row(raw, i)
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq  # optional; only parquet users need it
+
+        for i, raw in enumerate(pq.read_table(path).to_pylist()):
+            yield parse_row(raw, i)
+    else:
+        raise RowError(f"{path.name}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet)")
+
+
+def load_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> list[DatasetRow]:
+    """Load and validate every row of ``source`` (see :func:`iter_rows`)."""
+    return list(iter_rows(source))

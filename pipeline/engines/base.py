@@ -1,0 +1,60 @@
+"""The engine protocol: token ids in, token ids and logprobs out.
+
+An engine is one ``generate`` method plus ``abort`` and ``aclose`` (httpx's transport idea).
+The pipeline never re-tokenizes model output; stops are token ids, never strings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from pipeline._config import SamplingParams
+from pipeline._models import FinishReason
+
+
+@dataclass(slots=True)
+class Generation:
+    """What one generate call produced.
+
+    Attributes:
+        token_ids: the sampled tokens, stop token included when generation stopped on one.
+        logprobs: logprob of each sampled token under the distribution actually sampled from
+            (after temperature / top-p processing), aligned with ``token_ids``.
+        finish_reason: ``stop``, ``length`` or ``abort``.
+        raw_finish_reason: the engine's own word for it.
+        routed_experts: MoE router choices ``[prompt_len + len(token_ids), num_layers, topk]``
+            when the engine reports them, else None.
+        policy_version: version of the weights that produced these tokens, if tracked.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    raw_finish_reason: str | None = None
+    routed_experts: Any = None
+    policy_version: int | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine, as the pipeline sees it."""
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str
+    ) -> Generation:
+        """Generate one continuation of ``prompt_ids``; ``request_id`` is unique per call.
+
+        Cancelling the awaiting task must stop the work (or the caller calls ``abort``).
+        Raises :class:`pipeline.EngineError` on failure.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the request ``request_id`` if it still runs; a no-op otherwise."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the engine's resources."""
+        ...

@@ -1,0 +1,7 @@
+"""Stages: the protocol, ``Loop``, and the built-in stages."""
+
+from pipeline.stages.base import FunctionStage, Loop, Stage, as_stage, run_stage
+from pipeline.stages.generate import Generate
+from pipeline.stages.prompt import BuildPrompt
+
+__all__ = ["BuildPrompt", "FunctionStage", "Generate", "Loop", "Stage", "as_stage", "run_stage"]
