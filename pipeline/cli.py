@@ -1,0 +1,164 @@
+"""The ``rollout`` command line.
+
+``rollout run SCENARIO`` runs a scenario end to end and prints a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TextIO
+
+import structlog
+
+from pipeline._models import AgentRolloutItem, ProduceBatchResult, RolloutSample, Status
+from pipeline._pipeline import Pipeline
+from pipeline.diagnostics.run import asyncio_run
+from pipeline.engines.base import Engine
+from pipeline.engines.simulated import SimulatedEngine
+from pipeline.testing import ByteTokenizer
+
+SCENARIOS = {"arith": "scenarios.arith"}
+"""Scenario name -> module (see ``scenarios/__init__.py`` for what a module provides)."""
+
+ENGINES = ("simulated",)
+
+
+def load_scenario(name: str) -> ModuleType:
+    """Import a scenario module by its short name.
+
+    Raises:
+        SystemExit: unknown name (the message lists the known ones).
+    """
+    if name not in SCENARIOS:
+        raise SystemExit(f"rollout: unknown scenario {name!r}; known: {', '.join(sorted(SCENARIOS))}")
+    return importlib.import_module(SCENARIOS[name])
+
+
+def _build_engine(args: argparse.Namespace, scenario: ModuleType, tokenizer: Any) -> Engine:
+    responder = scenario.responder(tokenizer) if hasattr(scenario, "responder") else None
+    return SimulatedEngine(latency_s=args.sim_latency, responder=responder, seed=args.seed,
+                           eos_token_id=tokenizer.eos_token_id, vocab_size=tokenizer.vocab_size)
+
+
+class _Progress:
+    """A one-line live progress bar on a terminal; silent otherwise."""
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total, self.stream = total, stream
+        self.counts: dict[str, int] = {}
+        self.done = 0
+        self.live = stream.isatty()
+        self.last = 0.0
+
+    def __call__(self, item: AgentRolloutItem, sample: RolloutSample) -> None:
+        self.done += 1
+        self.counts[sample.status.value] = self.counts.get(sample.status.value, 0) + 1
+        now = time.monotonic()
+        if self.live and (now - self.last > 0.1 or self.done == self.total):
+            self.last = now
+            width = 30
+            filled = width * self.done // max(self.total, 1)
+            counts = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
+                              f"{self.done}/{self.total} {counts}")
+            if self.done == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+
+
+def _summary(result: ProduceBatchResult) -> str:
+    s = result.stats
+
+    def fmt(v: float | None, unit: str = "") -> str:
+        return "-" if v is None else f"{v:.3f}{unit}"
+
+    lines = [
+        ("samples", str(s.num_samples)),
+        ("status", ", ".join(f"{k}={v}" for k, v in sorted(s.by_status.items()))),
+        ("finish_reason", ", ".join(f"{k}={v}" for k, v in sorted(s.by_finish_reason.items()))),
+        ("exit_reason", ", ".join(f"{k}={v}" for k, v in sorted(s.by_exit_reason.items()))),
+        ("reward mean/std", f"{fmt(s.reward_mean)} / {fmt(s.reward_std)}"),
+        ("tool turns mean/min/max", f"{s.tool_turns_mean:.2f} / {s.tool_turns_min} / {s.tool_turns_max}"),
+        ("latency p50/p99/max", f"{fmt(s.latency_p50_s, 's')} / {fmt(s.latency_p99_s, 's')} / "
+                                f"{fmt(s.latency_max_s, 's')}"),
+        ("tokens prompt/response/model", f"{s.prompt_tokens} / {s.response_tokens} / {s.model_tokens}"),
+        ("wall time", f"{s.wall_time_s:.2f}s ({s.num_samples / max(s.wall_time_s, 1e-9):.1f} samples/s)"),
+    ]
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
+
+
+def _write_dump(path: Path, result: ProduceBatchResult) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        fh.write(json.dumps({"summary": result.stats.model_dump(mode="json")}) + "\n")
+        for item, sample in zip(result.items, result.samples, strict=True):
+            line = sample.model_dump(mode="json", exclude={"routed_experts"})
+            line["records"] = [r.model_dump(mode="json") for r in item.records]
+            fh.write(json.dumps(line) + "\n")
+
+
+async def _run(args: argparse.Namespace) -> int:
+    scenario = load_scenario(args.scenario)
+    tokenizer = ByteTokenizer()
+    engine = _build_engine(args, scenario, tokenizer)
+    tools = scenario.tools() if hasattr(scenario, "tools") else {}
+    pipeline = Pipeline(scenario.stages(), engine=engine, tokenizer=tokenizer, tools=tools,
+                        max_concurrency=args.concurrency, sample_timeout_s=args.timeout,
+                        seed=args.seed, sampling={"max_tokens": args.max_tokens})
+    rows = scenario.rows(args.rows, seed=args.seed)
+    progress = _Progress(len(rows) * args.n, sys.stderr)
+    try:
+        result = await pipeline.run_batch(rows, n=args.n, on_sample_done=progress)
+    finally:
+        await engine.aclose()
+    print(f"scenario {args.scenario} on the {args.engine} engine")
+    print(_summary(result))
+    if args.out:
+        _write_dump(Path(args.out), result)
+        print(f"trajectories written to {args.out}")
+    completed = result.stats.by_status.get(Status.COMPLETED.value, 0)
+    return 0 if completed else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the ``rollout`` command."""
+    parser = argparse.ArgumentParser(prog="rollout", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a scenario end to end")
+    run.add_argument("scenario", help=f"one of: {', '.join(sorted(SCENARIOS))}")
+    run.add_argument("--n", type=int, default=4, help="rollouts per prompt")
+    run.add_argument("--rows", type=int, default=32, help="prompts to run")
+    run.add_argument("--engine", choices=ENGINES, default="simulated")
+    run.add_argument("--out", help="write trajectories (JSON lines) to this file")
+    run.add_argument("--concurrency", type=int, default=256, help="samples running at once")
+    run.add_argument("--timeout", type=float, default=600.0, help="per-sample timeout (s)")
+    run.add_argument("--max-tokens", type=int, default=256, help="tokens per turn")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--sim-latency", type=float, default=0.05,
+                     help="median latency of the simulated engine (s)")
+    run.add_argument("--log-level", default="warning", help="structlog level (default warning)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``rollout`` console script."""
+    args = build_parser().parse_args(argv)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(
+        logging.getLevelNamesMapping()[args.log_level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    if args.command == "run":
+        if args.n < 1 or args.rows < 1 or args.concurrency < 1:
+            raise SystemExit("rollout run: --n, --rows and --concurrency must be >= 1")
+        return asyncio_run(_run(args))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
