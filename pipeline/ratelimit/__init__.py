@@ -1,0 +1,35 @@
+"""Rate limiting for rollouts: a fair async token bucket and a per-pipeline registry.
+
+:class:`FairAsyncTokenBucket` refills ``rate`` tokens per second up to ``capacity``. Callers
+queue under a key (an endpoint, a tenant, a stage) and are served round-robin across keys,
+FIFO within a key, so a key with 1,000 queued callers cannot starve a key with one. It is
+cancellation-safe, usable from several event loops and threads, and runs nothing while idle::
+
+    registry = LimiterRegistry()
+    judge_api = registry.get("judge-api", rate=20, capacity=40)
+    async with judge_api.limit(key=sample.uid, cost=1):
+        ...
+
+:class:`FifoTokenBucket` is the single-queue baseline, kept for the benchmark.
+
+A bucket limits one process. When rollouts run in several processes (Ray workers, several
+pipeline replicas), each has its own buckets: split the configured rate between them (for
+example ``rate / n_workers`` each). A later distributed layer will make the split exact.
+"""
+
+from pipeline.ratelimit._bucket import FairAsyncTokenBucket
+from pipeline.ratelimit._errors import LimiterClosed, LimiterConflict, RateLimitError
+from pipeline.ratelimit._fifo import FifoTokenBucket
+from pipeline.ratelimit._registry import LimiterRegistry
+from pipeline.ratelimit._stats import BucketStats, KeyStats
+
+__all__ = [
+    "BucketStats",
+    "FairAsyncTokenBucket",
+    "FifoTokenBucket",
+    "KeyStats",
+    "LimiterClosed",
+    "LimiterConflict",
+    "LimiterRegistry",
+    "RateLimitError",
+]

@@ -1,0 +1,398 @@
+"""FairAsyncTokenBucket: a token bucket whose waiters are served fairly across keys.
+
+Tokens refill continuously at ``rate`` per second up to ``capacity``. A caller that finds
+tokens and nobody queued takes them at once: a lock, a clock read and some arithmetic, no
+future and no task. Otherwise it queues under its key; queued callers are served in deficit
+round-robin order across keys (see ``_drr.py``) and FIFO within a key.
+
+Threads and loops: all state sits behind one ``threading.Lock`` and every queued caller
+carries its own event loop. A grant resolves the caller's future on that loop (directly, or
+through ``call_soon_threadsafe`` from another thread). When the next caller must wait for
+tokens, one timer (``call_later``) is set on *that caller's* loop; the bucket starts no task,
+and once the queue is empty nothing of it is scheduled anywhere.
+
+Cancellation: the lock-protected waiter state, not the future, decides who owns tokens. A
+caller cancelled or timed out while queued leaves the queue and has consumed nothing; a
+caller cancelled after its grant but before it resumed puts its tokens back (a refund), and
+the next caller is served from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import math
+import numbers
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping
+from dataclasses import dataclass
+
+import structlog
+
+from pipeline.ratelimit._drr import EPS, DeficitRoundRobin
+from pipeline.ratelimit._errors import LimiterClosed
+from pipeline.ratelimit._stats import BucketStats, Tally
+
+_logger = structlog.get_logger("pipeline.ratelimit")
+
+
+class _State(enum.Enum):
+    QUEUED = enum.auto()
+    GRANTED = enum.auto()  # tokens issued, caller not resumed yet
+    RETURNED = enum.auto()
+    REFUNDED = enum.auto()
+    DROPPED = enum.auto()  # cancelled or timed out while queued, or woken by aclose()
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    key: Hashable
+    cost: float
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+    queued_at: float
+    state: _State = _State.QUEUED
+    granted_at: float = 0.0
+
+
+@dataclass(eq=False, slots=True)
+class _Wakeup:
+    loop: asyncio.AbstractEventLoop
+    at: float  # bucket clock
+    handle: asyncio.TimerHandle | None = None
+
+
+class FairAsyncTokenBucket:
+    """An async token bucket, fair across keys, usable from several event loops and threads.
+
+    Args:
+        rate: tokens added per second.
+        capacity: most tokens the bucket holds (the burst); defaults to ``max(1, rate)``.
+        weights: initial per-key weights; a key's share of a contended bucket is
+            proportional to its weight (default 1).
+        quantum: tokens credited per round-robin turn to a key of weight 1.
+        clock: monotonic seconds; inject a virtual clock in tests. Timers run on the event
+            loop's clock, so the two must advance together.
+        name: used in errors, logs and stats.
+
+    Raises:
+        ValueError: ``rate``, ``capacity``, ``quantum`` or a weight is not a finite number > 0.
+    """
+
+    def __init__(
+        self,
+        rate: float,
+        capacity: float | None = None,
+        *,
+        weights: Mapping[Hashable, float] | None = None,
+        quantum: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "ratelimit",
+    ) -> None:
+        self._rate = _positive("rate", rate)
+        self._capacity = _positive("capacity", max(1.0, rate) if capacity is None else capacity)
+        self._clock = clock
+        self.name = name
+        self._lock = threading.Lock()
+        self._tokens = self._capacity
+        self._stamp = clock()
+        self._queue: DeficitRoundRobin[_Waiter] = DeficitRoundRobin(_positive("quantum", quantum))
+        self._granted: set[_Waiter] = set()
+        self._wakeup: _Wakeup | None = None
+        self._tally = Tally()
+        self._closed = False
+        for key, weight in (weights or {}).items():
+            self.set_weight(key, weight)
+
+    def __repr__(self) -> str:
+        return (f"FairAsyncTokenBucket(name={self.name!r}, rate={self._rate},"
+                f" capacity={self._capacity})")
+
+    @property
+    def rate(self) -> float:
+        """Tokens added per second."""
+        return self._rate
+
+    @property
+    def capacity(self) -> float:
+        """Most tokens the bucket holds."""
+        return self._capacity
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called."""
+        return self._closed
+
+    def set_weight(self, key: Hashable, weight: float) -> None:
+        """Set the fair-share weight of ``key``; it applies from the key's next turn.
+
+        Args:
+            key: the key as passed to :meth:`acquire`.
+            weight: relative share when the bucket is contended.
+
+        Raises:
+            ValueError: ``weight`` is not a finite number > 0.
+        """
+        weight = _positive("weight", weight)
+        with self._lock:
+            self._queue.set_weight(key, weight)
+
+    async def acquire(
+        self, key: Hashable = None, cost: float = 1.0, timeout: float | None = None  # noqa: ASYNC109
+    ) -> None:
+        """Take ``cost`` tokens for ``key``, waiting for them (fairly) if needed.
+
+        Args:
+            key: who is asking (an endpoint, a tenant, a stage); fairness is across keys.
+            cost: tokens to take.
+            timeout: seconds to wait at most; None waits forever, 0 only takes free tokens.
+
+        Raises:
+            TimeoutError: the tokens did not come within ``timeout``; nothing was consumed.
+            LimiterClosed: the bucket is closed, or was closed while waiting.
+            ValueError: ``cost`` is not > 0, exceeds the capacity, or ``timeout`` is < 0.
+        """
+        cost = self._check_cost(cost)
+        if timeout is not None:
+            if not timeout >= 0:
+                raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
+            if math.isinf(timeout):
+                timeout = None
+        with self._lock:
+            if self._closed:
+                raise LimiterClosed(
+                    f"rate limiter {self.name!r} is closed; acquire(key={key!r}) refused")
+            now = self._refill()
+            if len(self._queue):
+                self._dispatch(now)  # serve those ahead first
+            if not len(self._queue) and self._tokens >= cost - EPS:
+                self._tokens -= cost
+                self._tally.record_grant(key, cost, 0.0)
+                return
+            if timeout == 0:
+                self._tally.record_timeout(key)
+                raise TimeoutError(self._timeout_message(key, cost, timeout))
+            loop = asyncio.get_running_loop()
+            waiter = _Waiter(key, cost, loop, loop.create_future(), now)
+            self._queue.push(waiter)
+            self._dispatch(now)
+        await self._wait(waiter, timeout)
+
+    @contextlib.asynccontextmanager
+    async def limit(
+        self, key: Hashable = None, cost: float = 1.0, timeout: float | None = None  # noqa: ASYNC109
+    ) -> AsyncIterator[None]:
+        """``async with bucket.limit(key, cost):`` runs the body once the tokens are taken.
+
+        Tokens are spent, not lent: leaving the block gives nothing back. Arguments and
+        errors are those of :meth:`acquire`.
+        """
+        await self.acquire(key, cost, timeout)
+        yield
+
+    def stats(self) -> BucketStats:
+        """A snapshot of totals, per-key figures and the accounting ledger.
+
+        Returns:
+            The bucket's :class:`BucketStats`.
+        """
+        with self._lock:
+            self._refill()
+            return self._tally.snapshot(
+                name=self.name, rate=self._rate, capacity=self._capacity,
+                available=self._tokens, closed=self._closed,
+                queue_lens=self._queue.queue_lens(), weight=self._queue.weight,
+                in_flight=self._in_flight(),
+            )
+
+    @property
+    def leaked_tokens(self) -> float:
+        """Tokens issued but neither returned, refunded nor still in flight; always 0."""
+        with self._lock:
+            return self._tally.leaked(self._in_flight())
+
+    async def aclose(self) -> None:
+        """Refuse new acquires and wake every queued caller with :class:`LimiterClosed`.
+
+        Callers already granted keep their tokens. Closing twice is a no-op.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            waiters = self._queue.drain()
+            for waiter in waiters:
+                waiter.state = _State.DROPPED
+                self._notify(waiter, LimiterClosed(
+                    f"rate limiter {self.name!r} was closed while acquire(key={waiter.key!r},"
+                    f" cost={waiter.cost}) waited"))
+            self._disarm()
+        if waiters:
+            _logger.info("ratelimit.closed", limiter=self.name, woken=len(waiters))
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    async def _wait(self, waiter: _Waiter, limit_s: float | None) -> None:
+        expiry = None
+        if limit_s is not None:
+            expiry = waiter.loop.call_later(limit_s, self._expire, waiter, limit_s)
+        try:
+            await waiter.future
+        except BaseException:
+            with self._lock:
+                self._abandon(waiter)
+            raise
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+        with self._lock:
+            assert waiter.state is _State.GRANTED, waiter.state
+            waiter.state = _State.RETURNED
+            self._granted.discard(waiter)
+            self._tally.record_return(waiter.key, waiter.cost, waiter.granted_at - waiter.queued_at)
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        # The caller is leaving with an exception (cancelled, most likely). Under the lock.
+        if waiter.state is _State.QUEUED:
+            self._queue.remove(waiter)
+            waiter.state = _State.DROPPED
+            self._tally.record_cancel(waiter.key)
+            self._dispatch(self._refill())  # the head may have changed
+        elif waiter.state is _State.GRANTED:
+            now = self._refill()
+            self._tokens = min(self._capacity, self._tokens + waiter.cost)
+            waiter.state = _State.REFUNDED
+            self._granted.discard(waiter)
+            self._tally.record_refund(waiter.key, waiter.cost)
+            self._dispatch(now)
+
+    def _expire(self, waiter: _Waiter, timeout: float) -> None:
+        # Timer on the caller's own loop: a grant that won the race under the lock stands.
+        with self._lock:
+            if waiter.state is not _State.QUEUED:
+                return
+            self._queue.remove(waiter)
+            waiter.state = _State.DROPPED
+            self._tally.record_timeout(waiter.key)
+            self._dispatch(self._refill())
+        message = self._timeout_message(waiter.key, waiter.cost, timeout)
+        _settle(waiter.future, TimeoutError(message))
+
+    # -- granting (all under the lock) -----------------------------------------------------
+
+    def _refill(self) -> float:
+        now = self._clock()
+        elapsed = now - self._stamp
+        if elapsed > 0:
+            self._tokens = min(self._capacity, self._tokens + elapsed * self._rate)
+            self._stamp = now
+        return now
+
+    def _dispatch(self, now: float) -> None:
+        while (waiter := self._queue.head()) is not None:
+            if waiter.loop.is_closed():  # its caller can never resume
+                self._queue.remove(waiter)
+                waiter.state = _State.DROPPED
+                continue
+            if self._tokens < waiter.cost - EPS:
+                self._arm(waiter.loop, now + (waiter.cost - self._tokens) / self._rate)
+                return
+            self._queue.pop()
+            self._tokens -= waiter.cost
+            waiter.state = _State.GRANTED
+            waiter.granted_at = now
+            self._granted.add(waiter)
+            self._tally.record_issue(waiter.cost)
+            self._notify(waiter, None)
+        self._disarm()
+
+    def _notify(self, waiter: _Waiter, exc: BaseException | None) -> None:
+        if _running_loop() is waiter.loop:
+            _settle(waiter.future, exc)
+            return
+        with contextlib.suppress(RuntimeError):  # its loop closed: nobody is left to wake
+            waiter.loop.call_soon_threadsafe(_settle, waiter.future, exc)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        wakeup = self._wakeup
+        if wakeup is not None and wakeup.loop is loop and wakeup.at <= at + EPS:
+            return  # an early enough timer is already set on the right loop
+        self._disarm()
+        wakeup = self._wakeup = _Wakeup(loop, at)
+        if _running_loop() is loop:
+            self._schedule(wakeup)
+            return
+        try:
+            loop.call_soon_threadsafe(self._schedule_locked, wakeup)
+        except RuntimeError:  # loop closed; the next dispatch drops its waiters
+            self._wakeup = None
+
+    def _schedule(self, wakeup: _Wakeup) -> None:
+        delay = max(0.0, wakeup.at - self._clock())
+        wakeup.handle = wakeup.loop.call_later(delay, self._on_wakeup, wakeup)
+
+    def _schedule_locked(self, wakeup: _Wakeup) -> None:
+        with self._lock:
+            if self._wakeup is wakeup and wakeup.handle is None:
+                self._schedule(wakeup)
+
+    def _disarm(self) -> None:
+        wakeup, self._wakeup = self._wakeup, None
+        # A timer on another thread's loop is left to fire once and find itself superseded.
+        if wakeup is not None and wakeup.handle is not None and _running_loop() is wakeup.loop:
+            wakeup.handle.cancel()
+
+    def _on_wakeup(self, wakeup: _Wakeup) -> None:
+        with self._lock:
+            if self._wakeup is not wakeup:
+                return
+            self._wakeup = None
+            self._dispatch(self._refill())
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _in_flight(self) -> float:
+        return sum(w.cost for w in self._granted)
+
+    def _check_cost(self, cost: float) -> float:
+        if type(cost) is not float:
+            cost = _positive("cost", cost)
+        elif not 0 < cost < math.inf:
+            raise ValueError(f"cost must be a finite number > 0, got {cost!r}")
+        if cost > self._capacity:
+            raise ValueError(
+                f"cost={cost} exceeds capacity={self._capacity} of rate limiter {self.name!r};"
+                " it could never be granted")
+        return cost
+
+    def _timeout_message(self, key: Hashable, cost: float, timeout: float | None) -> str:
+        return (f"acquire(key={key!r}, cost={cost}) on rate limiter {self.name!r}"
+                f" timed out after {timeout}s")
+
+
+def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+    if future.done():  # cancelled meanwhile; the waiter state says who owns the tokens
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _positive(name: str, value: object) -> float:
+    """``value`` as a float, or a ValueError naming ``name`` unless it is finite and > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    number = float(value)
+    if not 0 < number < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return number
