@@ -24,8 +24,9 @@ Responder = Callable[[list[int], random.Random], list[int]]
 class SimulatedEngine:
     """Simulated inference engine with a heavy-tailed latency model and fault injection.
 
-    Every decision (latency, length, tokens, faults) is drawn from a RNG seeded by
-    ``(seed, request_id, sampling.seed)``, so a batch replays identically.
+    Every decision (latency, length, tokens, faults) is drawn from a RNG seeded by ``seed``,
+    ``sampling.seed`` and the prompt length (or the request id for unseeded requests), so a
+    seeded batch replays identically.
 
     Args:
         latency_s: median latency of one request.
@@ -72,10 +73,16 @@ class SimulatedEngine:
         self.seed = seed
         self.in_flight: dict[str, asyncio.Future[bool]] = {}
         self.aborted: list[str] = []
+        """Ids of requests stopped early, by ``abort`` or by cancelling the caller."""
         self.calls = 0
 
-    def _rng(self, request_id: str, sampling: SamplingParams) -> random.Random:
-        return random.Random(zlib.crc32(f"{self.seed}:{request_id}:{sampling.seed}".encode()))
+    def _rng(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+             request_id: str) -> random.Random:
+        # Seeded requests replay identically across runs (uids are random, so they are not
+        # part of the key); the prompt length tells turns of one conversation apart.
+        key = (f"{sampling.seed}:{len(prompt_ids)}" if sampling.seed is not None
+               else request_id)
+        return random.Random(zlib.crc32(f"{self.seed}:{key}".encode()))
 
     def _latency(self, rng: random.Random) -> float:
         latency = self.latency_s
@@ -98,7 +105,7 @@ class SimulatedEngine:
     ) -> Generation:
         """Wait for the simulated latency, then return seeded tokens (see class doc)."""
         self.calls += 1
-        rng = self._rng(request_id, sampling)
+        rng = self._rng(prompt_ids, sampling, request_id)
         latency = self._latency(rng)
         fault = rng.random()
         loop = asyncio.get_running_loop()
@@ -109,6 +116,9 @@ class SimulatedEngine:
         self.in_flight[request_id] = outcome
         try:
             aborted = await outcome
+        except asyncio.CancelledError:
+            self.aborted.append(request_id)  # the caller went away: the request is dropped
+            raise
         finally:
             if timer is not None:
                 timer.cancel()
