@@ -58,7 +58,7 @@ class Context:
         turn: the current ``Loop`` turn (0-based), or None outside loops.
     """
 
-    __slots__ = ("_started_stages", "abort_requested", "config", "deadline", "exit_stack",
+    __slots__ = ("_exit_stack", "_started_stages", "abort_requested", "config", "deadline",
                  "item", "resources", "stage", "stage_started", "turn")
 
     def __init__(self, resources: Resources, config: PipelineConfig, item: AgentRolloutItem,
@@ -67,12 +67,24 @@ class Context:
         self.config = config
         self.item = item
         self.deadline = deadline
-        self.exit_stack = contextlib.AsyncExitStack()
+        self._exit_stack: contextlib.AsyncExitStack | None = None
         self.stage: str | None = None
         self.stage_started: float | None = None
         self.turn: int | None = None
         self.abort_requested = False
         self._started_stages: dict[int, Stage] = {}
+
+    @property
+    def exit_stack(self) -> contextlib.AsyncExitStack:
+        """Closed once when the sample ends, after stage cleanups (created on first use)."""
+        if self._exit_stack is None:
+            self._exit_stack = contextlib.AsyncExitStack()
+        return self._exit_stack
+
+    @property
+    def has_exit_stack(self) -> bool:
+        """Whether a stage used the exit stack (so there is something to close)."""
+        return self._exit_stack is not None
 
     @property
     def engine(self) -> Engine:

@@ -1,0 +1,190 @@
+"""What the pipeline costs on top of the engine calls it makes.
+
+Run::
+
+    python benchmarks/overhead.py            # full figures (about a minute)
+    python benchmarks/overhead.py --quick    # smaller sizes, for a smoke run
+
+Part 1, CPU per sample and per stage. Both sides run the same work on the same simulated
+engine (zero latency, so the event loop is the bottleneck and CPU time is what we measure):
+render the chat template, tokenize, one ``generate`` call, decode, score, and record keeping.
+The hand-written baseline is an ``asyncio.gather`` over one coroutine per sample that does
+those steps inline, with a semaphore for concurrency, a per-sample ``asyncio.timeout``, a
+``try/except`` that turns errors into a status, and a dict per stage with start/end times —
+what a careful hand-rolled agent loop does, minus everything else the pipeline offers.
+Runs alternate (ABAB...) and the medians are reported.
+
+Part 2, memory and wall time with 10,000 samples in flight at once on a 1 s simulated
+latency: RSS growth while all are in flight and Python allocations (tracemalloc, separate
+run) per in-flight sample; wall time against the 1 s floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import time
+import tracemalloc
+from typing import Any
+
+from _common import write_result
+
+from pipeline import BuildPrompt, Generate, Pipeline, SimulatedEngine, artifacts
+from pipeline.testing import ByteTokenizer
+from scenarios import arith
+
+STAGES_PER_SAMPLE = 3
+
+
+def engine(latency: float) -> SimulatedEngine:
+    tok = ByteTokenizer()
+    return SimulatedEngine(latency_s=latency, latency_sigma=0.0, tail_prob=0.0,
+                           responder=arith.responder(tok), eos_token_id=tok.eos_token_id)
+
+
+def make_pipeline(eng: SimulatedEngine, concurrency: int) -> Pipeline:
+    return Pipeline([BuildPrompt(offload=False), Generate(), arith.score_answer], engine=eng,
+                    tokenizer=ByteTokenizer(), max_concurrency=concurrency, sample_timeout_s=60,
+                    sampling={"max_tokens": 64}, seed=1)
+
+
+async def baseline(rows: list[dict[str, Any]], eng: SimulatedEngine, concurrency: int
+                   ) -> list[dict[str, Any]]:
+    """The hand-written equivalent (see module docstring)."""
+    from pipeline import SamplingParams
+
+    tok = ByteTokenizer()
+    slots = asyncio.Semaphore(concurrency)
+    sampling = SamplingParams(max_tokens=64, seed=1)
+
+    async def one(i: int, row: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"records": []}
+        async with slots:
+            try:
+                async with asyncio.timeout(60):
+                    t0 = time.monotonic()
+                    text = tok.apply_chat_template(row["messages"], add_generation_prompt=True)
+                    ids = tok.encode(text)
+                    out["records"].append({"name": "build_prompt", "start": t0,
+                                           "end": time.monotonic()})
+                    t0 = time.monotonic()
+                    gen = await eng.generate(ids, sampling, f"b-{i}")
+                    content = tok.decode(gen.token_ids, skip_special_tokens=True)
+                    out.update(prompt_ids=ids, response_ids=gen.token_ids,
+                               logprobs=gen.logprobs, mask=[1] * len(gen.token_ids))
+                    out["records"].append({"name": "generate", "start": t0,
+                                           "end": time.monotonic()})
+                    t0 = time.monotonic()
+                    out["reward"] = float(f"<answer>{row['ground_truth']}</answer>" in content)
+                    out["records"].append({"name": "score", "start": t0, "end": time.monotonic()})
+                    out["status"] = "completed"
+            except Exception as exc:
+                out["status"], out["error"] = "failed", repr(exc)
+        return out
+
+    return await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+
+
+def cpu_us_per_sample(run: Any, samples: int) -> float:
+    gc.collect()
+    start = time.process_time()
+    run()
+    return (time.process_time() - start) / samples * 1e6
+
+
+def part_cpu(samples: int, pairs: int) -> dict[str, Any]:
+    rows = arith.rows(samples, seed=0)
+    pipe_us, base_us = [], []
+    for _ in range(pairs):
+        pipe = make_pipeline(engine(0.0), concurrency=256)
+        result: list[Any] = []
+        pipe_us.append(cpu_us_per_sample(
+            lambda pipe=pipe: result.append(asyncio.run(pipe.run_batch(rows))), samples))
+        assert result[0].stats.by_status == {"completed": samples}
+        base_us.append(cpu_us_per_sample(
+            lambda: asyncio.run(baseline(rows, engine(0.0), 256)), samples))
+    p, b = statistics.median(pipe_us), statistics.median(base_us)
+    return {
+        "samples_per_run": samples,
+        "pairs": pairs,
+        "pipeline_cpu_us_per_sample": round(p, 1),
+        "baseline_cpu_us_per_sample": round(b, 1),
+        "overhead_cpu_us_per_sample": round(p - b, 1),
+        "overhead_cpu_us_per_stage": round((p - b) / STAGES_PER_SAMPLE, 1),
+        "pipeline_runs_us": [round(x, 1) for x in pipe_us],
+        "baseline_runs_us": [round(x, 1) for x in base_us],
+    }
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as fh:
+        pages = int(fh.read().split()[1])
+    return pages * 4096 / 2**20
+
+
+async def run_in_flight(samples: int, latency: float) -> dict[str, Any]:
+    rows = arith.rows(samples, seed=1)
+    pipe = make_pipeline(engine(latency), concurrency=samples)
+    before = rss_mb()
+    peak = {"rss": before, "inflight": 0}
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(latency / 4)
+            peak["rss"] = max(peak["rss"], rss_mb())
+            peak["inflight"] = max(peak["inflight"], len(pipe.inflight()))
+
+    watcher = asyncio.create_task(watch())
+    start = time.monotonic()
+    result = await pipe.run_batch(rows)
+    wall = time.monotonic() - start
+    watcher.cancel()
+    assert result.stats.by_status == {"completed": samples}
+    return {"wall_s": wall, "rss_growth_mb": peak["rss"] - before,
+            "max_in_flight": peak["inflight"]}
+
+
+def part_memory(samples: int, latency: float) -> dict[str, Any]:
+    timed = asyncio.run(run_in_flight(samples, latency))
+    tracemalloc.start()
+    asyncio.run(run_in_flight(samples, latency))
+    _, traced_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {
+        "samples_in_flight": samples,
+        "max_in_flight_seen": timed["max_in_flight"],
+        "latency_s": latency,
+        "wall_s": round(timed["wall_s"], 3),
+        "wall_over_floor_s": round(timed["wall_s"] - latency, 3),
+        "rss_growth_mb": round(timed["rss_growth_mb"], 1),
+        "rss_kb_per_sample": round(timed["rss_growth_mb"] * 1024 / samples, 2),
+        "python_alloc_peak_mb": round(traced_peak / 2**20, 1),
+        "python_alloc_kb_per_sample": round(traced_peak / 1024 / samples, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    args = parser.parse_args()
+    samples, pairs, in_flight = (500, 2, 1000) if args.quick else (4000, 5, 10_000)
+    cpu = part_cpu(samples, pairs)
+    print(f"CPU per sample: pipeline {cpu['pipeline_cpu_us_per_sample']} us, hand-written "
+          f"baseline {cpu['baseline_cpu_us_per_sample']} us -> overhead "
+          f"{cpu['overhead_cpu_us_per_sample']} us/sample, "
+          f"{cpu['overhead_cpu_us_per_stage']} us/stage")
+    mem = part_memory(in_flight, 1.0)
+    print(f"{mem['samples_in_flight']} in flight on 1 s latency: wall {mem['wall_s']} s "
+          f"(+{mem['wall_over_floor_s']} s over the floor), RSS +{mem['rss_growth_mb']} MB "
+          f"({mem['rss_kb_per_sample']} KB/sample), Python allocations peak "
+          f"{mem['python_alloc_peak_mb']} MB ({mem['python_alloc_kb_per_sample']} KB/sample)")
+    if not args.quick:
+        path = write_result("overhead", {"engine": "simulated (no model)", "cpu": cpu,
+                                         "memory": mem})
+        print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
