@@ -31,7 +31,7 @@ from typing import Any
 
 from _common import write_result
 
-from pipeline import BuildPrompt, Generate, Pipeline, SimulatedEngine, artifacts
+from pipeline import BuildPrompt, Generate, Pipeline, SimulatedEngine
 from pipeline.testing import ByteTokenizer
 from scenarios import arith
 
@@ -40,18 +40,30 @@ STAGES_PER_SAMPLE = 3
 
 def engine(latency: float) -> SimulatedEngine:
     tok = ByteTokenizer()
-    return SimulatedEngine(latency_s=latency, latency_sigma=0.0, tail_prob=0.0,
-                           responder=arith.responder(tok), eos_token_id=tok.eos_token_id)
+    return SimulatedEngine(
+        latency_s=latency,
+        latency_sigma=0.0,
+        tail_prob=0.0,
+        responder=arith.responder(tok),
+        eos_token_id=tok.eos_token_id,
+    )
 
 
 def make_pipeline(eng: SimulatedEngine, concurrency: int) -> Pipeline:
-    return Pipeline([BuildPrompt(offload=False), Generate(), arith.score_answer], engine=eng,
-                    tokenizer=ByteTokenizer(), max_concurrency=concurrency, sample_timeout_s=60,
-                    sampling={"max_tokens": 64}, seed=1)
+    return Pipeline(
+        [BuildPrompt(offload=False), Generate(), arith.score_answer],
+        engine=eng,
+        tokenizer=ByteTokenizer(),
+        max_concurrency=concurrency,
+        sample_timeout_s=60,
+        sampling={"max_tokens": 64},
+        seed=1,
+    )
 
 
-async def baseline(rows: list[dict[str, Any]], eng: SimulatedEngine, concurrency: int
-                   ) -> list[dict[str, Any]]:
+async def baseline(
+    rows: list[dict[str, Any]], eng: SimulatedEngine, concurrency: int
+) -> list[dict[str, Any]]:
     """The hand-written equivalent (see module docstring)."""
     from pipeline import SamplingParams
 
@@ -67,15 +79,21 @@ async def baseline(rows: list[dict[str, Any]], eng: SimulatedEngine, concurrency
                     t0 = time.monotonic()
                     text = tok.apply_chat_template(row["messages"], add_generation_prompt=True)
                     ids = tok.encode(text)
-                    out["records"].append({"name": "build_prompt", "start": t0,
-                                           "end": time.monotonic()})
+                    out["records"].append(
+                        {"name": "build_prompt", "start": t0, "end": time.monotonic()}
+                    )
                     t0 = time.monotonic()
                     gen = await eng.generate(ids, sampling, f"b-{i}")
                     content = tok.decode(gen.token_ids, skip_special_tokens=True)
-                    out.update(prompt_ids=ids, response_ids=gen.token_ids,
-                               logprobs=gen.logprobs, mask=[1] * len(gen.token_ids))
-                    out["records"].append({"name": "generate", "start": t0,
-                                           "end": time.monotonic()})
+                    out.update(
+                        prompt_ids=ids,
+                        response_ids=gen.token_ids,
+                        logprobs=gen.logprobs,
+                        mask=[1] * len(gen.token_ids),
+                    )
+                    out["records"].append(
+                        {"name": "generate", "start": t0, "end": time.monotonic()}
+                    )
                     t0 = time.monotonic()
                     out["reward"] = float(f"<answer>{row['ground_truth']}</answer>" in content)
                     out["records"].append({"name": "score", "start": t0, "end": time.monotonic()})
@@ -99,12 +117,16 @@ def part_cpu(samples: int, pairs: int) -> dict[str, Any]:
     pipe_us, base_us = [], []
     for _ in range(pairs):
         pipe = make_pipeline(engine(0.0), concurrency=256)
-        result: list[Any] = []
-        pipe_us.append(cpu_us_per_sample(
-            lambda pipe=pipe: result.append(asyncio.run(pipe.run_batch(rows))), samples))
-        assert result[0].stats.by_status == {"completed": samples}
-        base_us.append(cpu_us_per_sample(
-            lambda: asyncio.run(baseline(rows, engine(0.0), 256)), samples))
+        results: list[Any] = []
+
+        def run_pipeline(pipe: Pipeline = pipe, results: list[Any] = results) -> None:
+            results.append(asyncio.run(pipe.run_batch(rows)))
+
+        pipe_us.append(cpu_us_per_sample(run_pipeline, samples))
+        assert results[0].stats.by_status == {"completed": samples}
+        base_us.append(
+            cpu_us_per_sample(lambda: asyncio.run(baseline(rows, engine(0.0), 256)), samples)
+        )
     p, b = statistics.median(pipe_us), statistics.median(base_us)
     return {
         "samples_per_run": samples,
@@ -142,8 +164,11 @@ async def run_in_flight(samples: int, latency: float) -> dict[str, Any]:
     wall = time.monotonic() - start
     watcher.cancel()
     assert result.stats.by_status == {"completed": samples}
-    return {"wall_s": wall, "rss_growth_mb": peak["rss"] - before,
-            "max_in_flight": peak["inflight"]}
+    return {
+        "wall_s": wall,
+        "rss_growth_mb": peak["rss"] - before,
+        "max_in_flight": peak["inflight"],
+    }
 
 
 def part_memory(samples: int, latency: float) -> dict[str, Any]:
@@ -171,18 +196,23 @@ def main() -> None:
     args = parser.parse_args()
     samples, pairs, in_flight = (500, 2, 1000) if args.quick else (4000, 5, 10_000)
     cpu = part_cpu(samples, pairs)
-    print(f"CPU per sample: pipeline {cpu['pipeline_cpu_us_per_sample']} us, hand-written "
-          f"baseline {cpu['baseline_cpu_us_per_sample']} us -> overhead "
-          f"{cpu['overhead_cpu_us_per_sample']} us/sample, "
-          f"{cpu['overhead_cpu_us_per_stage']} us/stage")
+    print(
+        f"CPU per sample: pipeline {cpu['pipeline_cpu_us_per_sample']} us, hand-written "
+        f"baseline {cpu['baseline_cpu_us_per_sample']} us -> overhead "
+        f"{cpu['overhead_cpu_us_per_sample']} us/sample, "
+        f"{cpu['overhead_cpu_us_per_stage']} us/stage"
+    )
     mem = part_memory(in_flight, 1.0)
-    print(f"{mem['samples_in_flight']} in flight on 1 s latency: wall {mem['wall_s']} s "
-          f"(+{mem['wall_over_floor_s']} s over the floor), RSS +{mem['rss_growth_mb']} MB "
-          f"({mem['rss_kb_per_sample']} KB/sample), Python allocations peak "
-          f"{mem['python_alloc_peak_mb']} MB ({mem['python_alloc_kb_per_sample']} KB/sample)")
+    print(
+        f"{mem['samples_in_flight']} in flight on 1 s latency: wall {mem['wall_s']} s "
+        f"(+{mem['wall_over_floor_s']} s over the floor), RSS +{mem['rss_growth_mb']} MB "
+        f"({mem['rss_kb_per_sample']} KB/sample), Python allocations peak "
+        f"{mem['python_alloc_peak_mb']} MB ({mem['python_alloc_kb_per_sample']} KB/sample)"
+    )
     if not args.quick:
-        path = write_result("overhead", {"engine": "simulated (no model)", "cpu": cpu,
-                                         "memory": mem})
+        path = write_result(
+            "overhead", {"engine": "simulated (no model)", "cpu": cpu, "memory": mem}
+        )
         print(f"written to {path}")
 
 

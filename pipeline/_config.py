@@ -43,7 +43,9 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     n: int = Field(1, ge=1)
 
-    def with_overrides(self, overrides: dict[str, Any], *, where: str = "sampling") -> SamplingParams:
+    def with_overrides(
+        self, overrides: dict[str, Any], *, where: str = "sampling"
+    ) -> SamplingParams:
         """Return a copy with ``overrides`` applied and validated.
 
         Raises:

@@ -58,11 +58,26 @@ class Context:
         turn: the current ``Loop`` turn (0-based), or None outside loops.
     """
 
-    __slots__ = ("_exit_stack", "_started_stages", "abort_requested", "config", "deadline",
-                 "item", "resources", "stage", "stage_started", "turn")
+    __slots__ = (
+        "_exit_stack",
+        "_started_stages",
+        "abort_requested",
+        "config",
+        "deadline",
+        "item",
+        "resources",
+        "stage",
+        "stage_started",
+        "turn",
+    )
 
-    def __init__(self, resources: Resources, config: PipelineConfig, item: AgentRolloutItem,
-                 deadline: float | None = None) -> None:
+    def __init__(
+        self,
+        resources: Resources,
+        config: PipelineConfig,
+        item: AgentRolloutItem,
+        deadline: float | None = None,
+    ) -> None:
         self.resources = resources
         self.config = config
         self.item = item

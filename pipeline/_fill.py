@@ -41,23 +41,35 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
     logprobs_raw = art.get(A.LOGPROBS)
     logprobs: list[float] | None = None if logprobs_raw is None else list(logprobs_raw)
     if len(mask) != len(response_ids):
-        raise ContractError(f"sample {item.uid}: response_mask has {len(mask)} entries for "
-                            f"{len(response_ids)} response tokens")
+        raise ContractError(
+            f"sample {item.uid}: response_mask has {len(mask)} entries for "
+            f"{len(response_ids)} response tokens"
+        )
     if logprobs is not None and len(logprobs) != len(response_ids):
-        raise ContractError(f"sample {item.uid}: logprobs has {len(logprobs)} entries for "
-                            f"{len(response_ids)} response tokens")
+        raise ContractError(
+            f"sample {item.uid}: logprobs has {len(logprobs)} entries for "
+            f"{len(response_ids)} response tokens"
+        )
     masked = status is not Status.COMPLETED
     reward = art.get(A.REWARD)
     return RolloutSample(
-        uid=item.uid, group_id=item.group_id, index=item.index,
-        prompt_ids=list(art.get(A.PROMPT_IDS, ())), response_ids=response_ids,
-        response_mask=[0] * len(mask) if masked else mask, logprobs=logprobs,
+        uid=item.uid,
+        group_id=item.group_id,
+        index=item.index,
+        prompt_ids=list(art.get(A.PROMPT_IDS, ())),
+        response_ids=response_ids,
+        response_mask=[0] * len(mask) if masked else mask,
+        logprobs=logprobs,
         reward=None if masked or reward is None else float(reward),
         reward_payload=dict(art.get(A.REWARD_PAYLOAD) or {}),
-        status=status, finish_reason=item.finish_reason or FinishReason.ERROR,
-        raw_finish_reason=item.raw_finish_reason, masked=masked,
-        exit_reason=item.exit_reason or ExitReason.ERROR.value, error=item.error,
-        policy_version=art.get(A.POLICY_VERSION), routed_experts=art.get(A.ROUTED_EXPERTS),
+        status=status,
+        finish_reason=item.finish_reason or FinishReason.ERROR,
+        raw_finish_reason=item.raw_finish_reason,
+        masked=masked,
+        exit_reason=item.exit_reason or ExitReason.ERROR.value,
+        error=item.error,
+        policy_version=art.get(A.POLICY_VERSION),
+        routed_experts=art.get(A.ROUTED_EXPERTS),
         tool_turns=int(art.get(A.TOOL_TURNS, 0)),
         extra_fields=dict(art.get(A.EXTRA_FIELDS) or {}),
     )
@@ -67,13 +79,26 @@ def minimal_sample(item: AgentRolloutItem, pad_token_id: int, error: str) -> Rol
     """Last-resort trainer view: fully masked, built from the pad token id alone."""
     prompt: Any = item.artifacts.get(A.PROMPT_IDS)
     prompt_ids = list(prompt) if _is_int_list(prompt) else [pad_token_id]
-    return RolloutSample.model_construct(
-        uid=item.uid, group_id=item.group_id, index=item.index,
-        prompt_ids=prompt_ids, response_ids=[pad_token_id], response_mask=[0], logprobs=[0.0],
-        reward=None, reward_payload={}, status=Status.FAILED, finish_reason=FinishReason.ERROR,
-        raw_finish_reason=item.raw_finish_reason, masked=True,
-        exit_reason=ExitReason.BUILD_FAILED.value, error=error, policy_version=None,
-        routed_experts=None, tool_turns=0, extra_fields={},
+    return RolloutSample(
+        uid=item.uid,
+        group_id=item.group_id,
+        index=item.index,
+        prompt_ids=prompt_ids,
+        response_ids=[pad_token_id],
+        response_mask=[0],
+        logprobs=[0.0],
+        reward=None,
+        reward_payload={},
+        status=Status.FAILED,
+        finish_reason=FinishReason.ERROR,
+        raw_finish_reason=item.raw_finish_reason,
+        masked=True,
+        exit_reason=ExitReason.BUILD_FAILED.value,
+        error=error,
+        policy_version=None,
+        routed_experts=None,
+        tool_turns=0,
+        extra_fields={},
     )
 
 

@@ -219,5 +219,7 @@ class ProduceBatchResult(BaseModel):
     def __repr__(self) -> str:
         # Short on purpose: asyncio on Python 3.11 formats the main task's result with repr()
         # when asyncio.run() returns, and a full repr of a big batch costs seconds.
-        return (f"ProduceBatchResult(samples={len(self.samples)}, "
-                f"by_status={self.stats.by_status}, wall_time_s={self.stats.wall_time_s:.3f})")
+        return (
+            f"ProduceBatchResult(samples={len(self.samples)}, "
+            f"by_status={self.stats.by_status}, wall_time_s={self.stats.wall_time_s:.3f})"
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import uuid
 import weakref
@@ -57,6 +58,41 @@ def running_pipelines() -> list[Pipeline]:
     return [p for p in list(_RUNNING) if p._active_batches]
 
 
+class _Slots:
+    """FIFO concurrency slots. ``asyncio.Semaphore.locked()`` on Python 3.11 scans every
+    waiter on each acquire, which is quadratic with thousands of queued samples."""
+
+    __slots__ = ("free", "waiters")
+
+    def __init__(self, size: int) -> None:
+        self.free = size
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def __aenter__(self) -> None:
+        if self.free > 0 and not self.waiters:
+            self.free -= 1
+            return
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(granted)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self._release()  # the slot was ours already: hand it on
+            raise
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.free += 1
+
+
 class _Batch:
     """Book-keeping of one ``run_batch`` call (for over-sampling)."""
 
@@ -69,8 +105,12 @@ class _Batch:
 
     def abort_rest(self) -> None:
         for run in self.runs:
-            if (run.task is not None and not run.task.done() and not run.abort_requested
-                    and run.item.status is None):
+            if (
+                run.task is not None
+                and not run.task.done()
+                and not run.abort_requested
+                and run.item.status is None
+            ):
                 run.abort_requested = True
                 if run.ctx is not None:
                     run.ctx.abort_requested = True
@@ -104,9 +144,15 @@ class Pipeline:
         ConfigError: an invalid option, naming the field.
     """
 
-    def __init__(self, stages: Iterable[Any], *, resources: Resources | None = None,
-                 config: PipelineConfig | Mapping[str, Any] | None = None,
-                 fill: SampleBuilder = fill_sample, **options: Any) -> None:
+    def __init__(
+        self,
+        stages: Iterable[Any],
+        *,
+        resources: Resources | None = None,
+        config: PipelineConfig | Mapping[str, Any] | None = None,
+        fill: SampleBuilder = fill_sample,
+        **options: Any,
+    ) -> None:
         resource_keys = {"engine", "tokenizer", "tools", "judgers", "limiters", "extras"}
         given = {k: options.pop(k) for k in list(options) if k in resource_keys}
         if resources is not None and given:
@@ -117,7 +163,10 @@ class Pipeline:
         if not callable(fill):
             raise ConfigError(f"fill must be callable, got {fill!r}")
         self.fill = fill
-        self._slots: asyncio.Semaphore | None = None
+        # Slots are per event loop: a pipeline may serve a trainer's loop and a thread's loop.
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Slots] = (
+            weakref.WeakKeyDictionary()
+        )
         self._inflight: dict[str, Context] = {}
         self._active_batches = 0
         self.samples_done = 0
@@ -161,24 +210,44 @@ class Pipeline:
             group_id = uuid.uuid4().hex[:16]
             for k in range(n or sampling.n):
                 seed = zlib.crc32(f"{base_seed}:{i}:{k}".encode())
-                # Every input is validated above; skipping re-validation halves this loop.
-                items.append(AgentRolloutItem.model_construct(
-                    uid=f"{group_id}-{k}", group_id=group_id, index=len(items), sample_index=k,
-                    data=row, sampling=sampling.model_copy(update={"seed": seed}),
-                    artifacts={}, records=[], status=None, finish_reason=None,
-                    raw_finish_reason=None, exit_reason=None, error=None, error_stage=None,
-                    queued_at=None, started_at=None, ended_at=None))
+                items.append(
+                    AgentRolloutItem(
+                        uid=f"{group_id}-{k}",
+                        group_id=group_id,
+                        index=len(items),
+                        sample_index=k,
+                        data=row,
+                        sampling=sampling.model_copy(update={"seed": seed}),
+                        artifacts={},
+                        records=[],
+                        status=None,
+                        finish_reason=None,
+                        raw_finish_reason=None,
+                        exit_reason=None,
+                        error=None,
+                        error_stage=None,
+                        queued_at=None,
+                        started_at=None,
+                        ended_at=None,
+                    )
+                )
         return items
 
-    async def run(self, item_or_row: AgentRolloutItem | DatasetRow | Mapping[str, Any]
-                  ) -> RolloutSample:
+    async def run(
+        self, item_or_row: AgentRolloutItem | DatasetRow | Mapping[str, Any]
+    ) -> RolloutSample:
         """Run one sample; a passed item is updated in place. Never raises for stage errors."""
         result = await self.run_batch([item_or_row], n=1)
         return result.samples[0]
 
-    async def run_batch(self, rows: Iterable[Any], *, n: int | None = None,
-                        num_needed: int | None = None,
-                        on_sample_done: SampleCallback | None = None) -> ProduceBatchResult:
+    async def run_batch(
+        self,
+        rows: Iterable[Any],
+        *,
+        n: int | None = None,
+        num_needed: int | None = None,
+        on_sample_done: SampleCallback | None = None,
+    ) -> ProduceBatchResult:
         """Run every sample of a batch; one :class:`RolloutSample` per sample, in input order.
 
         Args:
@@ -204,34 +273,47 @@ class Pipeline:
         try:
             async with asyncio.TaskGroup() as group:
                 for run in batch.runs:
-                    run.task = group.create_task(self._run_sample(run, batch, on_sample_done),
-                                                 name=f"sample:{run.item.uid}")
+                    run.task = group.create_task(
+                        self._run_sample(run, batch, on_sample_done), name=f"sample:{run.item.uid}"
+                    )
         finally:
             self._active_batches -= 1
         samples = [run.task.result() for run in batch.runs if run.task is not None]
         stats = compute_stats(samples, items, time.monotonic() - started)
-        _logger.info("batch_done", samples=stats.num_samples, by_status=stats.by_status,
-                     wall_time_s=round(stats.wall_time_s, 3))
+        _logger.info(
+            "batch_done",
+            samples=stats.num_samples,
+            by_status=stats.by_status,
+            wall_time_s=round(stats.wall_time_s, 3),
+        )
         return ProduceBatchResult(samples=samples, items=items, stats=stats)
 
     def inflight(self) -> list[InflightSample]:
         """The samples running now, with their current stage and how long they have run."""
         now = time.monotonic()
         return [
-            InflightSample(uid=ctx.item.uid, group_id=ctx.item.group_id, stage=ctx.stage,
-                           turn=ctx.turn, running_s=now - (ctx.item.started_at or now),
-                           in_stage_s=None if ctx.stage_started is None else now - ctx.stage_started)
+            InflightSample(
+                uid=ctx.item.uid,
+                group_id=ctx.item.group_id,
+                stage=ctx.stage,
+                turn=ctx.turn,
+                running_s=now - (ctx.item.started_at or now),
+                in_stage_s=None if ctx.stage_started is None else now - ctx.stage_started,
+            )
             for ctx in list(self._inflight.values())
         ]
 
-    async def _run_sample(self, run: _SampleRun, batch: _Batch,
-                          on_done: SampleCallback | None) -> RolloutSample:
+    async def _run_sample(
+        self, run: _SampleRun, batch: _Batch, on_done: SampleCallback | None
+    ) -> RolloutSample:
         item = run.item
         item.queued_at = time.monotonic()
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.config.max_concurrency)
+        loop = asyncio.get_running_loop()
+        slots = self._slots.get(loop)
+        if slots is None:
+            slots = self._slots[loop] = _Slots(self.config.max_concurrency)
         try:
-            async with self._slots:
+            async with slots:
                 await self._execute(run)
         except asyncio.CancelledError:
             if not run.abort_requested:
@@ -267,8 +349,11 @@ class Pipeline:
                         await run_stage(stage, item, ctx)
             except TimeoutError as exc:
                 if scope.expired():
-                    _end(item, Status.TIMEOUT,
-                         f"sample timed out after {timeout}s in stage '{_failed_stage(item)}'")
+                    _end(
+                        item,
+                        Status.TIMEOUT,
+                        f"sample timed out after {timeout}s in stage '{_failed_stage(item)}'",
+                    )
                 else:
                     _end(item, Status.FAILED, _describe(exc, item))
             except asyncio.CancelledError:
@@ -292,20 +377,30 @@ class Pipeline:
     async def _cleanup(self, item: AgentRolloutItem, ctx: Context) -> None:
         """Run each started stage's cleanup once, then the exit stack; never raise for them."""
         steps: list[tuple[str, Callable[[], Any]]] = [
-            (stage.name, stage.cleanup)  # type: ignore[attr-defined]
-            for stage in reversed(ctx.started_stages) if hasattr(stage, "cleanup")
+            (stage.name, stage.cleanup)
+            for stage in reversed(ctx.started_stages)
+            if hasattr(stage, "cleanup")
         ]
         if ctx.has_exit_stack:
             steps.append(("exit_stack", ctx.exit_stack.aclose))
         for name, step in steps:
             await self._run_cleanup(name, step, item, ctx)
 
-    async def _run_cleanup(self, name: str, step: Callable[..., Any], item: AgentRolloutItem,
-                           ctx: Context) -> None:
+    async def _run_cleanup(
+        self, name: str, step: Callable[..., Any], item: AgentRolloutItem, ctx: Context
+    ) -> None:
         limit = self.config.cleanup_timeout_s
-        record = StageRecord.model_construct(
-            name=name, phase="cleanup", turn=None, start=time.monotonic(), end=None,
-            start_wall=time.time(), status=Status.COMPLETED, error_type=None, error_message=None)
+        record = StageRecord(
+            name=name,
+            phase="cleanup",
+            turn=None,
+            start=time.monotonic(),
+            end=None,
+            start_wall=time.time(),
+            status=Status.COMPLETED,
+            error_type=None,
+            error_message=None,
+        )
         item.records.append(record)
         try:
             async with asyncio.timeout(limit):
@@ -332,15 +427,25 @@ class Pipeline:
             if item.error:
                 error = f"{item.error}; {error}"
             _logger.error("sample_build_failed", uid=item.uid, error=error)
-            item.status, item.exit_reason, item.error = Status.FAILED, ExitReason.BUILD_FAILED, error
+            item.status, item.exit_reason, item.error = (
+                Status.FAILED,
+                ExitReason.BUILD_FAILED,
+                error,
+            )
             item.finish_reason = FinishReason.ERROR
             return minimal_sample(item, self.pad_token_id, error)
 
 
-_FINISH = {Status.FAILED: FinishReason.ERROR, Status.TIMEOUT: FinishReason.TIMEOUT,
-           Status.ABORTED: FinishReason.ABORT}
-_EXIT = {Status.FAILED: ExitReason.ERROR, Status.TIMEOUT: ExitReason.TIMEOUT,
-         Status.ABORTED: ExitReason.ABORT}
+_FINISH = {
+    Status.FAILED: FinishReason.ERROR,
+    Status.TIMEOUT: FinishReason.TIMEOUT,
+    Status.ABORTED: FinishReason.ABORT,
+}
+_EXIT = {
+    Status.FAILED: ExitReason.ERROR,
+    Status.TIMEOUT: ExitReason.TIMEOUT,
+    Status.ABORTED: ExitReason.ABORT,
+}
 
 
 def _end(item: AgentRolloutItem, status: Status, error: str | None) -> None:
@@ -374,8 +479,9 @@ def _uncancel() -> None:
         task.uncancel()
 
 
-def _merge_config(config: PipelineConfig | Mapping[str, Any] | None,
-                  options: dict[str, Any]) -> PipelineConfig:
+def _merge_config(
+    config: PipelineConfig | Mapping[str, Any] | None, options: dict[str, Any]
+) -> PipelineConfig:
     if isinstance(config, PipelineConfig):
         base = config.model_dump()
     elif config is None:

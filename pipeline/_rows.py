@@ -67,12 +67,17 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
                 field="messages",
             )
         prompt = data.pop("prompt")
-        data["messages"] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        data["messages"] = (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        )
     reward_model = data.pop("reward_model", None)
     if reward_model is not None:
         if not isinstance(reward_model, Mapping):
-            raise RowError(f"{where}: field 'reward_model' must be a mapping", row_index=index,
-                           field="reward_model")
+            raise RowError(
+                f"{where}: field 'reward_model' must be a mapping",
+                row_index=index,
+                field="reward_model",
+            )
         data.setdefault("ground_truth", reward_model.get("ground_truth"))
     extra = dict(data.pop("extra", None) or {})
     extra_info = data.pop("extra_info", None)
@@ -85,27 +90,42 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
     try:
         return DatasetRow.model_validate(data)
     except ValidationError as exc:
-        raise RowError(f"{where}: {describe_validation_error(exc)}", row_index=index,
-                       field=".".join(str(p) for p in exc.errors()[0]["loc"])) from None
+        raise RowError(
+            f"{where}: {describe_validation_error(exc)}",
+            row_index=index,
+            field=".".join(str(p) for p in exc.errors()[0]["loc"]),
+        ) from None
 
 
 def _check_messages(messages: Any, where: str, index: int | None) -> None:
     if not isinstance(messages, list) or not messages:
-        raise RowError(f"{where}: field 'messages' must be a non-empty list of chat messages",
-                       row_index=index, field="messages")
+        raise RowError(
+            f"{where}: field 'messages' must be a non-empty list of chat messages",
+            row_index=index,
+            field="messages",
+        )
     for i, msg in enumerate(messages):
         field = f"messages.{i}"
         if not isinstance(msg, Mapping):
-            raise RowError(f"{where}: field '{field}' must be a mapping with 'role' and 'content'",
-                           row_index=index, field=field)
+            raise RowError(
+                f"{where}: field '{field}' must be a mapping with 'role' and 'content'",
+                row_index=index,
+                field=field,
+            )
         if msg.get("role") not in _ROLES:
-            raise RowError(f"{where}: field '{field}.role' must be one of {_ROLES}, "
-                           f"got {msg.get('role')!r}", row_index=index, field=f"{field}.role")
+            raise RowError(
+                f"{where}: field '{field}.role' must be one of {_ROLES}, got {msg.get('role')!r}",
+                row_index=index,
+                field=f"{field}.role",
+            )
         content = msg.get("content")
         if content is not None and not isinstance(content, str | list):
-            raise RowError(f"{where}: field '{field}.content' must be a string, a list of parts "
-                           f"or null, got {type(content).__name__}", row_index=index,
-                           field=f"{field}.content")
+            raise RowError(
+                f"{where}: field '{field}.content' must be a string, a list of parts "
+                f"or null, got {type(content).__name__}",
+                row_index=index,
+                field=f"{field}.content",
+            )
 
 
 def iter_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[DatasetRow]:
@@ -133,8 +153,10 @@ def iter_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[Data
                 try:
                     raw = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise RowError(f"{path.name} line {lineno} (row {index}): invalid JSON: {exc.msg}",
-                                   row_index=index) from None
+                    raise RowError(
+                        f"{path.name} line {lineno} (row {index}): invalid JSON: {exc.msg}",
+                        row_index=index,
+                    ) from None
                 yield parse_row(raw, index)
                 index += 1
     elif suffix == ".json":
@@ -149,7 +171,9 @@ def iter_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[Data
         for i, raw in enumerate(pq.read_table(path).to_pylist()):
             yield parse_row(raw, i)
     else:
-        raise RowError(f"{path.name}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet)")
+        raise RowError(
+            f"{path.name}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet)"
+        )
 
 
 def load_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> list[DatasetRow]:

@@ -10,14 +10,14 @@ import numpy as np
 from pipeline._models import AgentRolloutItem, BatchStats, RolloutSample
 
 
-def compute_stats(samples: Sequence[RolloutSample], items: Sequence[AgentRolloutItem],
-                  wall_time_s: float) -> BatchStats:
+def compute_stats(
+    samples: Sequence[RolloutSample], items: Sequence[AgentRolloutItem], wall_time_s: float
+) -> BatchStats:
     """Counts by status / finish / exit reason, tool turns, reward, latency and tokens."""
     turns = [s.tool_turns for s in samples]
     rewards = np.array([s.reward for s in samples if s.reward is not None], dtype=float)
     latencies = np.array([lat for it in items if (lat := it.latency_s) is not None], dtype=float)
-    pct = (np.percentile(latencies, [50, 95, 99]).tolist() if latencies.size
-           else [None, None, None])
+    pct = np.percentile(latencies, [50, 95, 99]).tolist() if latencies.size else [None, None, None]
     return BatchStats(
         num_samples=len(samples),
         by_status=dict(Counter(s.status.value for s in samples)),
@@ -28,7 +28,9 @@ def compute_stats(samples: Sequence[RolloutSample], items: Sequence[AgentRollout
         tool_turns_max=max(turns, default=0),
         reward_mean=float(rewards.mean()) if rewards.size else None,
         reward_std=float(rewards.std()) if rewards.size else None,
-        latency_p50_s=pct[0], latency_p95_s=pct[1], latency_p99_s=pct[2],
+        latency_p50_s=pct[0],
+        latency_p95_s=pct[1],
+        latency_p99_s=pct[2],
         latency_max_s=float(latencies.max()) if latencies.size else None,
         prompt_tokens=sum(len(s.prompt_ids) for s in samples),
         response_tokens=sum(len(s.response_ids) for s in samples),

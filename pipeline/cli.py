@@ -37,14 +37,21 @@ def load_scenario(name: str) -> ModuleType:
         SystemExit: unknown name (the message lists the known ones).
     """
     if name not in SCENARIOS:
-        raise SystemExit(f"rollout: unknown scenario {name!r}; known: {', '.join(sorted(SCENARIOS))}")
+        raise SystemExit(
+            f"rollout: unknown scenario {name!r}; known: {', '.join(sorted(SCENARIOS))}"
+        )
     return importlib.import_module(SCENARIOS[name])
 
 
 def _build_engine(args: argparse.Namespace, scenario: ModuleType, tokenizer: Any) -> Engine:
     responder = scenario.responder(tokenizer) if hasattr(scenario, "responder") else None
-    return SimulatedEngine(latency_s=args.sim_latency, responder=responder, seed=args.seed,
-                           eos_token_id=tokenizer.eos_token_id, vocab_size=tokenizer.vocab_size)
+    return SimulatedEngine(
+        latency_s=args.sim_latency,
+        responder=responder,
+        seed=args.seed,
+        eos_token_id=tokenizer.eos_token_id,
+        vocab_size=tokenizer.vocab_size,
+    )
 
 
 class _Progress:
@@ -66,8 +73,9 @@ class _Progress:
             width = 30
             filled = width * self.done // max(self.total, 1)
             counts = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
-                              f"{self.done}/{self.total} {counts}")
+            self.stream.write(
+                f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {counts}"
+            )
             if self.done == self.total:
                 self.stream.write("\n")
             self.stream.flush()
@@ -85,11 +93,23 @@ def _summary(result: ProduceBatchResult) -> str:
         ("finish_reason", ", ".join(f"{k}={v}" for k, v in sorted(s.by_finish_reason.items()))),
         ("exit_reason", ", ".join(f"{k}={v}" for k, v in sorted(s.by_exit_reason.items()))),
         ("reward mean/std", f"{fmt(s.reward_mean)} / {fmt(s.reward_std)}"),
-        ("tool turns mean/min/max", f"{s.tool_turns_mean:.2f} / {s.tool_turns_min} / {s.tool_turns_max}"),
-        ("latency p50/p99/max", f"{fmt(s.latency_p50_s, 's')} / {fmt(s.latency_p99_s, 's')} / "
-                                f"{fmt(s.latency_max_s, 's')}"),
-        ("tokens prompt/response/model", f"{s.prompt_tokens} / {s.response_tokens} / {s.model_tokens}"),
-        ("wall time", f"{s.wall_time_s:.2f}s ({s.num_samples / max(s.wall_time_s, 1e-9):.1f} samples/s)"),
+        (
+            "tool turns mean/min/max",
+            f"{s.tool_turns_mean:.2f} / {s.tool_turns_min} / {s.tool_turns_max}",
+        ),
+        (
+            "latency p50/p99/max",
+            f"{fmt(s.latency_p50_s, 's')} / {fmt(s.latency_p99_s, 's')} / "
+            f"{fmt(s.latency_max_s, 's')}",
+        ),
+        (
+            "tokens prompt/response/model",
+            f"{s.prompt_tokens} / {s.response_tokens} / {s.model_tokens}",
+        ),
+        (
+            "wall time",
+            f"{s.wall_time_s:.2f}s ({s.num_samples / max(s.wall_time_s, 1e-9):.1f} samples/s)",
+        ),
     ]
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
@@ -109,9 +129,16 @@ async def _run(args: argparse.Namespace) -> int:
     tokenizer = ByteTokenizer()
     engine = _build_engine(args, scenario, tokenizer)
     tools = scenario.tools() if hasattr(scenario, "tools") else {}
-    pipeline = Pipeline(scenario.stages(), engine=engine, tokenizer=tokenizer, tools=tools,
-                        max_concurrency=args.concurrency, sample_timeout_s=args.timeout,
-                        seed=args.seed, sampling={"max_tokens": args.max_tokens})
+    pipeline = Pipeline(
+        scenario.stages(),
+        engine=engine,
+        tokenizer=tokenizer,
+        tools=tools,
+        max_concurrency=args.concurrency,
+        sample_timeout_s=args.timeout,
+        seed=args.seed,
+        sampling={"max_tokens": args.max_tokens},
+    )
     rows = scenario.rows(args.rows, seed=args.seed)
     progress = _Progress(len(rows) * args.n, sys.stderr)
     try:
@@ -141,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=600.0, help="per-sample timeout (s)")
     run.add_argument("--max-tokens", type=int, default=256, help="tokens per turn")
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--sim-latency", type=float, default=0.05,
-                     help="median latency of the simulated engine (s)")
+    run.add_argument(
+        "--sim-latency", type=float, default=0.05, help="median latency of the simulated engine (s)"
+    )
     run.add_argument("--log-level", default="warning", help="structlog level (default warning)")
     return parser
 
@@ -150,9 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rollout`` console script."""
     args = build_parser().parse_args(argv)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(
-        logging.getLevelNamesMapping()[args.log_level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[args.log_level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
     if args.command == "run":
         if args.n < 1 or args.rows < 1 or args.concurrency < 1:
             raise SystemExit("rollout run: --n, --rows and --concurrency must be >= 1")

@@ -49,10 +49,15 @@ class ByteTokenizer:
                 out.extend(self.special_tokens[tok].encode())
         return out.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, conversation: Sequence[dict[str, Any]], *,
-                            tools: Sequence[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = False, tokenize: bool = False,
-                            **_: Any) -> str | list[int]:
+    def apply_chat_template(
+        self,
+        conversation: Sequence[dict[str, Any]],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        tokenize: bool = False,
+        **_: Any,
+    ) -> str | list[int]:
         """ChatML rendering; tool schemas go in a leading system block."""
         parts = []
         if tools:

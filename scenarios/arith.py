@@ -31,12 +31,16 @@ def rows(count: int, seed: int = 0) -> list[dict[str, Any]]:
     out = []
     for _ in range(count):
         a, b, op = rng.randint(0, 99), rng.randint(0, 99), rng.choice("+-*")
-        out.append({
-            "messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": f"What is {a} {op} {b}?"}],
-            "ground_truth": str(_OPS[op](a, b)),
-            "data_source": "arith",
-        })
+        out.append(
+            {
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"What is {a} {op} {b}?"},
+                ],
+                "ground_truth": str(_OPS[op](a, b)),
+                "data_source": "arith",
+            }
+        )
     return out
 
 
@@ -48,8 +52,10 @@ async def score_answer(item: AgentRolloutItem, ctx: Context) -> None:
     answer = found[-1] if found else None
     correct = answer is not None and answer == str(item.data.ground_truth)
     item.artifacts[artifacts.REWARD] = 1.0 if correct else 0.0
-    item.artifacts[artifacts.REWARD_PAYLOAD] = {"score": 1.0 if correct else 0.0,
-                                                "extracted": answer}
+    item.artifacts[artifacts.REWARD_PAYLOAD] = {
+        "score": 1.0 if correct else 0.0,
+        "extracted": answer,
+    }
 
 
 def stages() -> list[Any]:

@@ -15,7 +15,9 @@ def test_all_is_sorted_and_importable():
 
 
 def test_import_needs_no_heavy_dependency():
-    code = ("import sys, pipeline; heavy = [m for m in ('torch', 'transformers', 'vllm', 'ray') "
-            "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
+    code = (
+        "import sys, pipeline; heavy = [m for m in ('torch', 'transformers', 'vllm', 'ray') "
+        "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -8,8 +8,9 @@ import sys
 
 
 def rollout(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_run_arith_writes_a_summary_and_trajectories(tmp_path):

@@ -144,7 +144,11 @@ async def test_cleanup_runs_once_per_sample_even_in_a_loop():
     for sample, item in zip(result.samples, result.items, strict=True):
         assert sample.exit_reason == ExitReason.MAX_TURNS and sample.status is Status.COMPLETED
         assert rec.runs[item.uid] == 3 and rec.cleanups[item.uid] == 1
-        assert [r.turn for r in item.records if r.name == "recorder" and r.phase == "run"] == [0, 1, 2]
+        assert [r.turn for r in item.records if r.name == "recorder" and r.phase == "run"] == [
+            0,
+            1,
+            2,
+        ]
 
 
 async def test_loop_ends_when_until_holds_or_a_stage_sets_an_exit_reason():
@@ -194,7 +198,9 @@ async def test_failing_or_hanging_cleanup_is_recorded_and_never_replaces_the_res
     assert item_records["slow_cleanup"].status is Status.TIMEOUT
     assert closed == [result.uid]
     assert {e["cleanup"] for e in logs if e["event"] == "cleanup_failed"} == {
-        "bad_cleanup", "slow_cleanup"}
+        "bad_cleanup",
+        "slow_cleanup",
+    }
 
 
 async def test_failing_fill_falls_back_to_a_fully_masked_sample():
@@ -208,7 +214,8 @@ async def test_failing_fill_falls_back_to_a_fully_masked_sample():
     assert sample.response_ids == [ByteTokenizer.pad_token_id] and sample.response_mask == [0]
     assert "KeyError" in sample.error
     assert sample.prompt_ids == ByteTokenizer().encode(
-        ByteTokenizer().apply_chat_template(ROWS[0]["messages"], add_generation_prompt=True))
+        ByteTokenizer().apply_chat_template(ROWS[0]["messages"], add_generation_prompt=True)
+    )
 
 
 async def test_cancelling_run_batch_cancels_every_sample_and_leaves_no_task():
@@ -260,11 +267,19 @@ async def test_over_sampling_aborts_the_rest_and_their_engine_requests():
     ("rows", "options", "error", "text"),
     [
         ([{"prompt": "ok"}, {"content": "no messages"}], {}, RowError, "row 1: field 'messages'"),
-        ([{"messages": [{"role": "robot", "content": "x"}]}], {}, RowError,
-         "field 'messages.0.role'"),
+        (
+            [{"messages": [{"role": "robot", "content": "x"}]}],
+            {},
+            RowError,
+            "field 'messages.0.role'",
+        ),
         ([{"messages": "not a list"}], {}, RowError, "field 'messages'"),
-        ([{"prompt": "ok", "sampling": {"temperature": -1}}], {}, ConfigError,
-         "row 0: sampling.temperature"),
+        (
+            [{"prompt": "ok", "sampling": {"temperature": -1}}],
+            {},
+            ConfigError,
+            "row 0: sampling.temperature",
+        ),
         (ROWS, {"n": 0}, ConfigError, "field 'n'"),
         (ROWS, {"num_needed": 100}, ConfigError, "field 'num_needed'"),
     ],
@@ -278,8 +293,12 @@ async def test_bad_input_is_rejected_before_any_work(rows, options, error, text)
 
 @pytest.mark.parametrize(
     ("options", "field"),
-    [({"sample_timeout_s": 0}, "sample_timeout_s"), ({"max_concurrency": -1}, "max_concurrency"),
-     ({"sampling": {"top_p": 2}}, "sampling.top_p"), ({"sample_timeuot_s": 3}, "sample_timeuot_s")],
+    [
+        ({"sample_timeout_s": 0}, "sample_timeout_s"),
+        ({"max_concurrency": -1}, "max_concurrency"),
+        ({"sampling": {"top_p": 2}}, "sampling.top_p"),
+        ({"sample_timeuot_s": 3}, "sample_timeuot_s"),
+    ],
 )
 def test_invalid_config_names_the_field(options, field):
     with pytest.raises(ConfigError, match=f"field '{field}'"):
@@ -321,8 +340,11 @@ async def test_batch_of_1000_with_failures_hangs_and_bad_cleanups():
     result = await pipe.run_batch(rows)
     assert result.stats.by_status == {"completed": 800, "failed": 100, "timeout": 100}
     assert [s.index for s in result.samples] == list(range(1000))
-    bad_cleanups = [it for it in result.items
-                    if any(r.phase == "cleanup" and r.status is Status.FAILED for r in it.records)]
+    bad_cleanups = [
+        it
+        for it in result.items
+        if any(r.phase == "cleanup" and r.status is Status.FAILED for r in it.records)
+    ]
     assert len(bad_cleanups) == 50 and all(it.status is Status.COMPLETED for it in bad_cleanups)
     assert all(s.error for s in result.samples if s.status is not Status.COMPLETED)
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("sample:")]
@@ -348,10 +370,14 @@ async def test_inflight_view_shows_stage_and_age():
 
 
 async def test_response_budget_and_row_overrides():
-    engine = SimulatedEngine(latency_s=0.001, latency_sigma=0, tail_prob=0,
-                             responder=lambda ids, rng: [5] * 50)
-    pipe = make([BuildPrompt(), Loop([Generate()], max_turns=10, until=lambda i: False)],
-                engine=engine, sampling={"max_tokens": 8, "max_response_tokens": 20})
+    engine = SimulatedEngine(
+        latency_s=0.001, latency_sigma=0, tail_prob=0, responder=lambda ids, rng: [5] * 50
+    )
+    pipe = make(
+        [BuildPrompt(), Loop([Generate()], max_turns=10, until=lambda i: False)],
+        engine=engine,
+        sampling={"max_tokens": 8, "max_response_tokens": 20},
+    )
     sample = await pipe.run(ROWS[0])
     assert sample.exit_reason == "length" and sample.finish_reason == "length"
     assert len(sample.response_ids) == 8

@@ -15,8 +15,9 @@ def test_python_examples_run():
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
     assert blocks
     for code in blocks:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=120, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
 
 

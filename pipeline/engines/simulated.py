@@ -55,8 +55,11 @@ class SimulatedEngine:
         responder: Responder | None = None,
         seed: int = 0,
     ) -> None:
-        for name, rate in (("error_rate", error_rate), ("hang_rate", hang_rate),
-                           ("tail_prob", tail_prob)):
+        for name, rate in (
+            ("error_rate", error_rate),
+            ("hang_rate", hang_rate),
+            ("tail_prob", tail_prob),
+        ):
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {rate}")
         if latency_s < 0 or latency_sigma < 0 or tail_factor < 1:
@@ -76,12 +79,12 @@ class SimulatedEngine:
         """Ids of requests stopped early, by ``abort`` or by cancelling the caller."""
         self.calls = 0
 
-    def _rng(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-             request_id: str) -> random.Random:
+    def _rng(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str
+    ) -> random.Random:
         # Seeded requests replay identically across runs (uids are random, so they are not
         # part of the key); the prompt length tells turns of one conversation apart.
-        key = (f"{sampling.seed}:{len(prompt_ids)}" if sampling.seed is not None
-               else request_id)
+        key = f"{sampling.seed}:{len(prompt_ids)}" if sampling.seed is not None else request_id
         return random.Random(zlib.crc32(f"{self.seed}:{key}".encode()))
 
     def _latency(self, rng: random.Random) -> float:

@@ -38,7 +38,7 @@ class FunctionStage:
 
     def __init__(self, fn: StageFunction, name: str | None = None) -> None:
         self.fn = fn
-        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self.name: str = name or str(getattr(fn, "__name__", type(fn).__name__))
 
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
         await self.fn(item, ctx)
@@ -57,19 +57,24 @@ def as_stage(obj: Any, position: int | str = "?") -> Stage:
     if run is not None and callable(run):
         if not inspect.iscoroutinefunction(run):
             raise StageDefinitionError(
-                f"stage {position} ({obj!r}): 'run' must be 'async def run(item, ctx)'")
+                f"stage {position} ({obj!r}): 'run' must be 'async def run(item, ctx)'"
+            )
         if not isinstance(getattr(obj, "name", None), str):
             raise StageDefinitionError(f"stage {position} ({obj!r}) has no string 'name'")
         cleanup = getattr(obj, "cleanup", None)
         if cleanup is not None and not inspect.iscoroutinefunction(cleanup):
             raise StageDefinitionError(
-                f"stage {position} ({obj!r}): 'cleanup' must be 'async def cleanup(item, ctx)'")
+                f"stage {position} ({obj!r}): 'cleanup' must be 'async def cleanup(item, ctx)'"
+            )
         return obj  # type: ignore[no-any-return]
-    if inspect.iscoroutinefunction(obj) or inspect.iscoroutinefunction(getattr(obj, "__call__", None)):  # noqa: B004
+    if inspect.iscoroutinefunction(obj) or (
+        callable(obj) and inspect.iscoroutinefunction(type(obj).__call__)
+    ):
         return FunctionStage(obj)
     raise StageDefinitionError(
         f"stage {position} ({obj!r}) is not a stage: pass an object with 'name' and "
-        f"'async def run(item, ctx)', or an 'async def f(item, ctx)' function")
+        f"'async def run(item, ctx)', or an 'async def f(item, ctx)' function"
+    )
 
 
 def as_stages(objs: Iterable[Any]) -> list[Stage]:
@@ -91,9 +96,17 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     """
     ctx.mark_started(stage)
     start = ctx.stage_started or time.monotonic()
-    record = StageRecord.model_construct(
-        name=stage.name, phase="run", turn=ctx.turn, start=start, start_wall=time.time(),
-        end=None, status=Status.COMPLETED, error_type=None, error_message=None)
+    record = StageRecord(
+        name=stage.name,
+        phase="run",
+        turn=ctx.turn,
+        start=start,
+        start_wall=time.time(),
+        end=None,
+        status=Status.COMPLETED,
+        error_type=None,
+        error_message=None,
+    )
     item.records.append(record)
     try:
         await stage.run(item, ctx)
@@ -102,7 +115,10 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
         raise
     except SampleAborted as exc:
         record.status, record.error_type, record.error_message = (
-            Status.ABORTED, type(exc).__name__, str(exc))
+            Status.ABORTED,
+            type(exc).__name__,
+            str(exc),
+        )
         raise
     except BaseException as exc:
         record.status = Status.FAILED
@@ -135,9 +151,14 @@ class Loop:
         name: the loop's stage name.
     """
 
-    def __init__(self, stages: Iterable[Any], *, max_turns: int,
-                 until: Callable[[AgentRolloutItem], bool] = last_assistant_has_no_tool_calls,
-                 name: str = "loop") -> None:
+    def __init__(
+        self,
+        stages: Iterable[Any],
+        *,
+        max_turns: int,
+        until: Callable[[AgentRolloutItem], bool] = last_assistant_has_no_tool_calls,
+        name: str = "loop",
+    ) -> None:
         if not isinstance(max_turns, int) or max_turns < 1:
             raise StageDefinitionError(f"Loop: max_turns must be an int >= 1, got {max_turns!r}")
         if not callable(until):
