@@ -1,40 +1,104 @@
-"""``asyncio_run``: the library's one sync entry point."""
+"""``asyncio_run``: the library's one sync entry point, with diagnostics built in."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
+
+from pipeline.diagnostics.dumper import TaskDumper
+from pipeline.diagnostics.snapshot import note_loop_thread, task_infos, track_task_ages
+from pipeline.diagnostics.watchdog import Watchdog
 
 T = TypeVar("T")
 _logger = structlog.get_logger("pipeline")
 
 
-def asyncio_run(main: Coroutine[Any, Any, T], *, use_uvloop: bool = True) -> T:
-    """Run ``main`` to completion on a new event loop (uvloop when installed).
+def asyncio_run(main: Coroutine[Any, Any, T], *, watchdog: Watchdog | bool = True,
+                dump_signal: int | None = signal.SIGUSR1, dump_dir: str | Path | None = None,
+                use_uvloop: bool = True, debug: bool | None = None) -> T:
+    """Run ``main`` to completion on a new event loop, with the task dumper and a watchdog.
 
-    Tasks still running when ``main`` returns are reported (a leak: something started a task
-    nobody owns), then cancelled by ``asyncio.Runner`` as usual.
+    Installs uvloop when available, a :class:`TaskDumper` (``kill -USR1 <pid>`` or
+    ``rollout dump <pid>`` writes a snapshot of every task, thread and in-flight sample) and
+    a :class:`Watchdog` (logs ``event_loop_blocked`` with the blocking code when the loop
+    stops answering for a second; ``pipeline_stalled`` plus a snapshot when no sample finished
+    for five minutes). Tasks still running when ``main`` returns are reported as a leak
+    (something started a task nobody owns), then cancelled by ``asyncio.Runner`` as usual.
+
+    Args:
+        main: the coroutine to run.
+        watchdog: a configured :class:`Watchdog`, True for the defaults
+            (``Watchdog(1.0, stall_after_s=300)``), or False for none.
+        dump_signal: the signal that writes a dump; None for no signal handler (the dump
+            socket and :func:`pipeline.diagnostics.dump` still work). Only the main thread can
+            install one; elsewhere it is skipped with a warning.
+        dump_dir: where dumps go (default: :func:`default_dump_dir`).
+        use_uvloop: use uvloop when it is installed.
+        debug: asyncio debug mode (None: the interpreter's default).
+
+    Returns:
+        What ``main`` returns.
+
+    Raises:
+        Whatever ``main`` raises.
+        DiagnosticsError: another dumper already handles ``dump_signal``.
     """
-    loop_factory = None
-    if use_uvloop:
-        try:
-            import uvloop
-
-            loop_factory = uvloop.new_event_loop
-        except ImportError:
-            pass
+    loop_factory = _uvloop_factory() if use_uvloop else None
+    dog = Watchdog(1.0, stall_after_s=300.0) if watchdog is True else (watchdog or None)
+    if threading.current_thread() is not threading.main_thread():
+        dump_signal = None  # signals belong to the main thread; the socket still serves
 
     async def wrapper() -> T:
-        result = await main
         me = asyncio.current_task()
+        if dog is not None:
+            dog.start()
+        try:
+            result = await main
+        finally:
+            if dog is not None:
+                dog.stop()
         leaked = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
         if leaked:
-            _logger.warning("tasks_left_running", count=len(leaked),
-                            tasks=[t.get_name() for t in leaked[:20]])
+            _report_leaks(leaked)
         return result
 
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(wrapper())
+    with asyncio.Runner(loop_factory=loop_factory, debug=debug) as runner:
+        loop = runner.get_loop()
+        note_loop_thread(loop)
+        track_task_ages(loop)
+        dumper = TaskDumper(dump_dir, signum=dump_signal,
+                            lag_source=None if dog is None else dog.lags)
+        if dog is not None and dog.dump is None:
+            dog.dump = dumper.dump
+        dumper.install(loop)
+        try:
+            return runner.run(wrapper())
+        finally:
+            dumper.close()
+
+
+def _report_leaks(leaked: list[asyncio.Task[Any]]) -> None:
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    where: dict[tuple[Any, ...], str] = {}
+    for info in task_infos(leaked):
+        groups.setdefault(info.group_key, []).append(info.name)
+        frame = info.chain[-1] if info.chain else None
+        where[info.group_key] = f"{frame} awaiting {info.awaiting}" if frame else "?"
+    _logger.warning("tasks_left_running", count=len(leaked),
+                    tasks=[t.get_name() for t in leaked[:20]],
+                    groups=[f"{len(names)} x {where[key]} (e.g. {names[0]})"
+                            for key, names in groups.items()])
+
+
+def _uvloop_factory() -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
