@@ -11,6 +11,7 @@ installed on SIGUSR1). Once every sample is stuck it writes ``ready-<pid>`` into
 - ``sleep``: the loop thread blocks in ``time.sleep`` inside ``block_in_sleep``;
 - ``spin``: the loop thread spins in pure Python inside ``busy_spin``;
 - ``lock``: the loop thread blocks on a held ``threading.Lock`` inside ``wait_on_lock``;
+- ``cgil``: the loop thread runs one long C call holding the GIL inside ``hold_gil_in_c``;
 - ``thread``: like ``idle``, but the loop runs in a non-main thread (no signal handler:
   dumps come through the dump socket);
 - ``hardlimit``: the loop blocks in ``block_in_sleep`` under a watchdog with a 1 s hard
@@ -61,6 +62,10 @@ def busy_spin() -> int:
     return n
 
 
+def hold_gil_in_c() -> int:
+    return sum(range(10**12))  # one C call: no bytecode boundary, so no Python handler runs
+
+
 def wait_on_lock() -> None:
     lock = threading.Lock()
     lock.acquire()
@@ -86,6 +91,8 @@ async def main(mode: str, samples: int) -> None:
         busy_spin()
     elif mode == "lock":
         wait_on_lock()
+    elif mode == "cgil":
+        hold_gil_in_c()
     else:
         await asyncio.sleep(LIMIT_S)
     batch.cancel()
@@ -101,7 +108,8 @@ def run(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["idle", "sleep", "spin", "lock", "thread", "hardlimit"])
+    parser.add_argument("mode", choices=["idle", "sleep", "spin", "lock", "cgil", "thread",
+                                         "hardlimit"])
     parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     parser.add_argument("--samples", type=int, default=3)
     parsed = parser.parse_args()

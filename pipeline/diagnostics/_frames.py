@@ -98,20 +98,30 @@ def walk_await_chain(awaitable: Any) -> AwaitChain:
     """Follow ``cr_await``/``gi_yieldfrom``/``ag_await`` from ``awaitable`` to what it waits on.
 
     Async generator ``asend``/``athrow`` objects and C future iterators expose no attribute for
-    what they wrap; their single referent (``gc.get_referents``) is followed instead.
+    what they wrap; their referent (``gc.get_referents``) is followed instead.
     """
     frames: list[FrameInfo] = []
     objects: list[types.FrameType] = []
     suspended = True
     current = awaitable
     for _ in range(_MAX_CHAIN):
-        if current is None:
+        kind = type(current)
+        if kind is _Coroutine:
+            frame, nxt, running = current.cr_frame, current.cr_await, current.cr_running
+        elif kind is _Generator:
+            frame, nxt, running = current.gi_frame, current.gi_yieldfrom, current.gi_running
+        elif kind is _AsyncGenerator:
+            frame, nxt, running = current.ag_frame, current.ag_await, current.ag_running
+        elif kind.__name__ in _WRAPPER_NAMES:
+            current = next((r for r in gc.get_referents(current) if _is_awaitable_link(r)), None)
+            continue
+        elif current is None:
             return AwaitChain(tuple(frames), tuple(objects), None, suspended)
-        frame, nxt, running = _step(current)
-        if frame is None and nxt is None:
-            if running is None:  # not a coroutine-like object: this is the leaf
-                return AwaitChain(tuple(frames), tuple(objects), current, suspended)
-            return AwaitChain(tuple(frames), tuple(objects), None, suspended)
+        elif hasattr(current, "cr_await"):  # e.g. Cython coroutines
+            frame, nxt = getattr(current, "cr_frame", None), current.cr_await
+            running = getattr(current, "cr_running", False)
+        else:  # a Future, a Task or another awaitable: what the chain waits on
+            return AwaitChain(tuple(frames), tuple(objects), current, suspended)
         if frame is not None:
             frames.append(frame_info(frame))
             objects.append(frame)
@@ -120,24 +130,9 @@ def walk_await_chain(awaitable: Any) -> AwaitChain:
     return AwaitChain(tuple(frames), tuple(objects), current, suspended)
 
 
-def _step(obj: Any) -> tuple[types.FrameType | None, Any, bool | None]:
-    """``(frame, next awaitable, running)`` of one link; ``running`` is None for a leaf."""
-    if isinstance(obj, types.CoroutineType):
-        return obj.cr_frame, obj.cr_await, bool(obj.cr_running)
-    if isinstance(obj, types.GeneratorType):
-        return obj.gi_frame, obj.gi_yieldfrom, bool(obj.gi_running)
-    if isinstance(obj, types.AsyncGeneratorType):
-        return obj.ag_frame, obj.ag_await, bool(obj.ag_running)
-    if type(obj).__name__ in _WRAPPER_NAMES:
-        inner = [r for r in gc.get_referents(obj) if not isinstance(r, type)]
-        wrapped = next((r for r in inner if _is_awaitable_link(r)), None)
-        return None, wrapped, False
-    cr_await = getattr(obj, "cr_await", _MISSING)  # e.g. Cython coroutines
-    if cr_await is not _MISSING:
-        return getattr(obj, "cr_frame", None), cr_await, bool(getattr(obj, "cr_running", False))
-    return None, None, None
-
-
+_Coroutine = types.CoroutineType
+_Generator = types.GeneratorType
+_AsyncGenerator = types.AsyncGeneratorType
 _MISSING = object()
 
 
@@ -146,25 +141,26 @@ def _is_awaitable_link(obj: Any) -> bool:
                       | asyncio.Future) or hasattr(obj, "cr_await")
 
 
-def describe_wait(chain: AwaitChain) -> str | None:
+def describe_wait(chain: AwaitChain, cache: dict[Any, str] | None = None) -> str | None:
     """A one-line answer to "awaiting what?" for a suspended chain.
 
     The innermost coroutine call with its receiver or arguments
     (``Event.wait() on <asyncio.locks.Event ... [unset]>``, ``sleep(delay=30)``), then the leaf
-    (``Future pending``, ``task 'sample:...'``, ``gather of 3``).
+    (``Future pending``, ``task 'sample:...'``, ``gather of 3``). ``cache`` (one per
+    snapshot) keeps the text of receivers seen before: many tasks wait on one object.
     """
     if not chain.frames:
         return describe_leaf(chain.leaf)
     parts = []
     if chain.suspended:
-        parts.append(_describe_call(chain.frame_objects[-1]))
+        parts.append(_describe_call(chain.frame_objects[-1], {} if cache is None else cache))
     leaf = describe_leaf(chain.leaf)
     if leaf is not None:
         parts.append(f"-> {leaf}")
     return " ".join(p for p in parts if p) or None
 
 
-def _describe_call(frame: types.FrameType) -> str:
+def _describe_call(frame: types.FrameType, cache: dict[Any, str]) -> str:
     code = frame.f_code
     try:
         local = frame.f_locals
@@ -172,7 +168,11 @@ def _describe_call(frame: types.FrameType) -> str:
         return f"{code.co_qualname}()"
     receiver = local.get("self", _MISSING)
     if receiver is not _MISSING and code.co_argcount >= 1 and code.co_varnames[0] == "self":
-        return f"{code.co_qualname}() on {safe_repr(receiver)}"
+        key = (code, id(receiver))
+        text = cache.get(key)
+        if text is None:
+            text = cache[key] = f"{code.co_qualname}() on {safe_repr(receiver)}"
+        return text
     names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     args = ", ".join(f"{n}={safe_repr(local[n], 40)}" for n in names if n in local)
     return f"{code.co_qualname}({args})"

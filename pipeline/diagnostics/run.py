@@ -88,8 +88,7 @@ def _report_leaks(leaked: list[asyncio.Task[Any]]) -> None:
     where: dict[tuple[Any, ...], str] = {}
     for info in task_infos(leaked):
         groups.setdefault(info.group_key, []).append(info.name)
-        frame = info.chain[-1] if info.chain else None
-        where[info.group_key] = f"{frame} awaiting {info.awaiting}" if frame else "?"
+        where[info.group_key] = f"{info.location} awaiting {info.awaiting}"
     _logger.warning("tasks_left_running", count=len(leaked),
                     tasks=[t.get_name() for t in leaked[:20]],
                     groups=[f"{len(names)} x {where[key]} (e.g. {names[0]})"

@@ -67,6 +67,12 @@ class TaskInfo:
     loop_id: int
 
     @property
+    def location(self) -> FrameInfo | None:
+        """Where the task is, in user code: its innermost frame outside the standard library
+        (else its innermost frame)."""
+        return _user_frame(self.chain + self.blocking)
+
+    @property
     def group_key(self) -> tuple[Any, ...]:
         """Tasks with equal keys are "the same stuck thing" and print as one line."""
         return (self.state, self.chain, self.blocking)
@@ -88,7 +94,7 @@ class TaskGroupInfo:
         state / chain / blocking: shared by every member.
         awaiting: what the first member waits on (members may wait on different objects
             of the same kind).
-        names: every member's name, in snapshot order.
+        names: every member's name, oldest first when ages are known.
         age_min_s / age_max_s: the youngest and oldest member's age, when known.
     """
 
@@ -178,6 +184,7 @@ class Snapshot:
             buckets.setdefault(task.group_key, []).append(task)
         groups = []
         for members in buckets.values():
+            members.sort(key=lambda t: -(t.age_s or 0.0))
             ages = [t.age_s for t in members if t.age_s is not None]
             first = members[0]
             groups.append(TaskGroupInfo(
@@ -261,9 +268,10 @@ def capture_snapshot(*, reason: str = "manual", loops: Iterable[asyncio.Abstract
     currents = {lid: _current_task(lp) for lid, lp in loop_objs.items()}
     tasks: list[TaskInfo] = []
     now = time.monotonic()
+    cache: dict[Any, str] = {}
     for task in tasks_raw:
         try:
-            tasks.append(_task_info(task, now, currents, loop_threads, frames))
+            tasks.append(_task_info(task, now, currents, loop_threads, frames, cache))
         except Exception as exc:  # one odd task must not cost the whole dump
             errors.append(f"task {_name(task)}: {type(exc).__name__}: {exc}")
     loops_info = tuple(
@@ -290,7 +298,7 @@ def task_infos(tasks: Iterable[asyncio.Task[Any]]) -> tuple[TaskInfo, ...]:
     now = time.monotonic()
     loops = {id(t.get_loop()): t.get_loop() for t in tasks}
     currents = {lid: _current_task(lp) for lid, lp in loops.items()}
-    return tuple(_task_info(t, now, currents, {}, {}) for t in tasks)
+    return tuple(_task_info(t, now, currents, {}, {}, {}) for t in tasks)
 
 
 def _all_tasks(loops: list[asyncio.AbstractEventLoop]) -> list[asyncio.Task[Any]]:
@@ -325,7 +333,7 @@ def _name(task: asyncio.Task[Any] | None) -> str | None:
 
 def _task_info(task: asyncio.Task[Any], now: float,
                currents: dict[int, asyncio.Task[Any] | None], loop_threads: dict[int, int],
-               frames: dict[int, Any]) -> TaskInfo:
+               frames: dict[int, Any], cache: dict[Any, str]) -> TaskInfo:
     loop_id = id(task.get_loop())
     name = _name(task) or "?"
     running = currents.get(loop_id) is task
@@ -338,7 +346,7 @@ def _task_info(task: asyncio.Task[Any], now: float,
     created = _created.get(task)
     return TaskInfo(
         name=name, state=state, age_s=None if created is None else now - created,
-        chain=chain.frames, awaiting=None if running else describe_wait(chain),
+        chain=chain.frames, awaiting=None if running else describe_wait(chain, cache),
         blocking=blocking, sample_uid=name[7:] if name.startswith("sample:") else None,
         loop_id=loop_id)
 
@@ -350,7 +358,7 @@ def _samples(by_uid: dict[str | None, TaskInfo]) -> tuple[SampleInfo, ...]:
     for index, pipe in enumerate(iter_list_retrying(running_pipelines())):
         for sample in pipe.inflight():
             task = by_uid.get(sample.uid)
-            location = None if task is None else _user_frame(task.chain + task.blocking)
+            location = None if task is None else task.location
             out.append(SampleInfo(
                 uid=sample.uid, group_id=sample.group_id, stage=sample.stage, turn=sample.turn,
                 running_s=sample.running_s, in_stage_s=sample.in_stage_s, pipeline=index,

@@ -5,8 +5,9 @@ heartbeat with ``call_soon_threadsafe`` and notes when it was posted; the loop r
 heartbeat when it gets to it. A heartbeat unanswered for ``threshold_s`` means the loop has
 been blocked at least that long: the watchdog reads the loop thread's current Python stack
 (``sys._current_frames``) and logs ``event_loop_blocked`` with the innermost frame
-(``blocking``, the code that blocks) and the stack (``frames``). A block is detected at most ``threshold_s + interval_s`` after
-it starts (plus a GIL switch interval when the loop thread spins in Python).
+(``blocking``, the code that blocks) and the stack (``frames``). A block is detected at
+most ``threshold_s + interval_s`` after it starts (plus a GIL switch interval when the loop
+thread spins in Python).
 
 The stall detector reads the running pipelines' ``samples_done`` every ``stall_check_s``:
 when a batch is in progress and no sample finished for ``stall_after_s``, it logs
