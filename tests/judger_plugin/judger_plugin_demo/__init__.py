@@ -1,0 +1,1 @@
+"""Test plugin for pipeline's judger registry (see pyproject.toml)."""

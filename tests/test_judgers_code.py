@@ -1,0 +1,225 @@
+"""The ``code`` judger and its sandbox: real subprocesses, real rlimits, real namespaces."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import AgentMessage, AgentRolloutItem, artifacts, parse_row
+from pipeline.judgers import CodeJudger, JudgeError, Sandbox, SandboxLimits, get_judger
+from pipeline.judgers._code import extract_code, parse_tests
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux sandbox")
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="uid isolation needs root")
+
+ADD = "```python\ndef add(a, b):\n    return a + b\n```"
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
+
+
+def item_for(answer: str, ground_truth: object) -> AgentRolloutItem:
+    row = parse_row({"prompt": "write add(a, b)", "ground_truth": ground_truth})
+    return AgentRolloutItem(uid="u-0", group_id="u", data=row, artifacts={
+        artifacts.MESSAGES: [AgentMessage(role="assistant", content=answer)]})
+
+
+def processes_of(uid: int | None) -> list[int]:
+    if uid is None:
+        return []
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    found.append(int(name))
+            except FileNotFoundError:
+                pass
+    return found
+
+
+@pytest.fixture
+async def judger():  # type: ignore[no-untyped-def]
+    judge = CodeJudger(timeout_s=1.0, max_processes=16, memory_mb=512, concurrency=2)
+    yield judge
+    await judge.aclose()
+
+
+async def test_passing_and_failing_solutions(judger: CodeJudger) -> None:
+    good = await judger.judge(item_for("Here you go:\n" + ADD, ADD_TESTS))
+    assert good.score == 1.0
+    assert good.payload["status"] == "passed" and good.payload["passed"] == 2
+    wrong = await judger.judge(item_for(ADD.replace("a + b", "a * b"), ADD_TESTS))
+    assert wrong.score == 0.0 and wrong.payload["status"] == "failed"
+    assert wrong.payload["passed"] == 0  # 1*2 != 3 and -1*1 != 0
+    assert "AssertionError" in wrong.payload["failures"][0]["error"]
+    partial = CodeJudger(timeout_s=1.0, partial_credit=True, sandbox=judger.sandbox)
+    half = await partial.judge(item_for(ADD.replace("a + b", "abs(a) + b"), ADD_TESTS))
+    assert half.score == 0.5 and half.payload["passed"] == 1
+
+
+async def test_sandbox_facts_are_reported(judger: CodeJudger) -> None:
+    result = await judger.judge(item_for(ADD, ADD_TESTS))
+    facts = result.payload["sandbox"]
+    assert facts["privileges_dropped"] is ROOT
+    assert isinstance(facts["network_isolated"], bool)
+    assert os.path.isabs(facts["python"])
+
+
+async def test_a_solution_that_exits_early_does_not_pass(judger: CodeJudger) -> None:
+    cheat = await judger.judge(item_for("import sys\nsys.exit(0)", ADD_TESTS))
+    assert cheat.score == 0.0 and cheat.payload["status"] == "solution_error"
+    hard_exit = await judger.judge(item_for("import os\nos._exit(0)", ADD_TESTS))
+    assert hard_exit.score == 0.0 and hard_exit.payload["status"] == "crashed"
+
+
+async def test_infinite_loop_is_killed_at_the_wall_limit(judger: CodeJudger) -> None:
+    started = time.monotonic()
+    result = await judger.judge(item_for("while True:\n    pass", ADD_TESTS))
+    assert time.monotonic() - started < 4.0
+    assert result.score == 0.0
+    assert result.payload["status"] == "timeout"
+    assert result.payload["run"]["timed_out"] is True and result.payload["run"]["signal"] == 9
+
+
+async def test_tests_that_passed_before_a_timeout_are_counted(judger: CodeJudger) -> None:
+    partial = CodeJudger(timeout_s=1.0, partial_credit=True, sandbox=judger.sandbox)
+    tests = ["assert add(1, 1) == 2", "while True: pass"]
+    result = await partial.judge(item_for(ADD, tests))
+    assert result.payload["status"] == "timeout"
+    assert result.payload["passed"] == 1 and result.score == 0.5
+
+
+@needs_root
+async def test_fork_bomb_is_contained_and_swept(judger: CodeJudger) -> None:
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    started = time.monotonic()
+    result = await judger.judge(item_for(bomb, ADD_TESTS))
+    assert time.monotonic() - started < 6.0
+    assert result.score == 0.0 and result.payload["status"] == "timeout"
+    run = result.payload["run"]
+    assert 0 < run["stragglers_killed"] <= 16  # the process limit held
+    assert processes_of(run["uid"]) == []
+    # The machine is fine: the next run works.
+    assert (await judger.judge(item_for(ADD, ADD_TESTS))).score == 1.0
+
+
+async def test_memory_hog_is_stopped_by_the_address_space_limit(judger: CodeJudger) -> None:
+    small = CodeJudger(timeout_s=5.0, memory_mb=200, sandbox=judger.sandbox)
+    for hog in ("x = bytearray(8 * 1024 ** 3)",
+                "chunks = []\nwhile True:\n    chunks.append(bytearray(48 * 1024 ** 2))"):
+        result = await small.judge(item_for(hog, ADD_TESTS))
+        assert result.score == 0.0
+        assert result.payload["status"] == "solution_error", result.payload
+        assert "MemoryError" in result.payload["solution_error"]
+        assert result.payload["run"]["duration_s"] < 4.0
+
+
+@needs_root
+async def test_escaped_background_processes_are_killed(judger: CodeJudger) -> None:
+    daemon = ("import os, time\n"
+              "if os.fork() == 0:\n"
+              "    os.setsid()\n"
+              "    if os.fork() == 0:\n"
+              "        time.sleep(60)\n"
+              "    os._exit(0)\n" + ADD.strip("`").removeprefix("python\n"))
+    result = await judger.judge(item_for(daemon, ADD_TESTS))
+    assert result.score == 1.0
+    run = result.payload["run"]
+    assert run["stragglers_killed"] >= 1
+    assert processes_of(run["uid"]) == []
+
+
+@needs_root
+async def test_program_runs_unprivileged_with_an_empty_environment(judger: CodeJudger) -> None:
+    tests = ["import os\nassert os.getuid() != 0 and os.getgid() != 0 and os.getgroups() == []",
+             "import os\nassert 'HOME' not in os.environ and 'PATH' not in os.environ",
+             "try:\n    open('/etc/shadow').read()\nexcept PermissionError:\n    pass\n"
+             "else:\n    raise AssertionError('read /etc/shadow')",
+             "import resource\nassert resource.getrlimit(resource.RLIMIT_NPROC)[0] == 16"]
+    result = await judger.judge(item_for("x = 1", tests))
+    assert result.payload["status"] == "passed", result.payload
+    assert result.score == 1.0
+
+
+async def test_no_network_inside_the_sandbox(judger: CodeJudger) -> None:
+    facts = await judger.sandbox.facts()
+    if not facts.network_isolated:
+        pytest.skip(f"this machine gives no network namespace: {facts.network_error}")
+    connections = 0
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        test = ("import socket\ntry:\n"
+                f"    socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
+                "except OSError:\n    pass\nelse:\n    raise AssertionError('connected')")
+        result = await judger.judge(item_for("x = 1", [test]))
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert result.payload["status"] == "passed", result.payload
+    assert connections == 0
+
+
+async def test_stdin_stdout_cases(judger: CodeJudger) -> None:
+    tests = json.dumps({"inputs": ["1 2\n", "10 -3\n"], "outputs": ["3\n", "7"]})
+    solution = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    assert (await judger.judge(item_for(solution, tests))).score == 1.0
+    wrong = await judger.judge(item_for(solution.replace("a + b", "a - b"), tests))
+    assert wrong.score == 0.0 and wrong.payload["status"] == "wrong_answer"
+    assert wrong.payload["failures"][0]["stdout"] == "-1\n"
+    crash = await judger.judge(item_for("raise SystemExit(2)", tests))
+    assert crash.payload["status"] == "runtime_error"
+
+
+async def test_cancelled_run_is_cleaned_up(judger: CodeJudger) -> None:
+    task = asyncio.create_task(judger.judge(item_for("while True:\n    pass", ADD_TESTS)))
+    await asyncio.sleep(0.4)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await judger.sandbox.aclose()  # waits for the stop and the sweep
+    assert all(processes_of(uid) == [] for uid in judger.sandbox.uids[:4])
+    leftovers = [p for p in Path(tempfile.gettempdir()).glob("pipeline-sandbox-*")
+                 if p.is_dir() and p.stat().st_mtime > time.time() - 30]
+    assert leftovers == []
+
+
+async def test_malformed_tests_and_missing_code() -> None:
+    with pytest.raises(JudgeError, match="ground_truth must be"):
+        parse_tests({"cases": []})
+    with pytest.raises(JudgeError, match="equal length"):
+        parse_tests({"inputs": ["1"], "outputs": []})
+    assert parse_tests('{"tests": ["assert 1"]}') == ("asserts", ["assert 1"])
+    assert extract_code("text\n```js\nx\n```\n```py\ny = 1\n```\nbye") == "y = 1\n"
+    assert extract_code("   ") is None
+    judge = get_judger("code", timeout_s=1.0)
+    try:
+        result = await judge.judge(item_for("", ADD_TESTS))
+        assert result.score == 0.0 and result.payload["status"] == "no_code"
+    finally:
+        await judge.aclose()  # type: ignore[attr-defined]
+
+
+async def test_sandboxes_in_one_process_lease_different_uids() -> None:
+    if not ROOT:
+        pytest.skip("uids are leased only as root")
+    async with Sandbox(SandboxLimits(wall_s=1.0), concurrency=2) as first, \
+            Sandbox(SandboxLimits(wall_s=1.0), concurrency=2) as second:
+        await first.facts()
+        await second.facts()
+        mine = {(await first.run({"a.py": "import os; print(os.getuid())"}, ["a.py"])).uid}
+        theirs = {(await second.run({"a.py": "print(1)"}, ["a.py"])).uid}
+        assert mine.isdisjoint(theirs)
