@@ -139,6 +139,11 @@ async def test_batches_append_to_one_file_or_rotate_by_step(tmp_path):
     assert [len(read_trajectories(tmp_path / "steps" / f).samples) for f in files] == [3, 3]
     folder = read_trajectories(tmp_path / "steps")
     assert [s.step for s in folder.samples] == [3, 3, 3, 4, 4, 4]
+    unpadded = TrajectoryWriter(tmp_path / "unpadded" / "step_{step}.jsonl")
+    for step in (9, 10):
+        unpadded.write_batch(result, step=step)
+    unpadded.close()
+    assert [b.step for b in read_trajectories(tmp_path / "unpadded").batches] == [9, 10]
 
 
 async def test_torn_tail_is_reported_then_sealed_by_the_next_writer(tmp_path):

@@ -9,9 +9,11 @@ hand edit) is reported as a :class:`BadLine` and skipped, unless ``strict=True``
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 from pydantic import ValidationError
@@ -79,7 +81,8 @@ class TrajectoryReader:
     :attr:`torn_tails` and :attr:`bad_lines` say what was left out.
 
     Args:
-        path: a dump file, or a folder whose ``*.jsonl`` files are read in name order.
+        path: a dump file, or a folder whose ``*.jsonl`` files are read in name order
+            (numbers compared as numbers: ``step_9`` before ``step_10``).
         strict: raise :class:`TrajectoryFormatError` on a bad line (a torn tail is still
             only reported: it is what a killed writer leaves, not corruption).
 
@@ -101,7 +104,7 @@ class TrajectoryReader:
     def files(self) -> list[Path]:
         """The files this reader reads, in order."""
         if self.path.is_dir():
-            return sorted(self.path.glob("*.jsonl"))
+            return sorted(self.path.glob("*.jsonl"), key=_natural)
         if not self.path.exists():
             raise FileNotFoundError(f"no trajectory dump at {self.path}")
         return [self.path]
@@ -194,6 +197,12 @@ def read_trajectories(path: str | os.PathLike[str], *, strict: bool = False) -> 
             dump.ends.append(line)
     dump.torn_tails, dump.bad_lines = list(reader.torn_tails), list(reader.bad_lines)
     return dump
+
+
+def _natural(path: Path) -> list[Any]:
+    """Name order with numbers compared as numbers (``step_9`` before ``step_10``)."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+            for part in re.split(r"(\d+)", path.name)]
 
 
 def _preview(raw: bytes) -> str:

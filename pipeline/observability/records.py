@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import pydantic_core
 from pydantic import BaseModel
 
 from pipeline import artifacts as A
@@ -141,9 +142,16 @@ def jsonable(obj: Any) -> Any:
 
 
 def dumps_line(line: Mapping[str, Any]) -> bytes:
-    """One compact JSON line (UTF-8, newline-terminated)."""
-    text = json.dumps(line, separators=(",", ":"), ensure_ascii=False, default=jsonable)
-    return (text + "\n").encode("utf-8", errors="surrogatepass")
+    """One compact JSON line (UTF-8, newline-terminated).
+
+    pydantic-core's serializer does the work (several times faster than ``json`` on token
+    arrays); the standard library is the fallback for what it refuses (lone surrogates).
+    """
+    try:
+        return pydantic_core.to_json(line, fallback=jsonable) + b"\n"
+    except Exception:
+        text = json.dumps(line, separators=(",", ":"), ensure_ascii=False, default=jsonable)
+        return (text + "\n").encode("utf-8", errors="replace")
 
 
 def _message(message: Any, include_token_ids: bool) -> dict[str, Any]:
