@@ -147,7 +147,7 @@ async def test_progress_heartbeat_logs_lines_while_the_batch_runs():
         async with ProgressHeartbeat(pipe, interval_s=0.05, total=40) as beat:
             await pipe.run_batch([{"prompt": "hi"}] * 10, n=4)
             final = beat.fields()
-    lines = [e for e in logs if e["event"] == "batch_progress"]
+    lines = [e for e in logs if e["event"] == "batch_heartbeat"]
     assert lines, "no progress line"
     assert all(0 <= e["done"] <= 40 and e["total"] == 40 for e in lines)
     assert any(e["running"] > 0 and e["by_stage"] for e in lines)
@@ -196,3 +196,29 @@ async def test_start_site_serves_on_the_port_it_returns():
                 assert await resp.text() == "hi"
     finally:
         await runner.cleanup()
+
+
+def test_a_forked_child_neither_dies_of_the_signal_nor_dumps_for_its_parent(tmp_path):
+    with TaskDumper(tmp_path / "dumps") as dumper:
+        pid = os.fork()
+        if pid == 0:  # the child: signal itself, then leave without pytest's teardown
+            code = 0
+            try:
+                os.kill(os.getpid(), signal.SIGUSR1)
+                time.sleep(0.2)
+            except BaseException:
+                code = 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0  # SIGUSR1 did not kill the child
+        time.sleep(0.2)
+        assert not list(dumper.directory.glob("tasks-*.txt"))
+        assert dumper.faulthandler_path.read_text() == ""
+        os.kill(os.getpid(), signal.SIGUSR1)  # the parent's own dumper still works
+        deadline = time.monotonic() + 10
+        while not list(dumper.directory.glob("tasks-*.txt")):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    assert "Thread 0x" in dumper.faulthandler_path.read_text() or "Current thread" in (
+        dumper.faulthandler_path.read_text())

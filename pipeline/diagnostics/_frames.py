@@ -43,7 +43,7 @@ class FrameInfo:
         return {"file": self.filename, "line": self.lineno, "name": self.name}
 
 
-_frame_cache: dict[tuple[int, int], FrameInfo] = {}
+_frame_cache: dict[tuple[types.CodeType, int], FrameInfo] = {}
 
 HIDDEN_CODES: set[types.CodeType] = set()
 """Code of diagnostics' own signal handler: left out of stacks (it is not what the thread
@@ -54,9 +54,9 @@ def frame_info(frame: types.FrameType) -> FrameInfo:
     """A :class:`FrameInfo` for ``frame``; equal frames share one object (cheap grouping)."""
     code = frame.f_code
     lineno = frame.f_lineno or code.co_firstlineno
-    key = (id(code), lineno)
+    key = (code, lineno)
     info = _frame_cache.get(key)
-    if info is None or info.name != code.co_qualname:
+    if info is None:
         info = FrameInfo(code.co_filename, lineno, code.co_qualname)
         if len(_frame_cache) > 50_000:
             _frame_cache.clear()

@@ -128,6 +128,9 @@ class TaskDumper:
         self._previous: Any = None
         self._fault_file: IO[str] | None = None
         self._stopping = False
+        self._pid = os.getpid()
+        self._token = f"{os.getpid()}-{id(self):x}-{time.time_ns()}"
+        self._socket_inode: int | None = None
 
     @property
     def faulthandler_path(self) -> Path:
@@ -219,13 +222,15 @@ class TaskDumper:
             raise DiagnosticsError(f"cannot listen on {path}: {exc}") from exc
         self._listener = listener
         self.socket_path = path
+        self._socket_inode = path.stat().st_ino
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         """Runs in the main thread between bytecodes: only wakes the dumper thread."""
-        try:
-            os.write(self._wake_w, bytes([signum & 0xFF]))
-        except OSError:  # pipe full: a dump is already pending
-            pass
+        if os.getpid() == self._pid:  # a forked child shares the pipe but not the thread
+            try:
+                os.write(self._wake_w, bytes([signum & 0xFF]))
+            except OSError:  # pipe full: a dump is already pending
+                pass
         previous = self._previous
         if callable(previous):
             previous(signum, frame)
@@ -305,8 +310,8 @@ class TaskDumper:
         return path
 
     def _write_locator(self) -> None:
-        record = {"pid": os.getpid(), "directory": str(self.directory.resolve()),
-                  "signal": self.installed_signal,
+        record = {"pid": os.getpid(), "token": self._token,
+                  "directory": str(self.directory.resolve()), "signal": self.installed_signal,
                   "socket": None if self.socket_path is None else str(self.socket_path),
                   "faulthandler": (str(self.faulthandler_path) if self._fault_file else None)}
         path = locator_path(os.getpid())
@@ -338,7 +343,7 @@ class TaskDumper:
             _latest.remove(self)
         with contextlib.suppress(OSError):
             path = locator_path(os.getpid())
-            if json.loads(path.read_text()).get("directory") == str(self.directory.resolve()):
+            if json.loads(path.read_text()).get("token") == self._token:
                 path.unlink()
 
     def _close_fds(self) -> None:
@@ -346,8 +351,9 @@ class TaskDumper:
             self._listener.close()
             self._listener = None
             if self.socket_path is not None:
-                with contextlib.suppress(OSError):
-                    self.socket_path.unlink()
+                with contextlib.suppress(OSError):  # only ours: another may have replaced it
+                    if self.socket_path.stat().st_ino == self._socket_inode:
+                        self.socket_path.unlink()
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -362,6 +368,24 @@ class TaskDumper:
 
 
 HIDDEN_CODES.add(TaskDumper._on_signal.__code__)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits the handlers but not the dumper thread: stand them down
+    (faulthandler would write the child's stacks into the parent's file)."""
+    for signum, dumper in list(_by_signal.items()):
+        if dumper._fault_file is not None:
+            faulthandler.unregister(signum)
+    _by_signal.clear()
+    _latest.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def active_dumper() -> TaskDumper | None:
+    """The most recently installed dumper that is still open, if any."""
+    return _latest[-1] if _latest else None
 
 
 def install_task_dumper(signum: int | None = signal.SIGUSR1, *,

@@ -26,7 +26,7 @@ _logger = structlog.get_logger("pipeline")
 
 
 class ProgressHeartbeat:
-    """Logs ``batch_progress`` every ``interval_s`` while the ``async with`` body runs.
+    """Logs ``batch_heartbeat`` every ``interval_s`` while the ``async with`` body runs.
 
     Each line has ``done`` (samples finished since entering), ``total`` (if given),
     ``running``, ``by_stage`` (running samples per stage), ``oldest_running_s``, ``rate_per_s``
@@ -91,4 +91,4 @@ class ProgressHeartbeat:
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            self.log.info("batch_progress", **self.fields())
+            self.log.info("batch_heartbeat", **self.fields())

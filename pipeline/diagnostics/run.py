@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from pipeline.diagnostics.dumper import TaskDumper
+from pipeline.diagnostics.dumper import TaskDumper, active_dumper
 from pipeline.diagnostics.snapshot import note_loop_thread, task_infos, track_task_ages
 from pipeline.diagnostics.watchdog import Watchdog
 
@@ -45,9 +45,12 @@ def asyncio_run(main: Coroutine[Any, Any, T], *, watchdog: Watchdog | bool = Tru
     Returns:
         What ``main`` returns.
 
+    When a task dumper is already installed in this process (``install_task_dumper``, or an
+    enclosing ``asyncio_run`` in another thread), it is used instead of a new one.
+
     Raises:
         Whatever ``main`` raises.
-        DiagnosticsError: another dumper already handles ``dump_signal``.
+        DiagnosticsError: the dump directory cannot be created.
     """
     loop_factory = _uvloop_factory() if use_uvloop else None
     dog = Watchdog(1.0, stall_after_s=300.0) if watchdog is True else (watchdog or None)
@@ -72,15 +75,18 @@ def asyncio_run(main: Coroutine[Any, Any, T], *, watchdog: Watchdog | bool = Tru
         loop = runner.get_loop()
         note_loop_thread(loop)
         track_task_ages(loop)
-        dumper = TaskDumper(dump_dir, signum=dump_signal,
-                            lag_source=None if dog is None else dog.lags)
-        if dog is not None and dog.dump is None:
+        dumper: TaskDumper | None = None
+        if active_dumper() is None:  # else the one already installed serves this loop too
+            dumper = TaskDumper(dump_dir, signum=dump_signal,
+                                lag_source=None if dog is None else dog.lags)
+            dumper.install(loop)
+        if dog is not None and dog.dump is None and dumper is not None:
             dog.dump = dumper.dump
-        dumper.install(loop)
         try:
             return runner.run(wrapper())
         finally:
-            dumper.close()
+            if dumper is not None:
+                dumper.close()
 
 
 def _report_leaks(leaked: list[asyncio.Task[Any]]) -> None:

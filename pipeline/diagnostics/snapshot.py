@@ -355,7 +355,15 @@ def _samples(by_uid: dict[str | None, TaskInfo]) -> tuple[SampleInfo, ...]:
     from pipeline._pipeline import running_pipelines  # the core imports diagnostics
 
     out: list[SampleInfo] = []
-    for index, pipe in enumerate(iter_list_retrying(running_pipelines())):
+    pipes: list[Any] = []
+    for attempt in range(100):  # its WeakSet may change under us: retry like all_tasks()
+        try:
+            pipes = running_pipelines()
+            break
+        except RuntimeError:
+            if attempt == 99:
+                raise
+    for index, pipe in enumerate(pipes):
         for sample in pipe.inflight():
             task = by_uid.get(sample.uid)
             location = None if task is None else task.location
