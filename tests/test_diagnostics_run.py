@@ -59,7 +59,7 @@ def test_asyncio_run_returns_uses_uvloop_and_restores_the_signal(tmp_path):
     assert seen["loop"].startswith("asyncio")
 
 
-def test_asyncio_run_reports_tasks_left_running():
+def test_asyncio_run_reports_tasks_left_running(tmp_path):
     never = asyncio.Event()
 
     async def forgotten() -> None:
@@ -76,6 +76,7 @@ def test_asyncio_run_reports_tasks_left_running():
     assert event["count"] == 3 and sorted(event["tasks"]) == ["orphan-0", "orphan-1", "orphan-2"]
     [group] = event["groups"]
     assert group.startswith("3 x ") and "forgotten" in group and "Event.wait()" in group
+    assert list(tmp_path.iterdir()) == []  # no dump written: no directory, locator or socket
 
 
 def test_asyncio_run_watchdog_reports_a_block_in_main():

@@ -226,7 +226,9 @@ class TaskDumper:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         """Runs in the main thread between bytecodes: only wakes the dumper thread."""
-        if os.getpid() == self._pid:  # a forked child shares the pipe but not the thread
+        # A forked child shares the pipe but not the thread; after close() the fd is gone
+        # (and its number may belong to another file by now).
+        if os.getpid() == self._pid and self._wake_w >= 0:
             try:
                 os.write(self._wake_w, bytes([signum & 0xFF]))
             except OSError:  # pipe full: a dump is already pending
@@ -322,7 +324,10 @@ class TaskDumper:
             _logger.warning("task_dump_locator_failed", path=str(path), error=str(exc))
 
     def close(self) -> None:
-        """Restore the signal handler, stop the thread, remove the socket and locator."""
+        """Restore the signal handler, stop the thread, remove the socket and locator.
+
+        The dump directory is removed too when nothing was written to it.
+        """
         if self.installed_signal is not None:
             if self._fault_file is not None:
                 faulthandler.unregister(self.installed_signal)
@@ -341,10 +346,15 @@ class TaskDumper:
         self._close_fds()
         if self in _latest:
             _latest.remove(self)
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             path = locator_path(os.getpid())
             if json.loads(path.read_text()).get("token") == self._token:
                 path.unlink()
+        with contextlib.suppress(OSError):  # leave no empty directory behind
+            if self.faulthandler_path.stat().st_size == 0:
+                self.faulthandler_path.unlink()
+        with contextlib.suppress(OSError):
+            self.directory.rmdir()
 
     def _close_fds(self) -> None:
         if self._listener is not None:
