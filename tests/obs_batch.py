@@ -3,12 +3,14 @@
 Stages: ``BuildPrompt`` -> ``Loop([Generate, call_tools])`` -> ``outcome`` -> ``judge``.
 Rows choose their fate through ``extra``: ``fail`` (the outcome stage raises), ``hang``
 (it sleeps past the sample deadline), else the sample completes and is judged. Turn 0 of
-every loop asks for a tool, so completed samples have one tool round.
+every loop asks for a tool, so completed samples have one tool round (replies always fit
+``max_tokens``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 from pipeline import (
@@ -50,6 +52,7 @@ class ToyTools:
         art[artifacts.MESSAGES].append(AgentMessage(role="tool", content="lookup says 42",
                                                     tool_call_id=f"call-{item.uid}"))
         art[artifacts.TOOL_TURNS] = art.get(artifacts.TOOL_TURNS, 0) + 1
+        art["tool_calls"] = art.get("tool_calls", 0) + 1
         if item.data.extra.get("tool_error"):
             art["tool_errors"] = art.get("tool_errors", 0) + 1
 
@@ -76,10 +79,15 @@ class ToyJudge:
         item.artifacts[artifacts.REWARD_PAYLOAD] = {"score": score, "judger": "parity"}
 
 
+def reply(prompt_ids: list[int], rng: random.Random) -> list[int]:
+    """4 to 20 printable bytes, then eos: every turn stops well within ``max_tokens``."""
+    return [rng.randrange(35, 126) for _ in range(rng.randint(4, 20))] + [2]
+
+
 def make_pipeline(*, latency_s: float = 0.003, timeout_s: float = 0.3,
                   extra_stages: tuple[Any, ...] = ()) -> Pipeline:
     engine = SimulatedEngine(latency_s=latency_s, latency_sigma=0.3, tail_prob=0.0,
-                             vocab_size=200, eos_token_id=2, seed=1)
+                             eos_token_id=2, seed=1, responder=reply)
     return Pipeline(
         [BuildPrompt(offload=False), Loop([Generate(), ToyTools()], max_turns=3), outcome,
          ToyJudge(), *extra_stages],

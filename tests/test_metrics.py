@@ -63,7 +63,10 @@ async def test_documented_keys_with_values_from_the_batch(result):
     # how long they waited on limiters (0.01 s per sample_index + 1).
     assert m["rollout/tool_errors"] == sum(it.artifacts.get("tool_errors", 0)
                                            for it in result.items) >= 1
-    assert m["rollout/template_drift"] == 2
+    calls = sum(it.artifacts.get("tool_calls", 0) for it in result.items)
+    assert m["rollout/tool_calls"] == calls >= m["rollout/tool_errors"]
+    assert m["rollout/tool_error_frac"] == pytest.approx(m["rollout/tool_errors"] / calls)
+    assert m["rollout/template_drift"] == 2 and m["rollout/template_drift_turns"] == 2
     waits = [it.artifacts["limiter_wait_s"] for it in result.items
              if "limiter_wait_s" in it.artifacts]
     assert m["rollout/limiter_wait_s/total"] == pytest.approx(sum(waits))

@@ -187,6 +187,8 @@ def _message_lines(message: dict[str, Any]) -> list[str]:
         facts.append(f"finish {message['finish_reason']}")
     if message.get("tool_call_id"):
         facts.append(f"for call {message['tool_call_id']}")
+    if message.get("error"):
+        facts.append(f"error {message['error']}")
     lines = ["", head + (" " + ", ".join(facts) if facts else "")]
     content = message.get("content")
     if isinstance(content, list):

@@ -17,8 +17,11 @@
 ``rollout/tokens/{prompt,response,model}``          token totals (model = sampled tokens)
 ``rollout/wall_time_s``                             the batch's wall time
 ``rollout/throughput/{samples,model_tokens}_per_s`` over the wall time
-``rollout/template_drift``                          samples whose artifacts flag template drift
-``rollout/tool_errors``                             tool errors summed over samples
+``rollout/tool_calls``                              tool calls answered, summed over samples
+``rollout/tool_errors``                             tool calls answered with an error, summed
+``rollout/tool_error_frac``                         tool_errors / tool_calls (0 without calls)
+``rollout/template_drift``                          samples with template drift in any turn
+``rollout/template_drift_turns``                    drifted tool turns, summed over samples
 ``rollout/reward/{mean,std,min,max}``               only when some sample has a reward
 ``rollout/latency_s/{mean,p50,p95,p99,max}``        only when samples ran (running time)
 ``rollout/queue_s/{mean,max}``                      wait for a concurrency slot, same condition
@@ -28,10 +31,10 @@
                                                     summed over loop turns)
 ==================================================  ==========================================
 
-Counters come from artifacts: ``template_drift`` (bool, count or list of drifts),
-``tool_errors`` (count or list) and ``limiter_wait_s`` (seconds the sample waited on rate
-limiters). A :class:`MetricsSink` is one method, ``log(metrics, step)``; a wandb run
-(``wandb.init()``) already fits it.
+Counters come from artifacts (see ``records.COUNTER_KEYS``): ``tool_calls``, ``tool_errors``
+and ``template_drift`` as ``CallTools`` counts them, and ``limiter_wait_s`` (seconds the
+sample waited on rate limiters). A :class:`MetricsSink` is one method,
+``log(metrics, step)``; a wandb run (``wandb.init()``) already fits it.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ ALWAYS_KEYS: tuple[str, ...] = (
     "rollout/tokens/prompt", "rollout/tokens/response", "rollout/tokens/model",
     "rollout/wall_time_s",
     "rollout/throughput/samples_per_s", "rollout/throughput/model_tokens_per_s",
-    "rollout/template_drift", "rollout/tool_errors",
+    "rollout/tool_calls", "rollout/tool_errors", "rollout/tool_error_frac",
+    "rollout/template_drift", "rollout/template_drift_turns",
 )
 """Keys every non-empty batch's metrics have (the conditional ones are in the table above)."""
 
@@ -108,11 +112,14 @@ def batch_metrics(result: ProduceBatchResult, *, limiters: Any = None) -> dict[s
     wall = stats.wall_time_s
     out[f"{PREFIX}throughput/samples_per_s"] = n / wall if wall > 0 else 0.0
     out[f"{PREFIX}throughput/model_tokens_per_s"] = stats.model_tokens / wall if wall > 0 else 0.0
-    out[f"{PREFIX}template_drift"] = float(sum(
-        counter_value(it.artifacts["template_drift"]) > 0
-        for it in items if "template_drift" in it.artifacts))
-    out[f"{PREFIX}tool_errors"] = float(sum(counter_value(it.artifacts["tool_errors"])
-                                            for it in items if "tool_errors" in it.artifacts))
+    calls, errors = _total(items, "tool_calls"), _total(items, "tool_errors")
+    out[f"{PREFIX}tool_calls"] = calls
+    out[f"{PREFIX}tool_errors"] = errors
+    out[f"{PREFIX}tool_error_frac"] = errors / calls if calls else 0.0
+    drift = [counter_value(it.artifacts["template_drift"]) for it in items
+             if "template_drift" in it.artifacts]
+    out[f"{PREFIX}template_drift"] = float(sum(d > 0 for d in drift))
+    out[f"{PREFIX}template_drift_turns"] = float(sum(drift))
     rewards = [s.reward for s in samples if s.reward is not None]
     if rewards:
         out[f"{PREFIX}reward/mean"] = float(np.mean(rewards))
@@ -207,6 +214,10 @@ def _spread(out: dict[str, float], name: str, values: list[float] | list[int],
         else:
             value = float(arr.sum())
         out[f"{PREFIX}{name}/{stat}"] = value
+
+
+def _total(items: Iterable[Any], key: str) -> float:
+    return float(sum(counter_value(it.artifacts[key]) for it in items if key in it.artifacts))
 
 
 def _frac(count: int, total: int) -> float:

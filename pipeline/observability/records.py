@@ -21,10 +21,13 @@ from pipeline import artifacts as A
 from pipeline._models import AgentRolloutItem, RolloutSample, StageRecord
 from pipeline._tokenizer import Tokenizer
 
-COUNTER_KEYS = ("template_drift", "tool_errors", "limiter_wait_s")
+COUNTER_KEYS = ("tool_calls", "tool_errors", "template_drift", "limiter_wait_s")
 """Artifact keys read as per-sample counters (dumped under ``counters``, summed in metrics).
 
-Each may hold a number, a bool, or a list/dict (counted by its length).
+``tool_calls``/``tool_errors``/``template_drift`` are what ``CallTools`` counts (calls
+answered, calls answered with an error, tool turns whose template rendering drifted);
+``limiter_wait_s`` is seconds a sample waited on rate limiters. Each may hold a number, a
+bool, or a list/dict (counted by its length).
 """
 
 
