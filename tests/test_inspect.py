@@ -12,6 +12,8 @@ from pipeline.observability import (
     TrajectoryWriter,
     inspect_command,
     read_trajectories,
+    render_failures,
+    render_summary,
     render_trajectory,
 )
 from pipeline.testing import ByteTokenizer
@@ -112,3 +114,11 @@ def test_torn_and_missing_dumps(dump_path, tmp_path, capsys):
     assert inspect_command(torn) == 0
     out = capsys.readouterr().out
     assert "12 samples" in out and "is torn" in out and "no (cut short)" in out
+
+
+def test_library_renderers_match_the_streaming_command(dump_path, capsys):
+    dump = read_trajectories(dump_path)
+    assert inspect_command(dump_path) == 0
+    assert capsys.readouterr().out == render_summary(dump) + "\n"
+    assert inspect_command(dump_path, failed=True) == 0
+    assert capsys.readouterr().out == render_failures(dump) + "\n"

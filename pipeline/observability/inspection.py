@@ -15,57 +15,113 @@ import os
 import re
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pipeline.observability.reader import TrajectoryDump, read_trajectories
-from pipeline.observability.schema import TrajectoryRecord
+from pipeline.observability.reader import BadLine, TornTail, TrajectoryDump, TrajectoryReader
+from pipeline.observability.schema import BatchEnd, BatchSummary, TrajectoryRecord
+
+
+class _SummaryTally:
+    """What the summary needs, gathered while streaming: a few facts per sample, not lines."""
+
+    def __init__(self) -> None:
+        self.batches: list[BatchSummary] = []
+        self.ends: dict[str, BatchEnd] = {}
+        self.facts: list[tuple[str | None, str, str, str, str, float | None, float | None,
+                               int]] = []
+
+    def add(self, line: BatchSummary | TrajectoryRecord | BatchEnd) -> None:
+        if isinstance(line, TrajectoryRecord):
+            self.facts.append((line.batch_id, line.status.value, line.finish_reason.value,
+                               line.exit_reason or "-", line.data_source or "-", line.reward,
+                               line.latency_s, line.response_len))
+        elif isinstance(line, BatchSummary):
+            self.batches.append(line)
+        else:
+            self.ends[line.batch_id] = line
+
+    def render(self, name: str, problems: list[str]) -> str:
+        facts = self.facts
+        lines = [f"dump {name}: {len(facts)} samples in {len(self.batches)} batch(es)",
+                 *problems]
+        if not facts:
+            return "\n".join(lines)
+        rows = []
+        for b in self.batches:
+            mine = [f for f in facts if f[0] == b.batch_id]
+            end = self.ends.get(b.batch_id)
+            wall = "-" if end is None else f"{end.monotonic - b.monotonic:.2f}"
+            rows.append([str(b.step), b.batch_id, str(len(mine)),
+                         str(sum(f[1] == "completed" for f in mine)), wall,
+                         "yes" if end else "no (cut short)"])
+        lines += ["", _table(["step", "batch", "samples", "completed", "wall_s", "ended"], rows)]
+        for column, title in ((1, "status"), (2, "finish_reason"), (3, "exit_reason")):
+            counts = Counter(str(f[column]) for f in facts).most_common()
+            lines += ["", _table([title, "count", "share"],
+                                 [[k, str(v), f"{100 * v / len(facts):.1f}%"]
+                                  for k, v in counts])]
+        sources: dict[str, list[Any]] = defaultdict(list)
+        for f in facts:
+            sources[f[4]].append(f)
+        lines += ["", _table(
+            ["data_source", "samples", "completed", "reward_mean", "response_len_mean",
+             "latency_p95_s"],
+            [_source_row(source, group) for source, group in sorted(sources.items())])]
+        lat = [f[6] for f in facts if f[6] is not None]
+        rewards = [f[5] for f in facts if f[5] is not None]
+        figures = []
+        if lat:
+            p50, p95 = np.percentile(lat, [50, 95])
+            figures.append(f"latency p50 {p50:.3f}s p95 {p95:.3f}s max {max(lat):.3f}s")
+        if rewards:
+            figures.append(f"reward mean {np.mean(rewards):.4f} over {len(rewards)} samples")
+        if figures:
+            lines += ["", "; ".join(figures)]
+        return "\n".join(lines)
+
+
+class _FailureTally:
+    """Failures grouped by status, stage and folded message, gathered while streaming."""
+
+    def __init__(self, examples: int) -> None:
+        self.examples = examples
+        self.total = 0
+        self.groups: dict[tuple[str, str, str], tuple[int, list[str]]] = {}
+
+    def add(self, line: BatchSummary | TrajectoryRecord | BatchEnd) -> None:
+        if not isinstance(line, TrajectoryRecord):
+            return
+        self.total += 1
+        if line.status.value == "completed":
+            return
+        key = (line.status.value, line.error_stage or "-", _fold(line.error or "(no message)"))
+        count, uids = self.groups.get(key, (0, []))
+        if len(uids) < self.examples:
+            uids.append(line.uid)
+        self.groups[key] = (count + 1, uids)
+
+    def render(self, problems: list[str]) -> str:
+        failed = sum(count for count, _ in self.groups.values())
+        lines = [f"{failed} of {self.total} samples did not complete", *problems]
+        for (status, stage, message), (count, uids) in sorted(self.groups.items(),
+                                                              key=lambda kv: -kv[1][0]):
+            more = f" (+{count - len(uids)} more)" if count > len(uids) else ""
+            lines += ["", f"{count:>5}  {status}  stage {stage}", f"       {message}",
+                      f"       e.g. {', '.join(uids)}{more}"]
+        return "\n".join(lines)
 
 
 def render_summary(dump: TrajectoryDump) -> str:
     """Tables of a dump: per batch, per status / finish / exit reason, per data source."""
-    samples = dump.samples
-    lines = [f"dump {dump.path.name}: {len(samples)} samples in {len(dump.batches)} batch(es)"]
-    lines.extend(_read_problems(dump))
-    if not samples:
-        return "\n".join(lines)
-    ended = {e.batch_id: e for e in dump.ends}
-    by_batch: dict[str | None, list[TrajectoryRecord]] = defaultdict(list)
-    for s in samples:
-        by_batch[s.batch_id].append(s)
-    rows = []
-    for b in dump.batches:
-        group = by_batch.get(b.batch_id, [])
-        end = ended.get(b.batch_id)
-        wall = None if end is None else end.monotonic - b.monotonic
-        rows.append([str(b.step), b.batch_id, str(len(group)),
-                     str(sum(s.status.value == "completed" for s in group)),
-                     "-" if wall is None else f"{wall:.2f}", "yes" if end else "no (cut short)"])
-    lines += ["", _table(["step", "batch", "samples", "completed", "wall_s", "ended"], rows)]
-    for title, values in (("status", [s.status.value for s in samples]),
-                          ("finish_reason", [s.finish_reason.value for s in samples]),
-                          ("exit_reason", [s.exit_reason or "-" for s in samples])):
-        counts = Counter(values).most_common()
-        lines += ["", _table([title, "count", "share"],
-                             [[k, str(v), f"{100 * v / len(samples):.1f}%"] for k, v in counts])]
-    lines += ["", _table(
-        ["data_source", "samples", "completed", "reward_mean", "response_len_mean",
-         "latency_p95_s"],
-        [_source_row(name, group) for name, group in sorted(_by_source(samples).items())])]
-    lat = [x for s in samples if (x := s.latency_s) is not None]
-    rewards = [s.reward for s in samples if s.reward is not None]
-    figures = []
-    if lat:
-        p50, p95 = np.percentile(lat, [50, 95])
-        figures.append(f"latency p50 {p50:.3f}s p95 {p95:.3f}s max {max(lat):.3f}s")
-    if rewards:
-        figures.append(f"reward mean {np.mean(rewards):.4f} over {len(rewards)} samples")
-    if figures:
-        lines += ["", "; ".join(figures)]
-    return "\n".join(lines)
+    tally = _SummaryTally()
+    lines: list[BatchSummary | TrajectoryRecord | BatchEnd] = [*dump.batches, *dump.samples,
+                                                                *dump.ends]
+    for line in lines:
+        tally.add(line)
+    return tally.render(dump.path.name, _problems(dump.torn_tails, dump.bad_lines))
 
 
 def render_trajectory(sample: TrajectoryRecord) -> str:
@@ -104,23 +160,18 @@ def render_trajectory(sample: TrajectoryRecord) -> str:
 
 def render_failures(dump: TrajectoryDump, *, examples: int = 3) -> str:
     """Samples that did not complete, grouped by status, stage and folded error message."""
-    failed = [s for s in dump.samples if s.status.value != "completed"]
-    lines = [f"{len(failed)} of {len(dump.samples)} samples did not complete"]
-    lines.extend(_read_problems(dump))
-    groups: dict[tuple[str, str, str], list[TrajectoryRecord]] = defaultdict(list)
-    for s in failed:
-        groups[(s.status.value, s.error_stage or "-", _fold(s.error or "(no message)"))].append(s)
-    for (status, stage, message), members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-        uids = ", ".join(m.uid for m in members[:examples])
-        more = f" (+{len(members) - examples} more)" if len(members) > examples else ""
-        lines += ["", f"{len(members):>5}  {status}  stage {stage}", f"       {message}",
-                  f"       e.g. {uids}{more}"]
-    return "\n".join(lines)
+    tally = _FailureTally(examples)
+    for sample in dump.samples:
+        tally.add(sample)
+    return tally.render(_problems(dump.torn_tails, dump.bad_lines))
 
 
 def inspect_command(path: str | os.PathLike[str], *, show: str | None = None,
                     failed: bool = False) -> int:
     """``rollout inspect FILE [--show UID] [--failed]``: print to stdout.
+
+    The dump is streamed: only the figures of each sample are kept (for ``--show``, the
+    matching samples), so dumps larger than memory can be inspected.
 
     Args:
         path: the dump (file or folder of rotated dumps).
@@ -131,13 +182,25 @@ def inspect_command(path: str | os.PathLike[str], *, show: str | None = None,
         0 on success, 1 when ``show`` matches no sample or several, 2 when the dump cannot
         be read.
     """
+    reader = TrajectoryReader(path)
+    summary, failures = _SummaryTally(), _FailureTally(examples=3)
+    exact: list[TrajectoryRecord] = []
+    prefixed: list[TrajectoryRecord] = []
     try:
-        dump = read_trajectories(path)
+        for line in reader:
+            if show is not None:
+                if isinstance(line, TrajectoryRecord) and line.uid.startswith(show):
+                    (exact if line.uid == show else prefixed).append(line)
+            elif failed:
+                failures.add(line)
+            else:
+                summary.add(line)
     except (OSError, ValueError) as exc:
         print(f"rollout inspect: cannot read {path}: {exc}", file=sys.stderr)
         return 2
+    problems = _problems(reader.torn_tails, reader.bad_lines)
     if show is not None:
-        matches = dump.find(show)
+        matches = exact or prefixed
         if len(matches) != 1:
             what = "no sample" if not matches else f"{len(matches)} samples"
             print(f"rollout inspect: {what} with uid {show!r} in {Path(path).name}",
@@ -147,30 +210,23 @@ def inspect_command(path: str | os.PathLike[str], *, show: str | None = None,
             return 1
         print(render_trajectory(matches[0]))
         return 0
-    print(render_failures(dump) if failed else render_summary(dump))
+    print(failures.render(problems) if failed else summary.render(Path(path).name, problems))
     return 0
 
 
-def _read_problems(dump: TrajectoryDump) -> list[str]:
+def _problems(torn_tails: list[TornTail], bad_lines: list[BadLine]) -> list[str]:
     out = [f"note: {t.path.name} line {t.line} is torn ({t.size} bytes, a writer died "
-           f"mid-line); left out" for t in dump.torn_tails]
-    out += [f"note: {b.path.name} line {b.line} skipped: {b.reason}" for b in dump.bad_lines]
+           f"mid-line); left out" for t in torn_tails]
+    out += [f"note: {b.path.name} line {b.line} skipped: {b.reason}" for b in bad_lines]
     return out
 
 
-def _by_source(samples: Sequence[TrajectoryRecord]) -> dict[str, list[TrajectoryRecord]]:
-    groups: dict[str, list[TrajectoryRecord]] = defaultdict(list)
-    for s in samples:
-        groups[s.data_source or "-"].append(s)
-    return groups
-
-
-def _source_row(name: str, group: list[TrajectoryRecord]) -> list[str]:
-    rewards = [s.reward for s in group if s.reward is not None]
-    lat = [x for s in group if (x := s.latency_s) is not None]
-    return [name, str(len(group)), str(sum(s.status.value == "completed" for s in group)),
+def _source_row(name: str, group: list[Any]) -> list[str]:
+    rewards = [f[5] for f in group if f[5] is not None]
+    lat = [f[6] for f in group if f[6] is not None]
+    return [name, str(len(group)), str(sum(f[1] == "completed" for f in group)),
             f"{np.mean(rewards):.4f}" if rewards else "-",
-            f"{np.mean([s.response_len for s in group]):.1f}",
+            f"{np.mean([f[7] for f in group]):.1f}",
             f"{np.percentile(lat, 95):.3f}" if lat else "-"]
 
 
