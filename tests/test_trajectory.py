@@ -228,3 +228,10 @@ def test_line_models_accept_lines_from_newer_writers():
     assert rec.model_extra == {"future_field": {"x": 1}}
     assert BatchSummary(batch_id="b", started_wall=1.0, monotonic=2.0).type == "batch"
     assert BatchEnd(batch_id="b", ended_wall=1.0, monotonic=2.0, written=0).type == "batch_end"
+
+
+def test_public_names_are_sorted_and_importable():
+    import pipeline.observability as obs
+
+    assert obs.__all__ == sorted(obs.__all__)
+    assert all(hasattr(obs, name) for name in obs.__all__)
