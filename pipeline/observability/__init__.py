@@ -56,13 +56,13 @@ from pipeline.observability.writer import TrajectoryWriter
 
 __all__ = [
     "ALWAYS_KEYS",
+    "SCHEMA_VERSION",
     "AgentTrace",
     "BadLine",
     "BatchEnd",
     "BatchProgress",
     "BatchSummary",
     "MetricsSink",
-    "SCHEMA_VERSION",
     "StageTiming",
     "StructlogSink",
     "TensorBoardSink",
