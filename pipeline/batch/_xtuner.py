@@ -1,0 +1,120 @@
+"""Adapter to XTuner: one plain dict per sample, shaped like XTuner's ``RLDataFlowItem``.
+
+XTuner's RL dataflow passes ``RLDataFlowItem`` records: ``uid`` (``env``, ``root_id``,
+``action_id``, ``observation_id``, ``version``), ``data`` (the prompt), ``env.rollout`` (the
+response), ``env.judger`` (the reward) and ``extra_info``. Its ids are integers; ours are
+strings, so the integer ids are stable 63-bit digests of them and the strings ride along in
+``data.extra_info``. The field-by-field table is in ``docs/trainer_mapping.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline._models import AgentRolloutItem, FinishReason, RolloutSample, Status
+from pipeline._tokenizer import Tokenizer
+from pipeline.batch._collate import check_alignment
+from pipeline.batch._experts import as_routes, check_routed_experts, filled_routes
+
+XTUNER_STATE = {
+    Status.COMPLETED: "completed",
+    Status.FAILED: "failed",
+    Status.TIMEOUT: "skipped",
+    Status.ABORTED: "aborted",
+}
+"""Our status -> XTuner's ``RolloutState`` value."""
+
+XTUNER_FINISH_REASON = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "failed",
+    FinishReason.TIMEOUT: "skipped",
+}
+"""Our finish reason -> XTuner's ``finish_reason`` word."""
+
+
+def int_id(text: str) -> int:
+    """A stable non-negative 63-bit integer for a string id (XTuner's ids are ints)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def to_xtuner(
+    samples: Sequence[RolloutSample],
+    *,
+    items: Sequence[AgentRolloutItem] | None = None,
+    tokenizer: Tokenizer | None = None,
+    env: str = "pipeline",
+) -> list[dict[str, Any]]:
+    """XTuner rollout records, one per sample, in order.
+
+    Args:
+        samples: the batch.
+        items: the matching items: the prompt ``messages`` and dataset fields come from them.
+        tokenizer: decodes the ``response`` text XTuner's judgers read (None leaves it None).
+        env: XTuner's environment name.
+
+    Returns:
+        Dicts ``{"uid": {...}, "data": {...}, "env": {"rollout": {...}, "judger": {...},
+        "agent": {...}, "extra_info": {}}, "extra_info": {"retry_times": 0,
+        "extra_info": {}}}``; ``env.rollout.extra_info`` holds ``response_mask`` (XTuner's
+        record has no mask of its own; multi-turn samples need it) and, when the batch has
+        them, ``routed_experts`` as an array ``[prompt_len + response_len, num_layers,
+        topk]`` under the batch rules.
+
+    Raises:
+        ContractError: misaligned samples or broken routed-experts rules.
+        ValueError: ``items`` does not match ``samples`` in length.
+    """
+    check_alignment(samples)
+    if items is not None and len(items) != len(samples):
+        raise ValueError(f"items has {len(items)} entries for {len(samples)} samples")
+    routes = [as_routes(s.routed_experts) for s in samples]
+    layout = check_routed_experts(samples, routes)
+    records = []
+    for i, (sample, arr) in enumerate(zip(samples, routes, strict=True)):
+        item = items[i] if items is not None else None
+        rollout_extra: dict[str, Any] = {
+            "response_mask": [0] * len(sample.response_mask) if sample.masked
+            else list(sample.response_mask)}
+        if layout is not None:
+            rollout_extra["routed_experts"] = filled_routes(sample, arr, layout)
+        reward = {**sample.reward_payload, "score": sample.reward}  # None when masked
+        records.append({
+            "uid": {"env": env, "root_id": int_id(sample.group_id),
+                    "action_id": int_id(sample.group_id), "observation_id": int_id(sample.uid),
+                    "version": sample.policy_version or 0},
+            "data": {
+                "messages": list(item.data.messages) if item is not None else None,
+                "input_ids": list(sample.prompt_ids),
+                "num_tokens": len(sample.prompt_ids),
+                "ability": None,
+                "reward_model": ({"ground_truth": item.data.ground_truth}
+                                 if item is not None else None),
+                "data_source": None,
+                "extra_info": {**(item.data.extra if item is not None else {}),
+                               "uid": sample.uid, "group_id": sample.group_id,
+                               "data_source": item.data.data_source if item else None},
+            },
+            "env": {
+                "rollout": {
+                    "response": (tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+                                 if tokenizer is not None else None),
+                    "response_ids": list(sample.response_ids),
+                    "logprobs": None if sample.logprobs is None else list(sample.logprobs),
+                    "num_return_tokens": len(sample.response_ids),
+                    "finish_reason": XTUNER_FINISH_REASON[sample.finish_reason],
+                    "extra_info": rollout_extra,
+                    "state": XTUNER_STATE[sample.status],
+                },
+                "judger": {"uid": sample.index, "reward": reward,
+                           "extra_info": {"error": sample.error}},
+                "agent": {"extra_info": {"tool_turns": sample.tool_turns,
+                                         "exit_reason": sample.exit_reason}},
+                "extra_info": dict(sample.extra_fields),
+            },
+            "extra_info": {"retry_times": 0, "extra_info": {}},
+        })
+    return records
