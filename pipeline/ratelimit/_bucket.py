@@ -165,9 +165,9 @@ class FairAsyncTokenBucket:
                 raise LimiterClosed(
                     f"rate limiter {self.name!r} is closed; acquire(key={key!r}) refused")
             now = self._refill()
-            if len(self._queue):
+            if self._queue.waiting:
                 self._dispatch(now)  # serve those ahead first
-            if not len(self._queue) and self._tokens >= cost - EPS:
+            if not self._queue.waiting and self._tokens >= cost - EPS:
                 self._tokens -= cost
                 self._tally.record_grant(key, cost, 0.0)
                 return

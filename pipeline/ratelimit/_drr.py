@@ -42,6 +42,10 @@ class DeficitRoundRobin(Generic[W]):
         quantum: credit per turn for a key of weight 1, in tokens. Smaller is finer-grained;
             rounds in which no key could be served are skipped arithmetically, so a small
             quantum costs no loop iterations.
+
+    Attributes:
+        waiting: callers queued now, all keys (read it, don't set it; a plain attribute
+            because the bucket's uncontended path checks it on every call).
     """
 
     def __init__(self, quantum: float = 1.0) -> None:
@@ -51,10 +55,7 @@ class DeficitRoundRobin(Generic[W]):
         self._deficit: dict[Hashable, float] = {}
         self._turns: deque[Hashable] = deque()  # the same keys, in turn order
         self._credited = False  # whether _turns[0] has received its credit this turn
-        self._len = 0
-
-    def __len__(self) -> int:
-        return self._len
+        self.waiting = 0
 
     def weight(self, key: Hashable) -> float:
         """The weight of ``key`` (1.0 unless set)."""
@@ -76,7 +77,7 @@ class DeficitRoundRobin(Generic[W]):
             self._deficit[waiter.key] = 0.0
             self._turns.append(waiter.key)
         queue.append(waiter)
-        self._len += 1
+        self.waiting += 1
 
     def remove(self, waiter: W) -> bool:
         """Take ``waiter`` out of its queue; False if it is not queued."""
@@ -87,7 +88,7 @@ class DeficitRoundRobin(Generic[W]):
             queue.remove(waiter)
         except ValueError:
             return False
-        self._len -= 1
+        self.waiting -= 1
         if not queue:
             self._drop(waiter.key)
         return True
@@ -126,7 +127,7 @@ class DeficitRoundRobin(Generic[W]):
             raise IndexError("pop from an empty DeficitRoundRobin")
         queue = self._queues[head.key]
         queue.popleft()
-        self._len -= 1
+        self.waiting -= 1
         self._deficit[head.key] -= head.cost
         if not queue:
             self._drop(head.key)
@@ -139,7 +140,7 @@ class DeficitRoundRobin(Generic[W]):
         self._deficit.clear()
         self._turns.clear()
         self._credited = False
-        self._len = 0
+        self.waiting = 0
         return waiters
 
     def _drop(self, key: Hashable) -> None:
