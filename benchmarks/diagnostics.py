@@ -275,7 +275,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     args = parser.parse_args()
     quick = args.quick
-    figures: dict[str, Any] = {"engine": "simulated (no model)"}
+    figures: dict[str, Any] = {"engine": "simulated (no model)",
+                               "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         figures["dump_10k"] = runner.run(part_dump(2000 if quick else 10_000, 2 if quick else 5))
         print("dump:", figures["dump_10k"], flush=True)
@@ -285,6 +286,7 @@ def main() -> None:
         print("false alarms:", figures["false_alarms"], flush=True)
     figures["throughput"] = part_throughput(500 if quick else 2000, 3 if quick else 12)
     print("throughput:", figures["throughput"], flush=True)
+    figures["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     if not quick:
         print("written:", write_result("diagnostics", figures))
 

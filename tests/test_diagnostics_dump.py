@@ -100,7 +100,7 @@ def test_sigusr1_on_idle_loop_dumps_stuck_samples_their_stage_and_awaited_event(
     child = spawn("idle")
     os.kill(child.pid, signal.SIGUSR1)
     deadline = time.monotonic() + 10
-    while not list(child.directory.glob("tasks-*.txt")):
+    while not list(child.directory.glob("tasks-*.json")):  # the .json comes after the .txt
         assert time.monotonic() < deadline, child.log()
         time.sleep(0.02)
     [path] = child.directory.glob("tasks-*.txt")

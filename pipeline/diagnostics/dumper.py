@@ -299,10 +299,10 @@ class TaskDumper:
             micros = int((snap.taken_at % 1) * 1e6)
             base = f"tasks-{stamp}.{micros:06d}Z-{self._seq}"
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path = self.directory / f"{base}.txt"
+            _write_atomic(path, text)  # first: it is what a person waits for
             if self.write_json:
                 _write_atomic(self.directory / f"{base}.json", render_json(snap))
-            path = self.directory / f"{base}.txt"
-            _write_atomic(path, text)
         if self.echo_stderr:
             with contextlib.suppress(OSError):
                 os.write(2, text.encode("utf-8", "replace"))

@@ -302,16 +302,28 @@ def task_infos(tasks: Iterable[asyncio.Task[Any]]) -> tuple[TaskInfo, ...]:
 
 
 def _all_tasks(loops: list[asyncio.AbstractEventLoop]) -> list[asyncio.Task[Any]]:
-    """Pending tasks of every loop (copied defensively; another thread may be adding some)."""
-    registry = getattr(asyncio.tasks, "_all_tasks", None)  # 3.11: one WeakSet for all loops
-    if registry is not None:
-        found = iter_list_retrying(registry)
-        if sys.version_info >= (3, 12):  # eagerly started tasks live in a second set
-            found = iter([*found, *iter_list_retrying(getattr(asyncio.tasks, "_eager_tasks", ()))])
-        return [t for t in found if not t.done()]
-    out: list[asyncio.Task[Any]] = []
-    for lp in loops:
-        out.extend(t for t in iter_list_retrying(asyncio.all_tasks(lp)) if not t.done())
+    """Pending tasks of every loop (copied defensively; another thread may be adding some).
+
+    Python 3.11 keeps every task in one registry (``_all_tasks``), 3.12 and 3.13 in two
+    (``_scheduled_tasks`` and ``_eager_tasks``): reading them finds the tasks of loops
+    nobody registered. Elsewhere, the tasks of ``loops`` are listed.
+    """
+    registries = [getattr(asyncio.tasks, name, None)
+                  for name in ("_all_tasks", "_scheduled_tasks", "_eager_tasks")]
+    found: list[asyncio.Task[Any]] = []
+    if any(r is not None for r in registries):
+        for registry in registries:
+            if registry is not None:
+                found.extend(iter_list_retrying(registry))
+    else:
+        for lp in loops:
+            found.extend(iter_list_retrying(asyncio.all_tasks(lp)))
+    seen: set[int] = set()
+    out = []
+    for task in found:
+        if not task.done() and id(task) not in seen:
+            seen.add(id(task))
+            out.append(task)
     return out
 
 
