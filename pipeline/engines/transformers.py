@@ -1,0 +1,544 @@
+"""Torch + transformers engine: concurrent requests micro-batched into one forward loop.
+
+Every ``generate`` call becomes a request queued to one worker thread that owns the model; the
+event loop never runs model code. The worker runs a continuous batch:
+
+1. at each step boundary it reads new requests and aborts;
+2. new requests are prefilled together (left-padded, with an attention mask and per-row
+   position ids) and their KV cache is merged into the running batch's cache;
+3. one decode step runs for every row; each row samples with its own parameters and seed;
+4. rows that stopped (stop token, token limit, abort) leave the batch at once.
+
+Only full-attention decoder models are supported (the cache is padded on the left and sliced
+by rows, which sliding-window layers do not allow). Extension points for later work: weight
+sync runs code between steps with :meth:`TransformersEngine.call_in_worker`; capturing MoE
+router choices belongs in :meth:`TransformersEngine._forward` (``output_router_logits``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import inspect
+import queue
+import threading
+import zlib
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from pipeline._config import SamplingParams
+from pipeline._exceptions import EngineError
+from pipeline._models import FinishReason
+from pipeline.engines.base import Generation
+
+_T = TypeVar("_T")
+_logger = structlog.get_logger("pipeline.engines.transformers")
+
+LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
+"""``(ids generated so far, logits [vocab]) -> logits``; runs before temperature/top-k/top-p,
+so its effect is part of the distribution that is sampled from and reported."""
+
+ProcessorFactory = Callable[[str, Sequence[int]], LogitsProcessor | None]
+"""``(request_id, prompt_ids) -> processor or None``: picks a processor per request."""
+
+
+@dataclass
+class EngineCounters:
+    """What the worker did; read them for benchmarks and to check batching."""
+
+    requests: int = 0
+    prefill_calls: int = 0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    max_batch_rows: int = 0
+    generated_tokens: int = 0
+
+    @property
+    def mean_batch_rows(self) -> float:
+        """Average number of rows per decode step."""
+        return self.decode_rows / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    limit: str
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Generation]
+    generator: torch.Generator
+    processor: LogitsProcessor | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    aborted: bool = False
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class _Batch:
+    rows: list[_Request]
+    cache: Any
+    mask: torch.Tensor  # [rows, cached positions], 1 = real token
+    positions: torch.Tensor  # [rows] position id of each row's next token
+    last: torch.Tensor  # [rows] last sampled token (the next decode input)
+
+
+class TransformersEngine:
+    """In-process engine on a Hugging Face causal LM (CPU or CUDA), micro-batched.
+
+    ``logprobs`` are the log-probabilities of each sampled token under the distribution it was
+    actually sampled from: the model's logits after the request's logits processor (if any),
+    temperature, top-k and top-p, renormalised. With ``temperature=0`` the token is the argmax
+    and its logprob is taken from that processed distribution at temperature 1.
+
+    Sampling is seeded per request: the generator is seeded from ``sampling.seed`` (or, when
+    it is None, the engine seed and the request id) mixed with a digest of the prompt ids, so
+    the same seed and prompt give the same tokens whatever else is in the batch, while the
+    turns of one agent loop (different prompts, same seed) get different random streams.
+
+    Stops are token ids only: the model's eos ids plus ``sampling.stop_token_ids`` (the stop
+    token is returned). ``raw_finish_reason`` is ``eos``/``stop_token`` for ``stop``,
+    ``max_tokens``/``context`` for ``length`` (``context``: the model's ``max_model_len``
+    was the binding limit; a prompt that already fills it returns no tokens), ``abort``.
+
+    Args:
+        model: a causal LM (``transformers`` ``PreTrainedModel``), already on its device.
+        tokenizer: the matching tokenizer, exposed as ``engine.tokenizer`` (optional).
+        max_batch_size: most requests decoded together; more wait for a free row.
+        max_model_len: context limit (prompt + generated); default: the model's
+            ``max_position_embeddings``.
+        max_prefill_tokens: bound on padded tokens prefilled in one forward (memory).
+        eos_token_ids: stop ids besides each request's own; default from the model's
+            generation config and the tokenizer.
+        processor_factory: picks a :data:`LogitsProcessor` per request (constrained decoding).
+        seed: base seed for requests without ``sampling.seed``.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, *, max_batch_size: int = 32,
+                 max_model_len: int | None = None, max_prefill_tokens: int = 16384,
+                 eos_token_ids: Sequence[int] | None = None,
+                 processor_factory: ProcessorFactory | None = None, seed: int = 0) -> None:
+        if max_batch_size < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+        config = model.config
+        layer_types = getattr(config, "layer_types", None) or []
+        if getattr(config, "use_sliding_window", False) or any(
+                t != "full_attention" for t in layer_types):
+            raise EngineError("TransformersEngine supports full-attention models only")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(config.vocab_size)
+        self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None
+                                       else _eos_ids(model, tokenizer))
+        self.pad_token_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
+        self.processor_factory = processor_factory
+        self.seed = seed
+        self.policy_version: int | None = None
+        """Version of the loaded weights; reported on every generation (weight sync sets it)."""
+        self.counters = EngineCounters()
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._known: dict[str, _Request] = {}  # worker thread only: queued or running
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: Any = None,
+                        **kwargs: Any) -> TransformersEngine:
+        """Load a model directory (and its tokenizer) and build an engine on ``device``.
+
+        Blocking (seconds to minutes): call it before the event loop starts, or through
+        ``asyncio.to_thread``. ``dtype`` defaults to float32 on CPU and bfloat16 elsewhere;
+        other keyword arguments go to the constructor.
+
+        Raises:
+            EngineError: the model or tokenizer cannot be loaded.
+        """
+        hf: Any = importlib.import_module("transformers")  # untyped at this boundary
+        if dtype is None:
+            dtype = torch.float32 if str(device) == "cpu" else torch.bfloat16
+        try:
+            tokenizer = hf.AutoTokenizer.from_pretrained(str(path))
+            model = hf.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"cannot load a model from {path}: {exc}") from exc
+        return cls(model.to(device), tokenizer, **kwargs)
+
+    @property
+    def inflight_requests(self) -> int:
+        """Requests the worker holds now (queued or running); 0 once aborts have landed."""
+        return len(self._known)
+
+    # ----- the async side (event loop) --------------------------------------------------
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                       request_id: str) -> Generation:
+        """Queue one request and wait for it (see the class doc for what comes back).
+
+        Raises:
+            EngineError: the engine is closed, the prompt is empty or holds an id outside the
+                vocabulary, the request id is in flight already, or the model failed.
+            asyncio.CancelledError: the caller was cancelled; the request is aborted too.
+        """
+        if self._closed:
+            raise EngineError(f"request {request_id}: the engine is closed")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise EngineError(f"request {request_id}: empty prompt")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise EngineError(f"request {request_id}: prompt holds a token id outside "
+                              f"[0, {self.vocab_size})")
+        room = self.max_model_len - len(prompt)
+        if room <= 0:
+            return Generation([], [], FinishReason.LENGTH, "context",
+                              policy_version=self.policy_version)
+        loop = asyncio.get_running_loop()
+        request = _Request(
+            request_id=request_id, prompt=prompt, sampling=sampling,
+            max_tokens=min(sampling.max_tokens, room),
+            limit="max_tokens" if sampling.max_tokens <= room else "context",
+            loop=loop, future=loop.create_future(),
+            generator=torch.Generator().manual_seed(self._request_seed(prompt, sampling,
+                                                                       request_id)),
+            processor=(self.processor_factory(request_id, prompt)
+                       if self.processor_factory is not None else None))
+        self._send("add", request)
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            self._send("abort", request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        """End ``request_id`` at the next step boundary with ``finish_reason=abort`` (the
+        tokens sampled so far are returned); unknown ids are ignored."""
+        if not self._closed:
+            self._send("abort", request_id)
+
+    async def call_in_worker(self, fn: Callable[[Any], _T]) -> _T:
+        """Run ``fn(model)`` on the worker thread between two steps and return its result.
+
+        The hook weight sync builds on: nothing runs on the model while ``fn`` runs.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[_T] = loop.create_future()
+        self._send("call", fn, loop, future)
+        return await future
+
+    async def aclose(self) -> None:
+        """Abort every request, stop the worker thread and wait for it."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            self._inbox.put(("close",))
+            await asyncio.to_thread(thread.join)
+
+    def _send(self, *command: Any) -> None:
+        with self._lock:
+            if self._closed and command[0] != "close":
+                raise EngineError("the engine is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="transformers-engine",
+                                                daemon=True)
+                self._thread.start()
+            self._inbox.put(command)
+
+    def _request_seed(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> int:
+        base = sampling.seed if sampling.seed is not None else zlib.crc32(
+            f"{self.seed}:{request_id}".encode())
+        digest = hashlib.blake2b(array("q", prompt).tobytes(), digest_size=8,
+                                 key=str(base).encode()[:64]).digest()
+        return int.from_bytes(digest, "little") & (2**63 - 1)
+
+    # ----- the worker thread --------------------------------------------------------------
+
+    def _serve(self) -> None:
+        waiting: list[_Request] = []
+        batch: _Batch | None = None
+        with torch.inference_mode():
+            while True:
+                try:
+                    if self._take_commands(waiting, batch, block=batch is None and not waiting):
+                        for request in list(self._known.values()):
+                            self._finish(request, FinishReason.ABORT, "abort")
+                        return
+                    if batch is not None:
+                        batch = self._drop(batch, [r.aborted for r in batch.rows])
+                    if waiting and (batch is None or len(batch.rows) < self.max_batch_size):
+                        batch = self._admit(waiting, batch)
+                    if batch is not None:
+                        batch = self._decode(batch)
+                except Exception as exc:  # the model failed: fail its requests, keep serving
+                    _logger.error("engine_step_failed", error=repr(exc))
+                    for request in list(self._known.values()):
+                        request.finished = True
+                        _deliver(request.loop, request.future, None,
+                                 EngineError(f"request {request.request_id}: model failed: "
+                                             f"{type(exc).__name__}: {exc}"))
+                    self._known.clear()
+                    waiting, batch = [], None
+
+    def _take_commands(self, waiting: list[_Request], batch: _Batch | None, block: bool) -> bool:
+        """Apply queued commands; True when the engine is closing."""
+        while True:
+            try:
+                command = self._inbox.get() if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return False
+            block = False
+            kind = command[0]
+            if kind == "close":
+                return True
+            if kind == "add":
+                request: _Request = command[1]
+                if request.request_id in self._known:
+                    _deliver(request.loop, request.future, None, EngineError(
+                        f"request id {request.request_id!r} is already in flight"))
+                else:
+                    self.counters.requests += 1
+                    self._known[request.request_id] = request
+                    waiting.append(request)
+            elif kind == "abort":
+                found = self._known.get(command[1])
+                if found is not None:
+                    found.aborted = True
+                    if found in waiting:
+                        waiting.remove(found)
+                        self._finish(found, FinishReason.ABORT, "abort")
+            elif kind == "call":
+                fn, loop, future = command[1:]
+                try:
+                    _deliver(loop, future, fn(self.model), None)
+                except Exception as exc:
+                    _deliver(loop, future, None, exc)
+
+    def _admit(self, waiting: list[_Request], batch: _Batch | None) -> _Batch | None:
+        free = self.max_batch_size - (len(batch.rows) if batch else 0)
+        group: list[_Request] = []
+        longest = 0
+        while waiting and len(group) < free:
+            longest_if = max(longest, len(waiting[0].prompt))
+            if group and longest_if * (len(group) + 1) > self.max_prefill_tokens:
+                break
+            longest = longest_if
+            group.append(waiting.pop(0))
+        ids = torch.full((len(group), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(group), longest), dtype=torch.long)
+        for i, request in enumerate(group):
+            ids[i, longest - len(request.prompt):] = torch.tensor(request.prompt)
+            mask[i, longest - len(request.prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = _new_cache()
+        logits = self._forward(ids, mask, positions, cache)
+        self.counters.prefill_calls += 1
+        self.counters.prefill_tokens += int(mask.sum())
+        fresh = _Batch(group, cache, mask, positions[:, -1] + 1, torch.zeros(0))
+        return self._merge(batch, self._sample_and_settle(fresh, logits))
+
+    def _decode(self, batch: _Batch) -> _Batch | None:
+        batch.mask = F.pad(batch.mask, (0, 1), value=1)
+        logits = self._forward(batch.last[:, None], batch.mask, batch.positions[:, None],
+                               batch.cache)
+        batch.positions = batch.positions + 1
+        self.counters.decode_steps += 1
+        self.counters.decode_rows += len(batch.rows)
+        self.counters.max_batch_rows = max(self.counters.max_batch_rows, len(batch.rows))
+        return self._sample_and_settle(batch, logits)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache: Any) -> torch.Tensor:
+        """One forward pass; returns float32 logits of each row's last position ``[B, V]``."""
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
+        return out.logits[:, -1, :].float()  # type: ignore[no-any-return]
+
+    def _sample_and_settle(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
+        rows = batch.rows
+        broken = self._apply_processors(rows, logits)
+        tokens, logprobs = sample_rows(logits, [r.sampling for r in rows],
+                                       [r.generator for r in rows])
+        done: list[bool] = []
+        for request, token, logprob, error in zip(rows, tokens, logprobs, broken, strict=True):
+            done.append(True)
+            if error is not None:
+                request.finished = True
+                self._known.pop(request.request_id, None)
+                _deliver(request.loop, request.future, None, error)
+                continue
+            request.tokens.append(token)
+            request.logprobs.append(logprob)
+            self.counters.generated_tokens += 1
+            if token in self.eos_token_ids:
+                self._finish(request, FinishReason.STOP, "eos")
+            elif token in request.sampling.stop_token_ids:
+                self._finish(request, FinishReason.STOP, "stop_token")
+            elif len(request.tokens) >= request.max_tokens:
+                self._finish(request, FinishReason.LENGTH, request.limit)
+            else:
+                done[-1] = False
+        batch.last = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self._drop(batch, done)
+
+    @staticmethod
+    def _apply_processors(rows: Sequence[_Request],
+                          logits: torch.Tensor) -> list[EngineError | None]:
+        """Run each row's logits processor in place; a processor that raises or allows no
+        token fails its own request only (its row is neutralised for this step)."""
+        errors: list[EngineError | None] = []
+        for i, request in enumerate(rows):
+            error = None
+            if request.processor is not None:
+                try:
+                    logits[i] = request.processor(request.tokens, logits[i])
+                    if not bool(torch.isfinite(logits[i]).any()):
+                        error = EngineError(f"request {request.request_id}: the logits "
+                                            "processor allowed no token")
+                except Exception as exc:
+                    error = EngineError(f"request {request.request_id}: the logits processor "
+                                        f"raised {type(exc).__name__}: {exc}")
+                    error.__cause__ = exc
+                if error is not None:
+                    logits[i] = 0.0
+            errors.append(error)
+        return errors
+
+    def _drop(self, batch: _Batch, gone: list[bool]) -> _Batch | None:
+        """Remove rows (finished or aborted) and trim cache columns no row needs."""
+        if not any(gone):
+            return batch
+        for request, leaves in zip(batch.rows, gone, strict=True):
+            if leaves and request.aborted:
+                self._finish(request, FinishReason.ABORT, "abort")
+        keep = [i for i, leaves in enumerate(gone) if not leaves]
+        if not keep:
+            return None
+        index = torch.tensor(keep, device=self.device)
+        mask = batch.mask[index]
+        start = int(mask.any(0).int().argmax())  # first column some remaining row uses
+        pairs = [(k[index, :, start:], v[index, :, start:]) for k, v in _kv(batch.cache)]
+        return _Batch([batch.rows[i] for i in keep], _new_cache(pairs), mask[:, start:],
+                      batch.positions[index], batch.last[index])
+
+    @staticmethod
+    def _merge(old: _Batch | None, new: _Batch | None) -> _Batch | None:
+        if old is None or new is None:
+            return old or new
+        width = max(old.mask.shape[1], new.mask.shape[1])
+
+        def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
+            amount = width - t.shape[-dim_from_end]
+            return F.pad(t, (0, 0) * (dim_from_end - 1) + (amount, 0)) if amount else t
+
+        pairs = [(torch.cat([pad(ko, 2), pad(kn, 2)]), torch.cat([pad(vo, 2), pad(vn, 2)]))
+                 for (ko, vo), (kn, vn) in zip(_kv(old.cache), _kv(new.cache), strict=True)]
+        return _Batch(old.rows + new.rows, _new_cache(pairs),
+                      torch.cat([pad(old.mask, 1), pad(new.mask, 1)]),
+                      torch.cat([old.positions, new.positions]), torch.cat([old.last, new.last]))
+
+    def _finish(self, request: _Request, reason: FinishReason, raw: str) -> None:
+        if request.finished:
+            return
+        request.finished = True
+        self._known.pop(request.request_id, None)
+        generation = Generation(list(request.tokens), list(request.logprobs), reason, raw,
+                                policy_version=self.policy_version)
+        _deliver(request.loop, request.future, generation, None)
+
+
+def sample_rows(logits: torch.Tensor, sampling: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator]) -> tuple[list[int], list[float]]:
+    """Sample one token per row with its own temperature, top-k, top-p and generator.
+
+    ``logits`` are ``[rows, vocab]`` float32, after any logits processor. Returns the tokens
+    and their logprobs under the processed distribution each was drawn from.
+    """
+    temps = torch.tensor([s.temperature for s in sampling], device=logits.device)
+    greedy = temps == 0
+    logits = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    logits = _filter_top_k_top_p(
+        logits, torch.tensor([s.top_k for s in sampling], device=logits.device),
+        torch.tensor([s.top_p for s in sampling], device=logits.device))
+    logp = torch.log_softmax(logits, dim=-1)
+    cdf = logp.exp().cumsum(dim=-1)
+    # 1 - U[0, 1) lies in (0, 1]: the first index where the cdf reaches it has mass > 0.
+    u = torch.stack([1.0 - torch.rand((), generator=g) for g in generators])
+    drawn = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None]).squeeze(1)
+    drawn = drawn.clamp(max=logits.shape[-1] - 1)
+    tokens = torch.where(greedy, logp.argmax(dim=-1), drawn)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), chosen.tolist()
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p nucleus to -inf (``-1``/``1.0`` = off)."""
+    use_k, use_p = top_k > 0, top_p < 1.0
+    if not bool(use_k.any() or use_p.any()):
+        return logits
+    vocab = logits.shape[-1]
+    ordered, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    remove = use_k[:, None] & (rank >= top_k.clamp(min=1)[:, None])
+    if bool(use_p.any()):
+        probs = torch.softmax(ordered.masked_fill(remove, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
+        remove |= use_p[:, None] & (before >= top_p[:, None]) & (rank > 0)
+    ordered = ordered.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _new_cache(pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache(pairs) if pairs else DynamicCache()
+
+
+def _kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: Any,
+             error: BaseException | None) -> None:
+    """Settle ``future`` on its own loop; a closed loop or a cancelled waiter is ignored."""
+    def settle() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed: nobody waits any more
+        pass

@@ -1,0 +1,21 @@
+"""Tools for agent loops: the tool protocol and registry, call parsers, a calculator."""
+
+from pipeline.tools._registry import FunctionTool, Tool, make_registry, tool_schema
+from pipeline.tools._schema import validate_arguments
+from pipeline.tools.calculator import CalculatorError, calculator_tool, evaluate_arithmetic
+from pipeline.tools.parsers import HermesToolParser, ParsedMessage, ParsedToolCall, ToolParser
+
+__all__ = [
+    "CalculatorError",
+    "FunctionTool",
+    "HermesToolParser",
+    "ParsedMessage",
+    "ParsedToolCall",
+    "Tool",
+    "ToolParser",
+    "calculator_tool",
+    "evaluate_arithmetic",
+    "make_registry",
+    "tool_schema",
+    "validate_arguments",
+]

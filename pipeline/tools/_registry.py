@@ -1,0 +1,93 @@
+"""What a tool is, and the registry (a plain ``dict`` name -> tool) the pipeline holds.
+
+A tool is anything with ``name``, ``description``, ``parameters`` (a JSON schema),
+``timeout_s`` and ``async __call__(arguments)``; :class:`FunctionTool` wraps an async function.
+The optional rate-limit fields (``rate``, ``burst``, ``max_concurrency``, ``fairness_key``) are
+declared here and read by the tool-calling stage where it acquires before calling.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from pipeline._exceptions import ConfigError
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A callable tool as the tool-calling stage sees it."""
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+    timeout_s: float
+
+    async def __call__(self, arguments: Mapping[str, Any]) -> Any:
+        """Run the tool on already validated arguments; the result is sent back as text
+        (``str`` as is, anything else as JSON)."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class FunctionTool:
+    """A tool backed by an ``async def fn(**arguments)``.
+
+    Attributes:
+        name: what the model calls it.
+        description: shown to the model with the schema.
+        parameters: JSON schema of the arguments object.
+        fn: the implementation, called with the arguments as keywords.
+        timeout_s: a call that takes longer ends with a timeout error for the model.
+        rate: sustained calls per second allowed (None: unlimited).
+        burst: calls allowed at once above ``rate``.
+        max_concurrency: calls running at once (None: unlimited).
+        fairness_key: which sample attribute shares the limit fairly (``"group_id"``,
+            ``"uid"``, ``"data_source"``); None shares it first come, first served.
+    """
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] = field(
+        default_factory=lambda: {"type": "object", "properties": {}})
+    fn: Callable[..., Awaitable[Any]]
+    timeout_s: float = 10.0
+    rate: float | None = None
+    burst: int | None = None
+    max_concurrency: int | None = None
+    fairness_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not inspect.iscoroutinefunction(self.fn):
+            raise ConfigError(f"tool {self.name!r}: fn must be an 'async def' function")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"tool {self.name!r}: timeout_s must be > 0")
+
+    async def __call__(self, arguments: Mapping[str, Any]) -> Any:
+        """Call ``fn(**arguments)``."""
+        return await self.fn(**arguments)
+
+
+def tool_schema(tool: Tool) -> dict[str, Any]:
+    """The OpenAI tool schema of ``tool`` (what a row's ``tools`` list holds)."""
+    return {"type": "function", "function": {
+        "name": tool.name, "description": tool.description, "parameters": dict(tool.parameters)}}
+
+
+def make_registry(tools: Iterable[Tool]) -> dict[str, Tool]:
+    """Build the registry for ``Pipeline(tools=...)`` from tools, checking names.
+
+    Raises:
+        ConfigError: a tool lacks the protocol's members, or two tools share a name.
+    """
+    registry: dict[str, Tool] = {}
+    for tool in tools:
+        if not isinstance(tool, Tool):
+            raise ConfigError(f"{tool!r} is not a tool: it needs name, description, "
+                              "parameters, timeout_s and 'async __call__(arguments)'")
+        if tool.name in registry:
+            raise ConfigError(f"two tools are named {tool.name!r}")
+        registry[tool.name] = tool
+    return registry

@@ -1,0 +1,154 @@
+"""rollout run arith  (or: python -m scenarios.arith_tools [--count N] [--n K] [--seed S])
+
+Arithmetic word problems solved with a calculator tool: a multi-turn agent loop on a real model.
+
+The stage list is ``BuildPrompt -> Loop([Generate, CallTools]) -> numeric_match_reward``. The
+default model is the tiny local Qwen2 model (built on first use, see
+:mod:`pipeline.models.tiny`) run by :class:`~pipeline.engines.transformers.TransformersEngine`.
+Its weights are random, so it rarely calls the tool or answers right: the run shows the
+machinery (token accounting, tool errors, length budget), not skill.
+
+Knobs: ``rows(count, seed)`` draws problems; ``stages(max_turns)`` sets how many assistant turns
+a sample may take; sampling (``max_tokens`` per turn, ``max_response_tokens`` over the whole
+trajectory) comes from the pipeline config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import re
+from typing import Any
+
+from pipeline import artifacts as A
+from pipeline._context import Context
+from pipeline._models import AgentMessage, AgentRolloutItem
+from pipeline.stages.base import Loop
+from pipeline.stages.generate import Generate
+from pipeline.stages.prompt import BuildPrompt
+from pipeline.stages.tools import CallTools
+from pipeline.tools import Tool, calculator_tool, make_registry, tool_schema
+
+DATA_SOURCE = "arith_tools"
+SYSTEM_PROMPT = ("Solve the word problem. Use the calculator tool for the arithmetic, then "
+                 "reply with one line: Answer: <number>.")
+
+_NAMES = ("Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goro", "Hana", "Ivan", "Jo")
+_ITEMS = ("apples", "books", "coins", "marbles", "stamps", "cards", "shells", "pens")
+
+
+def _problem(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    kind = rng.randrange(4)
+    if kind == 0:
+        a, b, c = rng.randint(10, 99), rng.randint(2, 9), rng.randint(2, 12)
+        return (f"{name} has {a} {item} and buys {b} boxes with {c} {item} in each. "
+                f"How many {item} does {name} have now?", a + b * c)
+    if kind == 1:
+        groups, each, lost = rng.randint(3, 12), rng.randint(5, 40), rng.randint(1, 20)
+        return (f"{name} packs {groups} bags of {each} {item} and then loses {lost} {item}. "
+                f"How many {item} are left?", groups * each - lost)
+    if kind == 2:
+        share, people = rng.randint(4, 30), rng.randint(2, 9)
+        total = share * people
+        return (f"{name} shares {total} {item} equally among {people} friends. "
+                f"How many {item} does each friend get?", share)
+    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    return f"{name} counts {a} {item} on Monday and {b} on Tuesday. What is the total?", a + b
+
+
+def rows(count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``count`` problems in the row schema, the same ones for the same ``seed``.
+
+    Each row has ``messages`` (system + user), ``tools`` (the calculator's OpenAI schema),
+    ``ground_truth`` (the integer answer, as text) and ``data_source``.
+    """
+    rng = random.Random(seed)
+    schemas = [tool_schema(t) for t in tools().values()]
+    out = []
+    for _ in range(count):
+        question, answer = _problem(rng)
+        out.append({
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                         {"role": "user", "content": question}],
+            "tools": schemas,
+            "ground_truth": str(answer),
+            "data_source": DATA_SOURCE,
+        })
+    return out
+
+
+def tools() -> dict[str, Tool]:
+    """The tool registry for ``Pipeline(tools=...)``: just the calculator."""
+    return make_registry([calculator_tool()])
+
+
+_ANSWER = re.compile(r"answer\s*[:=]?\s*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_number(text: str) -> float | None:
+    """The number after ``Answer:``, else the last number in ``text``; None if there is none."""
+    found = _ANSWER.findall(text) or _NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+async def numeric_match_reward(item: AgentRolloutItem, ctx: Context) -> None:
+    """Reward 1.0 when the final assistant message's number equals the ground truth, else 0.0."""
+    final = next((m for m in reversed(item.artifacts.get(A.MESSAGES, ()))
+                  if isinstance(m, AgentMessage) and m.role == "assistant"), None)
+    text = final.content if final is not None and isinstance(final.content, str) else ""
+    predicted = extract_number(text)
+    expected = extract_number(str(item.data.ground_truth))
+    correct = (predicted is not None and expected is not None
+               and math.isclose(predicted, expected, rel_tol=1e-9, abs_tol=1e-9))
+    item.artifacts[A.REWARD] = 1.0 if correct else 0.0
+    item.artifacts[A.REWARD_PAYLOAD] = {"score": 1.0 if correct else 0.0, "acc": correct,
+                                        "predicted": predicted, "expected": expected}
+
+
+def stages(max_turns: int = 4) -> list[Any]:
+    """The plain stage list of this scenario."""
+    return [BuildPrompt(), Loop([Generate(), CallTools()], max_turns=max_turns),
+            numeric_match_reward]
+
+
+async def run(count: int = 8, n: int = 2, seed: int = 0) -> Any:
+    """Run the scenario on the tiny model with :class:`TransformersEngine`; returns the batch
+    result (``samples``, ``items``, ``stats``)."""
+    from pipeline import Pipeline
+    from pipeline.engines.transformers import TransformersEngine
+    from pipeline.models.tiny import ensure_tiny_model
+
+    model_dir = await asyncio.to_thread(ensure_tiny_model)
+    engine = await asyncio.to_thread(TransformersEngine.from_pretrained, model_dir,
+                                     max_batch_size=64, max_model_len=2048)
+    try:
+        pipeline = Pipeline(stages(), engine=engine, tokenizer=engine.tokenizer, tools=tools(),
+                            config={"seed": seed, "sample_timeout_s": 300,
+                                    "sampling": {"max_tokens": 96, "max_response_tokens": 512}})
+        return await pipeline.run_batch(rows(count, seed), n=n)
+    finally:
+        await engine.aclose()
+
+
+def main() -> None:
+    """Command line entry point (the CLI's ``rollout run arith`` does the same)."""
+    parser = argparse.ArgumentParser(prog="python -m scenarios.arith_tools")
+    parser.add_argument("--count", type=int, default=8, help="problems (default 8)")
+    parser.add_argument("--n", type=int, default=2, help="rollouts per problem (default 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    result = asyncio.run(run(args.count, args.n, args.seed))
+    print(result.stats.model_dump_json(indent=1))
+
+
+if __name__ == "__main__":
+    main()
