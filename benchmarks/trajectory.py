@@ -7,13 +7,19 @@ Run::
 
 The samples are real: a batch through ``Pipeline`` on the simulated engine (zero latency)
 with the byte tokenizer, a system prompt with a tool schema, up to 3 agent turns of up to
-256 tokens with a tool reply after the first, and a judge. Each figure times only the part
-named (the batch is produced once; medians of 3 runs): ``TrajectoryWriter.write`` for
-every sample (without and with token ids; with ``fsync`` per line on a subset),
-``batch_metrics``, then, with the batch dropped from memory as in a fresh ``rollout
-inspect`` process, ``read_trajectories`` and ``build_trace`` + ``json.dump``. The writer's
-cost inside a batch is measured too: the same batch with and without ``on_sample_done``
-set to the writer, alternating, medians reported.
+256 tokens with a tool reply after the first, and a judge. The batch is produced once; each
+figure then times only the part named, as the median of 3 runs:
+
+- ``TrajectoryWriter.write`` for every sample: with decoded text, with token ids, without a
+  tokenizer, and with ``fsync`` after every line (200 samples);
+- ``batch_metrics`` of the batch;
+- with the batch dropped from memory (as in a fresh ``rollout inspect`` process):
+  ``read_trajectories``, and ``write_trace`` (read, convert, write the trace file);
+- the writer inside a batch: the same batch with and without ``on_sample_done`` set to the
+  writer, alternating.
+
+Each figure is given in CPU time of this process (steadier when other work shares the
+machine) and in wall time; the load average at start and end is recorded beside them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -46,8 +53,8 @@ from pipeline import (
 from pipeline.observability import (
     TrajectoryWriter,
     batch_metrics,
-    build_trace,
     read_trajectories,
+    write_trace,
 )
 from pipeline.testing import ByteTokenizer
 
@@ -102,38 +109,67 @@ def rows(num: int) -> list[dict[str, Any]]:
              "tools": TOOLS, "data_source": "arith"} for i in range(num)]
 
 
-def time_writes(result: Any, path: Path, **options: Any) -> tuple[float, int]:
+class Timer:
+    """Wall and CPU (process) time of a block; CPU time is steadier on a shared machine."""
+
+    def __enter__(self) -> Timer:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = time.process_time() - self.cpu
+
+
+def rates(timers: list[Timer], num: int, size: int | None = None) -> dict[str, float]:
+    """Per-sample figures from the medians of several timed runs."""
+    wall = statistics.median(t.wall for t in timers)
+    cpu = statistics.median(t.cpu for t in timers)
+    out = {"samples_per_s_cpu": round(num / cpu), "cpu_us_per_sample": round(1e6 * cpu / num, 1),
+           "samples_per_s_wall": round(num / wall),
+           "wall_us_per_sample": round(1e6 * wall / num, 1)}
+    if size is not None:
+        out["mb_per_s_cpu"] = round(size / cpu / 1e6, 1)
+    return out
+
+
+def time_writes(result: Any, path: Path, **options: Any) -> tuple[Timer, int]:
+    path.unlink(missing_ok=True)
     writer = TrajectoryWriter(path, **options)
     writer.begin_batch(step=0)
-    started = time.perf_counter()
-    for item, sample in zip(result.items, result.samples, strict=True):
-        writer.write(item, sample)
-    elapsed = time.perf_counter() - started
+    with Timer() as timer:
+        for item, sample in zip(result.items, result.samples, strict=True):
+            writer.write(item, sample)
     writer.end_batch(result)
     writer.close()
     assert writer.errors == 0
-    return elapsed, path.stat().st_size
+    return timer, path.stat().st_size
 
 
 async def in_batch_cost(tokenizer: ByteTokenizer, folder: Path, num: int,
                         repeats: int) -> dict[str, float]:
-    plain, dumped = [], []
+    plain: list[Timer] = []
+    dumped: list[Timer] = []
     for r in range(repeats):
         pipe = make_pipeline(tokenizer)
-        started = time.perf_counter()
-        await pipe.run_batch(rows(num), n=1)
-        plain.append(time.perf_counter() - started)
+        with Timer() as timer:
+            await pipe.run_batch(rows(num), n=1)
+        plain.append(timer)
         writer = TrajectoryWriter(folder / f"inbatch_{r}.jsonl", tokenizer=tokenizer)
         writer.begin_batch(step=r)
         pipe = make_pipeline(tokenizer)
-        started = time.perf_counter()
-        await pipe.run_batch(rows(num), n=1, on_sample_done=writer.write)
-        dumped.append(time.perf_counter() - started)
+        with Timer() as timer:
+            await pipe.run_batch(rows(num), n=1, on_sample_done=writer.write)
+        dumped.append(timer)
         writer.close()
-    base, with_writer = statistics.median(plain), statistics.median(dumped)
-    return {"batch_wall_s_median": round(base, 4),
-            "batch_wall_s_with_writer_median": round(with_writer, 4),
-            "writer_cost_us_per_sample": round(1e6 * (with_writer - base) / num, 1)}
+    base = statistics.median(t.cpu for t in plain)
+    with_writer = statistics.median(t.cpu for t in dumped)
+    return {"batch_cpu_s_median": round(base, 4),
+            "batch_cpu_s_with_writer_median": round(with_writer, 4),
+            "writer_cpu_us_per_sample": round(1e6 * (with_writer - base) / num, 1),
+            "batch_wall_s_median": round(statistics.median(t.wall for t in plain), 4),
+            "batch_wall_s_with_writer_median": round(statistics.median(t.wall for t in dumped),
+                                                     4)}
 
 
 def main() -> None:
@@ -143,11 +179,12 @@ def main() -> None:
     num = 300 if args.quick else 2000
     tokenizer = ByteTokenizer()
     result = asyncio.run(make_pipeline(tokenizer).run_batch(rows(num), n=1))
-    mean_response = statistics.mean(len(s.response_ids) for s in result.samples)
-    mean_prompt = statistics.mean(len(s.prompt_ids) for s in result.samples)
     figures: dict[str, Any] = {
-        "samples": num, "mean_prompt_tokens": round(mean_prompt, 1),
-        "mean_response_tokens": round(mean_response, 1),
+        "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+        "samples": num,
+        "mean_prompt_tokens": round(statistics.mean(len(s.prompt_ids) for s in result.samples), 1),
+        "mean_response_tokens": round(statistics.mean(len(s.response_ids)
+                                                      for s in result.samples), 1),
         "mean_turns": round(statistics.mean(it.artifacts[artifacts.TURNS]
                                             for it in result.items), 2),
     }
@@ -156,53 +193,43 @@ def main() -> None:
         for label, options in (("text", {"tokenizer": tokenizer}),
                                ("token_ids", {"tokenizer": tokenizer, "include_token_ids": True}),
                                ("no_tokenizer", {})):
-            runs = []
-            for _ in range(REPEATS):
-                path = folder / f"{label}.jsonl"
-                path.unlink(missing_ok=True)
-                runs.append(time_writes(result, path, **options))
-            elapsed, size = statistics.median(e for e, _ in runs), runs[-1][1]
-            figures[f"write_{label}"] = {"samples_per_s": round(num / elapsed),
-                                         "us_per_sample": round(1e6 * elapsed / num, 1),
-                                         "bytes_per_sample": round(size / num)}
+            runs = [time_writes(result, folder / f"{label}.jsonl", **options)
+                    for _ in range(REPEATS)]
+            figures[f"write_{label}"] = {**rates([t for t, _ in runs], num),
+                                         "bytes_per_sample": round(runs[-1][1] / num)}
         subset = result.model_copy(update={"items": result.items[:200],
                                            "samples": result.samples[:200]})
-        elapsed, _ = time_writes(subset, folder / "fsync.jsonl", tokenizer=tokenizer, fsync=True)
-        figures["write_text_fsync_every_line"] = {"samples_per_s": round(200 / elapsed),
-                                                  "us_per_sample": round(1e6 * elapsed / 200, 1)}
-        started = time.perf_counter()
-        metrics = batch_metrics(result)
-        figures["batch_metrics"] = {"ms": round(1e3 * (time.perf_counter() - started), 2),
-                                    "keys": len(metrics)}
+        timer, _ = time_writes(subset, folder / "fsync.jsonl", tokenizer=tokenizer, fsync=True)
+        figures["write_text_fsync_every_line"] = rates([timer], 200)
+        with Timer() as timer:
+            metrics = batch_metrics(result)
+        figures["batch_metrics"] = {"cpu_ms": round(1e3 * timer.cpu, 2), "keys": len(metrics)}
         del result, subset
         gc.collect()
         for label in ("text", "token_ids"):
             path = folder / f"{label}.jsonl"
-            times = []
+            timers = []
             for _ in range(REPEATS):
                 dump = None
                 gc.collect()
-                started = time.perf_counter()
-                dump = read_trajectories(path)
-                times.append(time.perf_counter() - started)
-            elapsed = statistics.median(times)
-            assert len(dump.samples) == num and dump.torn_tail is None
-            figures[f"read_{label}"] = {
-                "samples_per_s": round(num / elapsed),
-                "mb_per_s": round(path.stat().st_size / elapsed / 1e6, 1)}
-        dump = read_trajectories(folder / "text.jsonl")
-        started = time.perf_counter()
-        trace = build_trace(dump)
-        with (folder / "trace.json").open("w") as fh:
-            json.dump(trace, fh, separators=(",", ":"))
-        elapsed = time.perf_counter() - started
-        figures["trace"] = {"events": len(trace["traceEvents"]),
-                            "samples_per_s": round(num / elapsed),
-                            "bytes_per_sample": round((folder / "trace.json").stat().st_size / num)}
+                with Timer() as timer:
+                    dump = read_trajectories(path)
+                timers.append(timer)
+            assert dump is not None and len(dump.samples) == num and dump.torn_tail is None
+            figures[f"read_{label}"] = rates(timers, num, path.stat().st_size)
+        timers = []
+        for _ in range(REPEATS):
+            with Timer() as timer:
+                trace = write_trace(folder / "text.jsonl", folder / "trace.json")
+            timers.append(timer)
+        figures["trace_read_convert_write"] = {
+            **rates(timers, num), "events": len(trace["traceEvents"]),
+            "bytes_per_sample": round((folder / "trace.json").stat().st_size / num)}
         del dump, trace
         gc.collect()
         figures["in_batch"] = asyncio.run(in_batch_cost(
             tokenizer, folder, min(num, 1000), repeats=3 if args.quick else 5))
+    figures["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     path = write_result("trajectory", figures)
     print(json.dumps(figures, indent=2))
     print(f"written to benchmarks/results/{path.name}")

@@ -19,13 +19,14 @@ distance from each other.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+import pydantic_core
 
 from pipeline.observability.reader import TrajectoryDump, read_trajectories
 from pipeline.observability.schema import BatchSummary, StageTiming, TrajectoryRecord
@@ -120,8 +121,7 @@ def write_trace(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
     trace = build_trace(read_trajectories(path), flows=flows)
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with target.open("w", encoding="utf-8") as fh:
-        json.dump(trace, fh, separators=(",", ":"), ensure_ascii=False)
+    target.write_bytes(pydantic_core.to_json(trace, fallback=repr))
     return trace
 
 
