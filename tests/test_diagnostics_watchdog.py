@@ -116,9 +116,9 @@ async def test_progress_resets_the_stall_clock():
     engine = SimulatedEngine(latency_s=0.05, latency_sigma=0.0, tail_prob=0.0)
     pipe = Pipeline([BuildPrompt(offload=False), _Sleep(0.1)], engine=engine,
                     tokenizer=ByteTokenizer(), max_concurrency=1)
-    dog = Watchdog(5.0, stall_after_s=0.35, stall_check_s=0.02).start()
+    dog = Watchdog(5.0, stall_after_s=0.6, stall_check_s=0.02).start()
     try:
-        await pipe.run_batch([{"prompt": "x"}], n=8)  # one finishes every 0.1 s for 0.8 s
+        await pipe.run_batch([{"prompt": "x"}], n=15)  # one finishes every 0.1 s for 1.5 s
     finally:
         dog.stop()
     assert dog.stalls == 0
