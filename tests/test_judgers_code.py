@@ -44,6 +44,11 @@ def processes_of(uid: int | None) -> list[int]:
     return found
 
 
+def recent_sandbox_dirs() -> list[Path]:
+    return [p for p in Path(tempfile.gettempdir()).glob("pipeline-sandbox-*")
+            if p.is_dir() and p.stat().st_mtime > time.time() - 30]
+
+
 @pytest.fixture
 async def judger():  # type: ignore[no-untyped-def]
     judge = CodeJudger(timeout_s=1.0, max_processes=16, memory_mb=512, concurrency=2)
@@ -192,9 +197,7 @@ async def test_cancelled_run_is_cleaned_up(judger: CodeJudger) -> None:
         await task
     await judger.sandbox.aclose()  # waits for the stop and the sweep
     assert all(processes_of(uid) == [] for uid in judger.sandbox.uids[:4])
-    leftovers = [p for p in Path(tempfile.gettempdir()).glob("pipeline-sandbox-*")
-                 if p.is_dir() and p.stat().st_mtime > time.time() - 30]
-    assert leftovers == []
+    assert recent_sandbox_dirs() == []
 
 
 async def test_malformed_tests_and_missing_code() -> None:

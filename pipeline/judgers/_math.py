@@ -11,6 +11,7 @@ linear-time patterns, cheap enough to run on the event loop.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from fractions import Fraction
@@ -30,6 +31,8 @@ _FRAC = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?")
 _ASSIGNMENT = re.compile(r"^[A-Za-z]\w*=(?!=)(.+)$")
+_PLAIN_INT = re.compile(r"^-?\d{1,30}$")
+_SPACE = re.compile(r"\s+")
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _DECIMAL = r"[-+]?[\d.]+(?:[eE][-+]?\d+)?"
 _RATIO = re.compile(rf"^([-+]?)\(?({_DECIMAL})\)?/\(?({_DECIMAL})\)?$")
@@ -89,9 +92,12 @@ def extract_answer(text: str, *, fallback_last_number: bool = True) -> tuple[str
     return None, "none"
 
 
+@functools.lru_cache(maxsize=4096)
 def normalize_answer(answer: str) -> str:
     """A canonical string for comparison (see the module doc)."""
     s = answer.strip()
+    if _PLAIN_INT.match(s):
+        return s
     for left, right in (("\\(", "\\)"), ("\\[", "\\]")):
         if s.startswith(left) and s.endswith(right):
             s = s[len(left):-len(right)]
@@ -109,7 +115,7 @@ def normalize_answer(answer: str) -> str:
     while previous != s:
         previous, s = s, _FRAC.sub(r"(\1)/(\2)", s)
     s = _FRAC_SHORT.sub(r"(\1)/(\2)", s)
-    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = _SPACE.sub("", s).rstrip(".")
     match = _ASSIGNMENT.match(s)
     if match:
         s = match.group(1)
@@ -118,8 +124,11 @@ def normalize_answer(answer: str) -> str:
     return s[1:] if s.startswith("+") else s
 
 
+@functools.lru_cache(maxsize=4096)
 def to_fraction(normalized: str) -> Fraction | None:
     """The exact value of a normalized number, decimal, ``a/b`` or ``(a)/(b)``; else None."""
+    if _PLAIN_INT.match(normalized):
+        return Fraction(int(normalized))
     try:
         return Fraction(normalized)
     except (ValueError, ZeroDivisionError):
@@ -137,6 +146,8 @@ def to_fraction(normalized: str) -> Fraction | None:
 def answers_equal(answer: str, truth: str, *, rel_tol: float = 1e-6) -> tuple[bool, str]:
     """Whether two answers are equivalent, and how that was decided (``numeric``/``string``)."""
     a, b = normalize_answer(answer), normalize_answer(truth)
+    if a == b:
+        return True, "numeric" if _PLAIN_INT.match(a) else "string"
     fa, fb = to_fraction(a), to_fraction(b)
     if fa is not None and fb is not None:
         if fa == fb:

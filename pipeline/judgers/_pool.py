@@ -36,12 +36,14 @@ _WORKER_SCRIPT = str(Path(__file__).with_name("_worker.py"))
 class _Worker:
     """One worker process and its pipes."""
 
-    __slots__ = ("calls", "pid", "proc")
+    __slots__ = ("calls", "modules", "pid", "proc")
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.pid = proc.pid
         self.calls = 0
+        self.modules: set[str] = set()
+        """Modules this worker has imported for calls (their calls need no handshake)."""
 
     async def send(self, message: Any) -> None:
         assert self.proc.stdin is not None
@@ -125,15 +127,16 @@ class ProcessPool:
         except Exception as exc:
             raise WorkerError(f"cannot send {label} to a worker process: {exc} (functions must "
                               f"be importable top-level functions; see ProcessPool)") from exc
-        main_path = _main_path() if getattr(fn, "__module__", None) == "__main__" else None
+        module = getattr(fn, "__module__", None) or "?"
+        main_path = _main_path() if module == "__main__" else None
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.size)
         async with self._slots:
-            worker = self._idle.pop() if self._idle else await self._spawn()
+            worker = self._idle.pop() if self._idle else await self._spawn(module)
             self._busy.add(worker)
             healthy = False
             try:
-                reply = await self._run(worker, label, main_path, payload, timeout_s)
+                reply = await self._run(worker, label, module, main_path, payload, timeout_s)
                 healthy = True
             finally:
                 self._busy.discard(worker)
@@ -147,14 +150,19 @@ class ProcessPool:
         raise WorkerError(f"{label} raised {remote_type}: {message}", remote_type=remote_type,
                           remote_traceback=text)
 
-    async def _run(self, worker: _Worker, label: str, main_path: str | None, payload: bytes,
-                   timeout_s: float | None) -> Any:
+    async def _run(self, worker: _Worker, label: str, module: str, main_path: str | None,
+                   payload: bytes, timeout_s: float | None) -> Any:
+        announce = module not in worker.modules
         try:
-            async with asyncio.timeout(self.start_timeout_s):
-                await worker.send(("call", main_path, payload))
-                reply = await worker.recv()
-            if reply[0] != "started":
-                return reply  # unpickling failed in the worker: the worker itself is fine
+            if announce:  # it may import the function's module first: not on the clock
+                async with asyncio.timeout(self.start_timeout_s):
+                    await worker.send(("call", main_path, True, payload))
+                    reply = await worker.recv()
+                if reply[0] != "started":
+                    return reply  # unpickling failed in the worker: the worker is fine
+                worker.modules.add(module)
+            else:
+                await worker.send(("call", main_path, False, payload))
             worker.calls += 1
             async with asyncio.timeout(timeout_s):
                 return await worker.recv()
@@ -167,7 +175,7 @@ class ProcessPool:
             raise WorkerError(f"worker {worker.pid} died while running {label} "
                               f"({_describe_exit(code)})") from exc
 
-    async def _spawn(self) -> _Worker:
+    async def _spawn(self, module: str) -> _Worker:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-P", _WORKER_SCRIPT, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, start_new_session=True)
@@ -175,7 +183,8 @@ class ProcessPool:
         self.started += 1
         try:
             async with asyncio.timeout(self.start_timeout_s):
-                await worker.send(("init", {"sys_path": list(sys.path)}))
+                preload = [] if module in ("__main__", "?") else [module]
+                await worker.send(("init", {"sys_path": list(sys.path), "preload": preload}))
                 ready = await worker.recv()
         except BaseException as exc:
             self._retire(worker)
@@ -187,6 +196,7 @@ class ProcessPool:
             self._retire(worker)
             raise WorkerError("the pool was closed while a worker started" if self._closed
                               else f"worker process sent {ready[0]!r} instead of 'ready'")
+        worker.modules.update(preload)
         return worker
 
     def _retire(self, worker: _Worker) -> None:

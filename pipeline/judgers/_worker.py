@@ -5,10 +5,13 @@ a worker costs one bare interpreter plus the modules of the functions it runs. F
 4-byte big-endian length and a pickle, on the original stdin/stdout; fd 0 is then pointed at
 /dev/null and fd 1 at stderr, so a function that prints cannot corrupt the protocol.
 
-Parent to worker: ``("init", {"sys_path": [...]})``, then ``("call", main_path, payload)``
-with ``payload = pickle((fn, args, kwargs))``. Worker to parent: ``("ready", pid)``, then per
-call ``("started",)`` once the function is unpickled, and ``("ok", result)`` or
-``("err", type_name, message, traceback_text)``. EOF on stdin ends the worker.
+Parent to worker: ``("init", {"sys_path": [...], "preload": [module, ...]})``, then
+``("call", main_path, announce, payload)`` with ``payload = pickle((fn, args, kwargs))``.
+Worker to parent: ``("ready", pid)`` once the preload modules are imported, then per call
+``("started",)`` once the function is unpickled (only when ``announce``: the parent asks when
+the function's module may still need importing, so import time stays outside the call's
+timeout), and ``("ok", result)`` or ``("err", type_name, message, traceback_text)``. EOF on
+stdin ends the worker.
 """
 
 import os
@@ -89,13 +92,18 @@ def main() -> None:
     if init is None:
         return
     sys.path[:] = init[1]["sys_path"]
+    for module in init[1].get("preload", ()):
+        try:
+            __import__(module)
+        except BaseException:
+            pass  # the call that needs it reports the error
     _send(proto_out, ("ready", os.getpid()))
     main_loaded = False
     while True:
         message = _recv(proto_in)
         if message is None:
             return
-        _, main_path, payload = message
+        _, main_path, announce, payload = message
         try:
             if main_path and not main_loaded:
                 _load_main(main_path)
@@ -104,7 +112,8 @@ def main() -> None:
         except BaseException as exc:
             _send(proto_out, _error(exc))
             continue
-        _send(proto_out, ("started",))
+        if announce:
+            _send(proto_out, ("started",))
         reply: tuple[Any, ...]
         try:
             reply = ("ok", fn(*args, **kwargs))
