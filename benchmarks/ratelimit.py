@@ -18,10 +18,12 @@ today), one after the other on the real clock with the default asyncio loop.
    those ratios. Also: when every key has had its first grant, and the longest wait of a
    key's first request.
 3. Accounting: 3,000 requests over 2 s on 20 keys into rate=1,000/s, capacity=20, 30% of them
-   cancelled at a random moment in their first second. Afterwards issued must equal
+   set to be cancelled at a random moment in their first second (those already served by then
+   are not cancelled). Afterwards issued must equal
    returned + refunded, with nothing leaked or in flight, and no window may have received
    more than capacity + rate * length.
-4. Uncontended cost: ``await bucket.acquire("k")`` on a bucket that always has tokens.
+4. Uncontended cost: ``await bucket.acquire("k")`` on a bucket that always has tokens; CPU
+   time per call, best of 7 runs, next to an ``await`` of an empty coroutine for scale.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import asyncio
 import logging
 import os
 import random
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -89,7 +90,8 @@ def max_min_shares(demand: np.ndarray, rate: float) -> np.ndarray:
     for _ in range(100):
         level = (low + high) / 2
         low, high = (level, high) if np.minimum(demand, level).sum() < rate else (low, level)
-    return np.minimum(demand, (low + high) / 2)
+    shares: np.ndarray = np.minimum(demand, (low + high) / 2)
+    return shares
 
 
 async def fairness(kind: type[Bucket], duration: float, warmup: float) -> dict[str, Any]:
@@ -167,10 +169,12 @@ async def accounting(kind: type[Bucket]) -> dict[str, Any]:
         grants.append((time.monotonic() - start, cost))
 
     tasks = []
+    scheduled = 0
     for i in range(n_requests):
         arrive = rng.uniform(0, spread_s)
         task = asyncio.create_task(request(i % n_keys, arrive, rng.choice([1.0, 1.0, 2.0])))
         if rng.random() < 0.3:
+            scheduled += 1
             loop.call_later(arrive + rng.uniform(0, 1.0), task.cancel)
         tasks.append(task)
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -182,7 +186,7 @@ async def accounting(kind: type[Bucket]) -> dict[str, Any]:
         spent += cost
         worst = max(worst, spent - (capacity + rate * t))
     return {
-        "requests": n_requests, "cancelled": cancelled,
+        "requests": n_requests, "cancel_scheduled": scheduled, "cancelled": cancelled,
         "cancelled_pct": round(100 * cancelled / n_requests, 1),
         "issued": stats.issued, "returned": stats.returned, "refunded": stats.refunded,
         "in_flight": stats.in_flight, "leaked": stats.leaked,
@@ -199,12 +203,12 @@ async def uncontended(kind: type[Bucket], calls: int) -> dict[str, Any]:
 
     async def per_call(step: Callable[[], Any]) -> float:
         runs = []
-        for _ in range(5):
-            t0 = time.perf_counter()
+        for _ in range(7):  # CPU time and the best run: the machine may be shared
+            t0 = time.process_time()
             for _ in range(calls):
                 await step()
-            runs.append((time.perf_counter() - t0) / calls * 1e6)
-        return round(statistics.median(runs), 3)
+            runs.append((time.process_time() - t0) / calls * 1e6)
+        return round(min(runs), 3)
 
     return {
         "calls": calls,
@@ -222,7 +226,7 @@ async def run(quick: bool) -> dict[str, Any]:
             kind, duration=4.0 if quick else 8.0, warmup=1.0 if quick else 2.0)
         figures.setdefault("accounting", {})[name] = await accounting(kind)
         figures.setdefault("uncontended", {})[name] = await uncontended(
-            kind, 20_000 if quick else 100_000)
+            kind, 5_000 if quick else 20_000)
     return figures
 
 
@@ -235,7 +239,8 @@ def print_table(figures: dict[str, Any]) -> None:
         ("max / fair share", "fairness", "share_ratio_max", ""),
         ("all 100 keys first granted (s)", "fairness", "all_keys_first_granted_s", ""),
         ("longest wait for a first grant (s)", "fairness", "first_grant_wait_max_s", ""),
-        ("cancelled waiters", "accounting", "cancelled", "~30%"),
+        ("cancels scheduled (30%)", "accounting", "cancel_scheduled", ""),
+        ("  of which hit a waiting caller", "accounting", "cancelled", ""),
         ("tokens issued", "accounting", "issued", ""),
         ("tokens granted and returned", "accounting", "returned", ""),
         ("tokens refunded", "accounting", "refunded", ""),

@@ -7,7 +7,7 @@ cancellation-safe, usable from several event loops and threads, and runs nothing
 
     registry = LimiterRegistry()
     judge_api = registry.get("judge-api", rate=20, capacity=40)
-    async with judge_api.limit(key=sample.uid, cost=1):
+    async with judge_api.limit(key=task_family, cost=1):
         ...
 
 :class:`FifoTokenBucket` is the single-queue baseline, kept for the benchmark.

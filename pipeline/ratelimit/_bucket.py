@@ -145,9 +145,12 @@ class FairAsyncTokenBucket:
         """Take ``cost`` tokens for ``key``, waiting for them (fairly) if needed.
 
         Args:
-            key: who is asking (an endpoint, a tenant, a stage); fairness is across keys.
+            key: who is asking (a tenant, a task family, a stage); fairness is across keys.
+                Keep keys few: each keeps counters and up to 4,096 wait samples for stats.
             cost: tokens to take.
             timeout: seconds to wait at most; None waits forever, 0 only takes free tokens.
+                It is a timer on the caller's loop that settles the wait; it never cancels
+                the calling task, and a grant that comes first wins.
 
         Raises:
             TimeoutError: the tokens did not come within ``timeout``; nothing was consumed.
