@@ -357,7 +357,7 @@ class FairAsyncTokenBucket:
     # -- helpers ---------------------------------------------------------------------------
 
     def _in_flight(self) -> float:
-        return sum(w.cost for w in self._granted)
+        return math.fsum(w.cost for w in self._granted)
 
     def _check_cost(self, cost: float) -> float:
         if type(cost) is not float:
