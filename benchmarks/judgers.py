@@ -9,7 +9,9 @@ Writes benchmarks/results/judgers.json. Sections:
   cost of "one fresh process per call" (the alternative to a pool), and how long a hung call
   takes to be killed and its worker replaced.
 - judge_stage: samples/s of a Pipeline whose only work is judging (math on the loop, a sync
-  reward function in the pool, the same function inline), against the runner alone.
+  reward function in the pool, the same function inline), against the runner alone. With
+  stages that never wait, the runner finishes many samples per loop iteration, so the lag
+  there measures batch CPU work, not a judge blocking (compare runner_only_lag).
 - chaos: a batch with crashing, hanging, dying and slow judges; every sample accounted for,
   the event loop's lag while it runs (a 5 ms ticker), and the same slow judge run on the
   loop as the control.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import operator
 import os
 import statistics
@@ -77,11 +80,20 @@ class Hang:
 
 
 class Ticker:
-    """Measures event-loop lag: how late a 5 ms sleep wakes up."""
+    """Measures event-loop lag (how late a 5 ms sleep wakes up) and garbage-collector pauses
+    (a full collection over a big batch's objects stalls the loop like any blocking call)."""
 
     def __init__(self) -> None:
         self.lags: list[float] = []
+        self.gc_pauses: list[float] = []
         self.task: asyncio.Task[None] | None = None
+        self._gc_start = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_pauses.append(time.perf_counter() - self._gc_start)
 
     async def run(self) -> None:
         while True:
@@ -90,12 +102,14 @@ class Ticker:
             self.lags.append(time.perf_counter() - start - 0.005)
 
     async def __aenter__(self) -> Ticker:
+        gc.callbacks.append(self._on_gc)
         self.task = asyncio.create_task(self.run())
         await asyncio.sleep(0)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.sleep(0.01)
+        gc.callbacks.remove(self._on_gc)
         assert self.task is not None
         self.task.cancel()
         try:
@@ -107,7 +121,9 @@ class Ticker:
         lags = sorted(self.lags)
         pick = lambda q: round(lags[min(len(lags) - 1, int(q * len(lags)))] * 1000, 2)  # noqa: E731
         return {"ticks": len(lags), "lag_p50_ms": pick(0.5), "lag_p99_ms": pick(0.99),
-                "lag_max_ms": round(lags[-1] * 1000, 2)}
+                "lag_max_ms": round(lags[-1] * 1000, 2),
+                "gc_pause_max_ms": round(max(self.gc_pauses, default=0.0) * 1000, 2),
+                "gc_pauses_over_50ms": sum(p > 0.05 for p in self.gc_pauses)}
 
 
 def median_ms(values: list[float]) -> float:
@@ -170,8 +186,9 @@ async def run_batch(stages: list[Any], rows: list[dict[str, Any]], concurrency: 
 async def bench_judge_stage(samples: int) -> dict[str, Any]:
     rows = [row(f"so the answer is \\boxed{{{i % 97}}}", i % 97) for i in range(samples)]
     out: dict[str, Any] = {"samples": samples}
-    wall, _, _ = await run_batch([answer], rows)
+    wall, _, lag = await run_batch([answer], rows)
     out["runner_only_samples_per_s"] = round(samples / wall)
+    out["runner_only_lag"] = lag
     wall, result, lag = await run_batch([answer, Judge(MathJudger())], rows)
     assert all(s.reward == 1.0 for s in result.samples)
     out["math_samples_per_s"] = round(samples / wall)

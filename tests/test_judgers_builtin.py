@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pipeline import AgentMessage, AgentRolloutItem, SimulatedEngine, artifacts, parse_row
+from pipeline import AgentRolloutItem, SimulatedEngine
 from pipeline.judgers import (
     ExactMatchJudger,
     HttpJudger,
@@ -25,18 +25,14 @@ from pipeline.judgers import (
     parse_score,
 )
 from pipeline.judgers._llm import fill_template
+from pipeline.judgers.testing import judge_item
 from pipeline.testing import ByteTokenizer
 
 
 def item_for(answer: str | None, ground_truth: Any = None, *, question: str = "What is 6*7?",
              data_source: str = "default") -> AgentRolloutItem:
-    row = parse_row({"prompt": question, "ground_truth": ground_truth,
-                     "data_source": data_source, "extra": {"split": "test"}})
-    messages = [AgentMessage(role="user", content=question)]
-    if answer is not None:
-        messages.append(AgentMessage(role="assistant", content=answer))
-    return AgentRolloutItem(uid="g-0", group_id="g", data=row,
-                            artifacts={artifacts.MESSAGES: messages})
+    return judge_item(answer, ground_truth=ground_truth, data_source=data_source,
+                      question=question, extra={"split": "test"}, uid="g-0")
 
 
 # ---- math -------------------------------------------------------------------------------

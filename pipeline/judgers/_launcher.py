@@ -105,7 +105,9 @@ def _child(cfg: dict[str, Any], fds: list[int], status_w: int) -> None:
             os.dup2(fd, target)
         os.closerange(len(fds), status_w)
         os.closerange(status_w + 1, 65536)
-        limits = cfg["limits"]
+        limits = dict(cfg["limits"])
+        if cfg["uid"] is None:  # not root: the limit counts every process of our own user
+            limits["nproc"] = int(limits["nproc"]) + len(_pids_of(os.getuid()))
         cpu = int(limits["cpu_s"])
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         for name, key in (("RLIMIT_AS", "as_bytes"), ("RLIMIT_NPROC", "nproc"),
