@@ -117,7 +117,6 @@ def main() -> None:
                                     repeat),
     }
     figures["collate_torch_tokens_per_s"] = tokens / figures["collate_torch_s"]
-    del samples
 
     routed = make_samples(num_routed, seed=1, routes=(48, 8))
     routed_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in routed)
