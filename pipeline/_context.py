@@ -15,6 +15,7 @@ from pipeline._config import PipelineConfig, SamplingParams
 from pipeline._models import AgentRolloutItem
 from pipeline._tokenizer import Tokenizer
 from pipeline.engines.base import Engine
+from pipeline.ratelimit import LimiterRegistry
 
 if TYPE_CHECKING:
     from pipeline.stages.base import Stage
@@ -31,7 +32,8 @@ class Resources:
         tokenizer: used by prompt building and decoding.
         tools: tool name -> tool, for tool-calling stages.
         judgers: judgers for the judging stage.
-        limiters: the rate-limiter registry (per pipeline, never process-global).
+        limiters: the rate-limiter registry; each pipeline gets its own unless one is passed
+            (share one registry between pipelines that must share limits).
         extras: anything else custom stages need (a sandbox pool, an HTTP session, ...).
     """
 
@@ -39,7 +41,7 @@ class Resources:
     tokenizer: Tokenizer | None = None
     tools: Mapping[str, Any] = field(default_factory=dict)
     judgers: Sequence[Any] = ()
-    limiters: Any = None
+    limiters: LimiterRegistry = field(default_factory=LimiterRegistry)
     extras: dict[str, Any] = field(default_factory=dict)
 
 

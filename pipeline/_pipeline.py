@@ -329,7 +329,10 @@ class Pipeline:
             if batch.completed >= batch.num_needed:
                 batch.abort_rest()
         if on_done is not None:
-            on_done(item, sample)
+            try:
+                on_done(item, sample)
+            except Exception as exc:  # a progress bar or writer must never cost the batch
+                _logger.error("on_sample_done_failed", uid=item.uid, error=repr(exc))
         return sample
 
     async def _execute(self, run: _SampleRun) -> None:

@@ -53,3 +53,15 @@ RAW_FINISH_REASON: Final = "raw_finish_reason"
 
 EXTRA_FIELDS: Final = "extra_fields"
 """dict: anything a stage wants passed through to the trainer untouched."""
+
+TOOL_CALLS: Final = "tool_calls"
+"""int: tool calls the model made (parsed or not)."""
+
+TOOL_ERRORS: Final = "tool_errors"
+"""int: tool calls that ended in an error message fed back to the model."""
+
+TEMPLATE_DRIFT: Final = "template_drift"
+"""int: turns where the chat template was not prefix-stable (the delta had to be recovered)."""
+
+LIMITER_WAIT_S: Final = "limiter_wait_s"
+"""float: seconds the sample's tool calls waited for rate-limiter tokens."""

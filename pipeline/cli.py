@@ -1,27 +1,37 @@
 """The ``rollout`` command line.
 
-``rollout run SCENARIO`` runs a scenario end to end and prints a summary table.
+``rollout run SCENARIO`` runs a scenario end to end and prints a summary table;
+``rollout inspect FILE`` and ``rollout trace FILE`` read its trajectory dump;
+``rollout dump PID`` asks a running process for a task dump.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
+import os
 import sys
-import time
-from pathlib import Path
 from types import ModuleType
-from typing import Any, TextIO
+from typing import Any
 
 import structlog
 
-from pipeline._models import AgentRolloutItem, ProduceBatchResult, RolloutSample, Status
+from pipeline._models import ProduceBatchResult, Status
 from pipeline._pipeline import Pipeline
+from pipeline.diagnostics.cli import add_dump_arguments, run_dump
 from pipeline.diagnostics.run import asyncio_run
 from pipeline.engines.base import Engine
 from pipeline.engines.simulated import SimulatedEngine
+from pipeline.observability import (
+    BatchProgress,
+    TensorBoardSink,
+    TrajectoryWriter,
+    chain_callbacks,
+    inspect_command,
+    log_batch_metrics,
+    trace_command,
+)
 from pipeline.testing import ByteTokenizer
 
 SCENARIOS = {"arith": "scenarios.arith"}
@@ -52,33 +62,6 @@ def _build_engine(args: argparse.Namespace, scenario: ModuleType, tokenizer: Any
         eos_token_id=tokenizer.eos_token_id,
         vocab_size=tokenizer.vocab_size,
     )
-
-
-class _Progress:
-    """A one-line live progress bar on a terminal; silent otherwise."""
-
-    def __init__(self, total: int, stream: TextIO) -> None:
-        self.total, self.stream = total, stream
-        self.counts: dict[str, int] = {}
-        self.done = 0
-        self.live = stream.isatty()
-        self.last = 0.0
-
-    def __call__(self, item: AgentRolloutItem, sample: RolloutSample) -> None:
-        self.done += 1
-        self.counts[sample.status.value] = self.counts.get(sample.status.value, 0) + 1
-        now = time.monotonic()
-        if self.live and (now - self.last > 0.1 or self.done == self.total):
-            self.last = now
-            width = 30
-            filled = width * self.done // max(self.total, 1)
-            counts = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
-            self.stream.write(
-                f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {counts}"
-            )
-            if self.done == self.total:
-                self.stream.write("\n")
-            self.stream.flush()
 
 
 def _summary(result: ProduceBatchResult) -> str:
@@ -115,15 +98,6 @@ def _summary(result: ProduceBatchResult) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
 
 
-def _write_dump(path: Path, result: ProduceBatchResult) -> None:
-    with path.open("w", encoding="utf-8") as fh:
-        fh.write(json.dumps({"summary": result.stats.model_dump(mode="json")}) + "\n")
-        for item, sample in zip(result.items, result.samples, strict=True):
-            line = sample.model_dump(mode="json", exclude={"routed_experts"})
-            line["records"] = [r.model_dump(mode="json") for r in item.records]
-            fh.write(json.dumps(line) + "\n")
-
-
 async def _run(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
     tokenizer = ByteTokenizer()
@@ -140,16 +114,26 @@ async def _run(args: argparse.Namespace) -> int:
         sampling={"max_tokens": args.max_tokens},
     )
     rows = scenario.rows(args.rows, seed=args.seed)
-    progress = _Progress(len(rows) * args.n, sys.stderr)
+    progress = BatchProgress(len(rows) * args.n)
+    writer = TrajectoryWriter(args.out, tokenizer=tokenizer) if args.out else None
     try:
-        result = await pipeline.run_batch(rows, n=args.n, on_sample_done=progress)
+        if writer is not None:
+            writer.begin_batch(step=0, meta={"scenario": args.scenario, "engine": args.engine})
+        callback = chain_callbacks(writer.write if writer else None, progress)
+        result = await pipeline.run_batch(rows, n=args.n, on_sample_done=callback)
+        if writer is not None:
+            writer.end_batch(result)
     finally:
+        progress.close()
+        if writer is not None:
+            writer.close()
         await engine.aclose()
     print(f"scenario {args.scenario} on the {args.engine} engine")
     print(_summary(result))
     if args.out:
-        _write_dump(Path(args.out), result)
-        print(f"trajectories written to {args.out}")
+        print(f"trajectories written to {args.out} (see: rollout inspect {args.out})")
+    if args.tensorboard:
+        log_batch_metrics(result, [TensorBoardSink(args.tensorboard)], 0)
     completed = result.stats.by_status.get(Status.COMPLETED.value, 0)
     return 0 if completed else 1
 
@@ -157,6 +141,9 @@ async def _run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``rollout`` command."""
     parser = argparse.ArgumentParser(prog="rollout", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--log-level", default="warning", help="structlog level (default warning)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a scenario end to end")
     run.add_argument("scenario", help=f"one of: {', '.join(sorted(SCENARIOS))}")
@@ -171,7 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--sim-latency", type=float, default=0.05, help="median latency of the simulated engine (s)"
     )
-    run.add_argument("--log-level", default="warning", help="structlog level (default warning)")
+    run.add_argument("--tensorboard", metavar="DIR", help="also log batch metrics to TensorBoard")
+    trace = sub.add_parser("trace", help="convert a trajectory dump to a Chrome/Perfetto trace")
+    trace.add_argument("file", help="dump (.jsonl) or folder of rotated dumps")
+    trace.add_argument("-o", "--out", help="trace file (default: FILE with suffix .trace.json)")
+    inspect = sub.add_parser("inspect", help="summarize a dump, show one sample, list failures")
+    inspect.add_argument("file", help="dump (.jsonl) or folder of rotated dumps")
+    shown = inspect.add_mutually_exclusive_group()
+    shown.add_argument("--show", metavar="UID", help="print one trajectory (unique uid prefix)")
+    shown.add_argument("--failed", action="store_true", help="failures grouped by error")
+    dump = sub.add_parser("dump", help="ask a running process for a task dump and print it")
+    add_dump_arguments(dump)
     return parser
 
 
@@ -184,10 +181,24 @@ def main(argv: list[str] | None = None) -> int:
         ),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
     )
+    try:
+        return _dispatch(args)
+    except BrokenPipeError:  # `rollout inspect FILE | head`: the reader left, not an error
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps interpreter exit quiet
+        return 0
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         if args.n < 1 or args.rows < 1 or args.concurrency < 1:
             raise SystemExit("rollout run: --n, --rows and --concurrency must be >= 1")
         return asyncio_run(_run(args))
+    if args.command == "trace":
+        return trace_command(args.file, args.out)
+    if args.command == "inspect":
+        return inspect_command(args.file, show=args.show, failed=args.failed)
+    if args.command == "dump":
+        return run_dump(args)
     return 2
 
 

@@ -24,8 +24,8 @@ class ByteTokenizer:
     ``<|im_end|>``=2 (eos); byte ``b`` is token ``b + 3``."""
 
     special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-    pad_token_id = 0
-    eos_token_id = 2
+    pad_token_id: int | None = 0
+    eos_token_id: int | None = 2
     vocab_size = 259
     _split = re.compile("(" + "|".join(re.escape(t) for t in special_tokens) + ")")
 

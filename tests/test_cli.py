@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from pipeline.observability import read_trajectories
+
 
 def rollout(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -18,10 +20,15 @@ def test_run_arith_writes_a_summary_and_trajectories(tmp_path):
     proc = rollout("run", "arith", "--rows", "6", "--n", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "status" in proc.stdout and "completed=12" in proc.stdout
-    lines = out.read_text().splitlines()
-    assert len(lines) == 13
-    first = json.loads(lines[1])
-    assert first["status"] == "completed" and first["records"][0]["name"] == "build_prompt"
+    dump = read_trajectories(out)
+    assert len(dump.samples) == 12 and dump.torn_tail is None
+    assert all(r.status == "completed" for r in dump.samples)
+    assert dump.samples[0].records[0].name == "build_prompt"
+    shown = rollout("inspect", str(out), "--show", dump.samples[0].uid)
+    assert shown.returncode == 0 and dump.samples[0].uid in shown.stdout
+    trace = tmp_path / "trace.json"
+    assert rollout("trace", str(out), "-o", str(trace)).returncode == 0
+    assert json.loads(trace.read_text())
 
 
 def test_unknown_scenario_lists_known_ones():

@@ -400,3 +400,17 @@ async def test_engine_fault_is_a_failed_sample_with_a_readable_error():
     sample = await make([BuildPrompt(), Generate()], engine=engine).run(ROWS[0])
     assert sample.status is Status.FAILED
     assert "stage 'generate' raised EngineError: simulated engine fault" in sample.error
+
+
+async def test_a_failing_sample_callback_is_logged_and_never_costs_the_batch():
+    seen = []
+
+    def callback(item, sample):
+        seen.append(sample.uid)
+        if len(seen) == 2:
+            raise RuntimeError("progress bar broke")
+
+    with capture_logs() as logs:
+        result = await make([Recorder()]).run_batch(ROWS[:4], on_sample_done=callback)
+    assert result.stats.by_status == {"completed": 4} and len(seen) == 4
+    assert [e["event"] for e in logs].count("on_sample_done_failed") == 1

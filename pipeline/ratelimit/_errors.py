@@ -8,14 +8,16 @@
                           (also a ValueError)
 
 A timed-out ``acquire`` raises the builtin :class:`TimeoutError`; bad arguments raise
-:class:`ValueError` naming the argument. ``RateLimitError`` is standalone so that this package
-imports without the rest of ``pipeline``.
+:class:`ValueError` naming the argument. ``RateLimitError`` derives from
+:class:`pipeline.PipelineError` (whose module imports nothing else of the package).
 """
 
 from __future__ import annotations
 
+from pipeline._exceptions import PipelineError
 
-class RateLimitError(Exception):
+
+class RateLimitError(PipelineError):
     """Root of every error the rate limiters raise on purpose."""
 
 
