@@ -13,7 +13,6 @@ recorded, never an error.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,7 +108,7 @@ def render_turn_delta(tokenizer: Tokenizer, conversation: Sequence[AgentMessage]
         added = after[len(before):]
     else:
         drift.append(DRIFT_PREFIX)
-        added = after[len(os.path.commonprefix([before, after])):]
+        added = after[_common_prefix_length(before, after):]
     stop_text = tokenizer.decode([last_token], skip_special_tokens=False)
     at = before.rfind(stop_text) if stop_text else -1
     if at < 0:
@@ -123,6 +122,11 @@ def render_turn_delta(tokenizer: Tokenizer, conversation: Sequence[AgentMessage]
             last_token, *ids]:
         drift.append(DRIFT_BOUNDARY)
     return TurnDelta(text, ids, tuple(drift))
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 class BuildPrompt:
@@ -141,7 +145,8 @@ class BuildPrompt:
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
         row = item.data
         if self.offload:
-            text, ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, row.messages, row.tools)
+            text, ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, row.messages,
+                                                row.tools)
         else:
             text, ids = render_prompt(ctx.tokenizer, row.messages, row.tools)
         item.artifacts[A.RAW_PROMPT] = text

@@ -146,7 +146,14 @@ def build_tiny_model(directory: Path, spec: TinyModelSpec | None = None) -> Path
     tokenizer = _build_tokenizer(spec)
     tokenizer.save_pretrained(directory)
     model = _build_model(spec, tokenizer)
-    model.save_pretrained(directory)
+    hf_logging: Any = importlib.import_module("transformers.utils.logging")
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-file save needs no progress bar
+    try:
+        model.save_pretrained(directory)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     (directory / MARKER).write_text(json.dumps(_marker_payload(spec), indent=1), encoding="utf-8")
     return directory
 

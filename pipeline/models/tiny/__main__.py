@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
@@ -27,7 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     directory: Path = args.directory or default_model_dir()
     try:
-        importlib.import_module("huggingface_hub").disable_progress_bars()
         ensure_tiny_model(directory, TinyModelSpec(seed=args.seed), rebuild=args.force)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

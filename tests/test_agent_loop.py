@@ -1,0 +1,384 @@
+"""The multi-turn agent loop on the real tiny model, with tool calls forced.
+
+What is forced: a random-weight model never writes a tool call, so a logits processor
+(``ForcedText``) restricts some turns to a given set of texts. Turn 0 may only write one of a
+few ``<tool_call>`` texts (the model really samples *which* one where they branch, so those
+logprobs are real); turn 1 may only write ``Answer: <the last tool result>``. Every other
+token is sampled freely. The checks compare the trajectory with independent records: the
+engine's own request log, a fresh forward pass of a second model copy, and the chat
+template's rendering of the final conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import re
+
+import pytest
+from _model_fixtures import ForcedText, rescore, torch
+
+from pipeline import (
+    BuildPrompt,
+    FinishReason,
+    Generate,
+    Loop,
+    Pipeline,
+    Status,
+    artifacts,
+    parse_row,
+)
+from pipeline.models._template import CHAT_TEMPLATE
+from pipeline.stages.prompt import DRIFT_PREFIX, chat_form, render_turn_delta
+from pipeline.stages.tools import TEMPLATE_DRIFT, TOOL_CALLS, TOOL_ERRORS, CallTools
+from pipeline.testing import ByteTokenizer, capture_logs
+from pipeline.tools import FunctionTool, calculator_tool, make_registry, tool_schema
+from scenarios import arith_tools
+
+pytest_plugins = ["_model_fixtures"]
+
+CALC = calculator_tool()
+
+
+def call_text(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+class Script:
+    """Per-request constraint: turn 0 -> one of the row's tool-call texts, turn 1 -> the
+    answer repeating the last tool result; other turns are sampled freely (with
+    ``ban_eos``: freely but never stopping, so length limits are what ends them). Rows are
+    recognised by their question text in the prompt."""
+
+    def __init__(self, tokenizer, calls: dict[str, list[str]], answer_turn: int = 1,
+                 ban_eos: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.calls = calls
+        self.answer_turn = answer_turn
+        self.ban_eos = ban_eos
+
+    def texts(self, request_id: str, prompt_ids) -> list[str] | None:
+        turn = int(request_id.rsplit("-", 1)[1])
+        text = self.tokenizer.decode(prompt_ids)
+        if turn == 0:
+            return next((calls for key, calls in self.calls.items() if key in text), None)
+        if turn == self.answer_turn:
+            results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.DOTALL)
+            return [f"Answer: {results[-1] if results else 'none'}"]
+        return None
+
+    def __call__(self, request_id: str, prompt_ids) -> ForcedText | None:
+        texts = self.texts(request_id, prompt_ids)
+        if texts is None:
+            return self._no_eos if self.ban_eos else None
+        return ForcedText([self.tokenizer.encode(t) for t in texts], self.tokenizer.eos_token_id)
+
+
+    def _no_eos(self, generated, logits):
+        logits[self.tokenizer.eos_token_id] = float("-inf")
+        return logits
+
+
+class RecordingEngine:
+    """Passes requests to the real engine and keeps its own log of what came back."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.max_model_len = engine.max_model_len
+        self.log: dict[str, tuple[list[int], object]] = {}
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        gen = await self.engine.generate(prompt_ids, sampling, request_id)
+        self.log[request_id] = (list(prompt_ids), gen)
+        return gen
+
+    async def abort(self, request_id):
+        await self.engine.abort(request_id)
+
+    async def aclose(self):
+        await self.engine.aclose()
+
+
+def question_row(question: str, answer: str, **extra) -> dict:
+    return {"messages": [{"role": "system", "content": arith_tools.SYSTEM_PROMPT},
+                         {"role": "user", "content": question}],
+            "tools": [tool_schema(CALC)], "ground_truth": answer,
+            "data_source": "test", **extra}
+
+
+def runs(mask: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal mask values: ``(value, start, end)``."""
+    out: list[tuple[int, int, int]] = []
+    for i, m in enumerate(mask):
+        if out and out[-1][0] == m:
+            out[-1] = (m, out[-1][1], i + 1)
+        else:
+            out.append((m, i, i + 1))
+    return out
+
+
+def chat(messages) -> list[dict]:
+    return [chat_form(m) for m in messages]
+
+
+def agent_stages(max_turns: int = 3, **tools_options) -> list:
+    return [BuildPrompt(), Loop([Generate(), CallTools(**tools_options)], max_turns=max_turns),
+            arith_tools.numeric_match_reward]
+
+
+async def test_forced_tool_calls_give_token_exact_trajectories(make_engine, tiny_tokenizer,
+                                                               reference_model):
+    tok = tiny_tokenizer
+    calls = {
+        "12 apples": [call_text("calculator", '{"expression": "12 + 5 * 3"}'),
+                      call_text("calculator", '{"expression": "(12 + 5) * 3"}')],
+        "7 boxes": [call_text("calculator", '{"expression": "7 * 6"}'),
+                    call_text("calculator", '{"expression": "7 + 6"}')],
+    }
+    script = Script(tok, calls)
+    engine = RecordingEngine(make_engine(processor_factory=script))
+    rows = [question_row("Ava has 12 apples and buys 5 bags of 3. How many?", "27"),
+            question_row("There are 7 boxes of 6 pens. How many pens?", "42")]
+    pipe = Pipeline(agent_stages(), engine=engine, tokenizer=tok, tools=make_registry([CALC]),
+                    sampling={"max_tokens": 48, "max_response_tokens": 200})
+    result = await pipe.run_batch(rows, n=3)
+    assert result.stats.by_status == {"completed": 6}
+    assert result.stats.by_exit_reason == {"done": 6}
+    branching = 0
+    for sample, item in zip(result.samples, result.items, strict=True):
+        row = item.data
+        # the prompt is exactly the chat template's rendering
+        assert sample.prompt_ids == tok.apply_chat_template(
+            row.messages, tools=row.tools, add_generation_prompt=True)["input_ids"]
+        ids, mask, logprobs = sample.response_ids, sample.response_mask, sample.logprobs
+        assert len(ids) == len(mask) == len(logprobs) <= 200
+        assert all(math.isfinite(lp) for lp in logprobs)
+        # model tokens (mask 1) are exactly what the engine sampled, turn by turn, and each
+        # request's prompt was exactly the trajectory's ids so far (token in, token out)
+        segments = runs(mask)
+        model_runs = [(s, e) for m, s, e in segments if m == 1]
+        assert [m for m, _, _ in segments] == [1, 0, 1]
+        for turn, (start, end) in enumerate(model_runs):
+            sent, gen = engine.log[f"{item.uid}-{turn}"]
+            assert ids[start:end] == gen.token_ids and logprobs[start:end] == gen.logprobs
+            assert sent == sample.prompt_ids + ids[:start]
+        # logprobs re-scored by a forward pass of an independent copy of the model, under
+        # the same constraint (the processed distribution the engine sampled from)
+        full = sample.prompt_ids + ids
+        raw = rescore(reference_model, full, len(sample.prompt_ids))
+        for turn, (start, end) in enumerate(model_runs):
+            forced = script(f"{item.uid}-{turn}", full[:len(sample.prompt_ids) + start])
+            for j in range(start, end):
+                allowed = sorted(forced.allowed(ids[start:j]))
+                assert ids[j] in allowed
+                expected = torch.log_softmax(raw[j][allowed], -1)[allowed.index(ids[j])]
+                assert logprobs[j] == pytest.approx(float(expected), abs=1e-4)
+                branching += len(allowed) > 1
+        # tool tokens carry mask 0 and logprob 0 and are the template's tool turn
+        _, start, end = segments[1]
+        result_text = item.artifacts[artifacts.MESSAGES][-2].content
+        assert tok.decode(ids[start:end]) == (
+            f"\n<|im_start|>tool\n<tool_response>\n{result_text}\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n")
+        assert set(logprobs[start:end]) == {0.0}
+        # the whole trajectory equals a from-scratch rendering of the final conversation
+        rendered = tok.apply_chat_template(chat(item.artifacts[artifacts.MESSAGES]),
+                                           tools=row.tools, tokenize=False)
+        assert tok.encode(rendered) == full + tok.encode("\n")
+        chosen = item.artifacts[artifacts.MESSAGES][2].tool_calls[0].function.arguments
+        right = chosen in ('{"expression": "12 + 5 * 3"}', '{"expression": "7 * 6"}')
+        assert sample.reward == (1.0 if right else 0.0)
+        assert (sample.tool_turns, item.artifacts[artifacts.TURNS]) == (1, 2)
+        assert sample.finish_reason is FinishReason.STOP
+        assert {k: sample.extra_fields[k] for k in (TOOL_CALLS, TOOL_ERRORS, TEMPLATE_DRIFT)} == {
+            TOOL_CALLS: 1, TOOL_ERRORS: 0, TEMPLATE_DRIFT: 0}
+    assert branching == 6  # one real choice per sample: where the two call texts differ
+
+
+async def test_bad_tool_calls_become_error_messages_the_model_sees(make_engine,
+                                                                   tiny_tokenizer):
+    tok = tiny_tokenizer
+
+    async def slow(city: str) -> str:
+        await asyncio.sleep(5)
+        return "sunny"
+
+    async def broken(city: str) -> str:
+        raise RuntimeError("backend down")
+
+    tools = make_registry([CALC, FunctionTool(name="slow", fn=slow, timeout_s=0.05),
+                           FunctionTool(name="broken", fn=broken)])
+    cases = {
+        "case malformed": ('{"expression": 12 + }', "calculator", "not valid JSON", "parse"),
+        "case unknown": ('{"city": "Oslo"}', "weather", "unknown tool 'weather'",
+                         "unknown_tool"),
+        "case wrongtype": ('{"expression": 12}', "calculator", "expected string, got integer",
+                           "invalid_arguments"),
+        "case divzero": ('{"expression": "1 / 0"}', "calculator", "division by zero",
+                         "tool_exception"),
+        "case raises": ('{"city": "Oslo"}', "broken", "RuntimeError: backend down",
+                        "tool_exception"),
+        "case slow": ('{"city": "Oslo"}', "slow", "timed out after 0.05s", "timeout"),
+    }
+    script = Script(tok, {key: [call_text(name, args)] for key, (args, name, _, _)
+                          in cases.items()})
+    engine = make_engine(processor_factory=script)
+    pipe = Pipeline(agent_stages(), engine=engine, tokenizer=tok, tools=tools,
+                    sampling={"max_tokens": 200})
+    result = await pipe.run_batch([question_row(f"{key}: go", "0") for key in cases])
+    for item, sample, (_, _, message, kind) in zip(result.items, result.samples,
+                                                   cases.values(), strict=True):
+        assert sample.status is Status.COMPLETED, sample.error
+        reply = item.artifacts[artifacts.MESSAGES][3]
+        assert reply.role == "tool" and reply.content.startswith("Error: ")
+        assert message in reply.content and reply.model_extra["error"] == kind
+        tool_tokens = [t for t, m in zip(sample.response_ids, sample.response_mask,
+                                         strict=True) if m == 0]
+        assert message in tok.decode(tool_tokens)  # the model's next turn saw the error
+        assert sample.extra_fields[TOOL_ERRORS] == 1 and sample.tool_turns == 1
+        final = item.artifacts[artifacts.MESSAGES][-1]
+        assert final.content.startswith("Answer: Error:")
+
+
+async def test_length_budget_ends_with_the_limit_that_hit(make_engine, tiny_tokenizer):
+    tok = tiny_tokenizer
+    call = call_text("calculator", '{"expression": "2 + 2"}')
+    script = Script(tok, {"two": [call]}, answer_turn=-1, ban_eos=True)  # turn 1+: free
+    row = question_row("What is two plus two?", "4")
+    prompt_len = len(tok.apply_chat_template(row["messages"], tools=row["tools"],
+                                             add_generation_prompt=True)["input_ids"])
+    first = len(tok.encode(call)) + 1  # the forced call and its eos
+    delta = len(tok.encode("\n<|im_start|>tool\n<tool_response>\n4\n</tool_response>"
+                           "<|im_end|>\n<|im_start|>assistant\n"))
+
+    async def run(max_model_len=1024, **sampling):
+        engine = RecordingEngine(make_engine(processor_factory=script,
+                                             max_model_len=max_model_len))
+        pipe = Pipeline(agent_stages(max_turns=4), engine=engine, tokenizer=tok,
+                        tools=make_registry([CALC]), sampling=sampling)
+        sample = await pipe.run(row)
+        assert sample.status is Status.COMPLETED
+        assert (sample.finish_reason, sample.exit_reason) == (FinishReason.LENGTH, "length")
+        assert all(len(sent) + len(gen.token_ids) <= max_model_len
+                   for sent, gen in engine.log.values())
+        return sample
+
+    cases = [  # (engine max_model_len, sampling, expected raw reason, expected response len)
+        (1024, {"max_tokens": 8}, "max_tokens", 8),
+        (1024, {"max_tokens": 64, "max_response_tokens": first - 3}, "response_budget",
+         first - 3),
+        (1024, {"max_tokens": 64, "max_response_tokens": first + delta}, "response_budget",
+         first),
+        (1024, {"max_tokens": 64, "max_response_tokens": first + delta + 5}, "response_budget",
+         first + delta + 5),
+        (1024, {"max_tokens": first, "max_response_tokens": 2 * first + delta + 10},
+         "max_tokens", 2 * first + delta),
+        (prompt_len + first + 3, {"max_tokens": 64}, "context", first),
+        (prompt_len + first + delta + 7, {"max_tokens": 64}, "context", first + delta + 7),
+        (prompt_len - 1, {"max_tokens": 64}, "context", 0),
+    ]
+    for max_model_len, sampling, raw, length in cases:
+        sample = await run(max_model_len, **sampling)
+        assert (sample.raw_finish_reason, len(sample.response_ids)) == (raw, length), sampling
+        budget = sampling.get("max_response_tokens")
+        assert budget is None or len(sample.response_ids) <= budget
+
+
+async def test_a_template_that_rewrites_history_is_counted_as_drift(make_engine,
+                                                                     tiny_tokenizer):
+    marker = "{{- '<|im_start|>assistant\\n' -}}{{- text(m.content) -}}"
+    assert marker in CHAT_TEMPLATE
+    drifting = copy.deepcopy(tiny_tokenizer)
+    drifting.chat_template = CHAT_TEMPLATE.replace(
+        marker, marker + "{%- if not loop.last -%}{{- '(seen)' -}}{%- endif -%}")
+    call = call_text("calculator", '{"expression": "2 + 2"}')
+    engine = make_engine(processor_factory=Script(drifting, {"two": [call]}))
+    pipe = Pipeline(agent_stages(), engine=engine, tokenizer=drifting,
+                    tools=make_registry([CALC]), sampling={"max_tokens": 32})
+    with capture_logs() as logs:
+        sample = await pipe.run(question_row("What is two plus two?", "4"))
+    assert sample.status is Status.COMPLETED and sample.tool_turns == 1
+    assert sample.extra_fields[TEMPLATE_DRIFT] == 1
+    assert any(e["event"] == "template_drift" and DRIFT_PREFIX in e["kinds"] for e in logs)
+
+
+def test_turn_delta_with_the_byte_tokenizer():
+    from pipeline import AgentMessage, ToolCall, ToolFunction
+
+    tok = ByteTokenizer()
+    conversation = [
+        AgentMessage(role="user", content="hi"),
+        AgentMessage(role="assistant", content="calling", tool_calls=[ToolCall(
+            id="c", function=ToolFunction(name="f", arguments="{}"))]),
+    ]
+    delta = render_turn_delta(tok, conversation, [AgentMessage(role="tool", content="ok",
+                                                               tool_call_id="c")],
+                              None, tok.eos_token_id)
+    assert delta.text == "\n<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n"
+    assert delta.ids == tok.encode(delta.text) and delta.drift == ()
+    odd = render_turn_delta(tok, conversation, [], None, tok.encode("z")[0])
+    assert "closing" in odd.drift
+
+
+async def test_sample_deadline_cancels_a_running_tool(make_engine, tiny_tokenizer):
+    tok = tiny_tokenizer
+    state = {"started": False, "cancelled": False}
+
+    async def wait(city: str) -> str:
+        state["started"] = True
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            state["cancelled"] = True
+            raise
+        return "late"
+
+    tools = make_registry([FunctionTool(name="wait", fn=wait, timeout_s=60)])
+    script = Script(tok, {"weather": [call_text("wait", '{"city": "Oslo"}')]})
+    pipe = Pipeline(agent_stages(), engine=make_engine(processor_factory=script), tokenizer=tok,
+                    tools=tools, sample_timeout_s=2.0, sampling={"max_tokens": 32})
+    sample = await pipe.run(question_row("weather in Oslo?", "0"))
+    assert sample.status is Status.TIMEOUT and sample.masked
+    assert state == {"started": True, "cancelled": True}
+
+
+async def test_over_sampling_really_aborts_engine_requests(make_engine, tiny_tokenizer):
+    tok = tiny_tokenizer
+    quick = Script(tok, {"quick": ["Answer: 1"]})
+    engine = make_engine(processor_factory=quick, eos_token_ids=())
+    rows = [question_row("quick one", "1", sampling={"stop_token_ids": [tok.eos_token_id]})]
+    rows += [question_row(f"long one {i}", "0") for i in range(3)]
+    pipe = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tok,
+                    sampling={"max_tokens": 900})
+    result = await pipe.run_batch(rows, num_needed=1)
+    assert [s.status for s in result.samples] == [Status.COMPLETED] + [Status.ABORTED] * 3
+    for _ in range(300):
+        if engine.inflight_requests == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.inflight_requests == 0
+    assert engine.counters.generated_tokens < 3 * 900
+
+
+async def test_arith_scenario_runs_and_rewards_a_correct_forced_answer(make_engine,
+                                                                       tiny_tokenizer):
+    rows = arith_tools.rows(4, seed=3)
+    assert rows == arith_tools.rows(4, seed=3) and rows != arith_tools.rows(4, seed=4)
+    assert arith_tools.__doc__.startswith("rollout run arith")
+    for raw in rows:
+        parse_row(raw)
+        assert raw["tools"] == [tool_schema(arith_tools.tools()["calculator"])]
+        assert float(raw["ground_truth"]).is_integer()
+    tok = tiny_tokenizer
+    # force the tool call to compute the ground truth itself, so the answer is right
+    script = Script(tok, {r["messages"][1]["content"][:30]: [
+        call_text("calculator", f'{{"expression": "{r["ground_truth"]} + 0"}}')] for r in rows})
+    pipe = Pipeline(arith_tools.stages(), engine=make_engine(processor_factory=script),
+                    tokenizer=tok, tools=arith_tools.tools(), sampling={"max_tokens": 64})
+    result = await pipe.run_batch(rows, n=2)
+    assert result.stats.by_status == {"completed": 8}
+    assert [s.reward for s in result.samples] == [1.0] * 8
+    assert result.samples[0].reward_payload["acc"] is True
+    assert arith_tools.extract_number("so Answer: 1,234.") == 1234.0
+    assert arith_tools.extract_number("no digits") is None
