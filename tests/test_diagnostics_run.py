@@ -17,6 +17,7 @@ from aiohttp import web
 
 from pipeline import BuildPrompt, Generate, Pipeline
 from pipeline.diagnostics import (
+    DUMP_DIR_ENV,
     AddressInUseError,
     DiagnosticsError,
     ProgressHeartbeat,
@@ -28,7 +29,6 @@ from pipeline.diagnostics import (
     install_task_dumper,
     start_site,
 )
-from pipeline.diagnostics.dumper import DUMP_DIR_ENV
 from pipeline.testing import ByteTokenizer, SimulatedEngine, capture_logs
 
 

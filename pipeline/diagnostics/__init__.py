@@ -13,34 +13,23 @@
   :func:`start_site` bind servers with retries on a busy port.
 """
 
-from pipeline.diagnostics.cli import add_dump_arguments, dump_command, run_dump
-from pipeline.diagnostics.dumper import (
-    DUMP_DIR_ENV,
-    DiagnosticsError,
-    TaskDumper,
-    default_dump_dir,
-    dump,
-    install_task_dumper,
-)
-from pipeline.diagnostics.net import (
-    AddressInUseError,
-    bind_socket,
-    bind_socket_async,
-    start_site,
-)
-from pipeline.diagnostics.progress import ProgressHeartbeat
-from pipeline.diagnostics.render import render_json, render_text, snapshot_to_dict
-from pipeline.diagnostics.run import asyncio_run
-from pipeline.diagnostics.snapshot import (
+from pipeline.diagnostics._errors import AddressInUseError, DiagnosticsError
+from pipeline.diagnostics._model import (
     LoopInfo,
     SampleInfo,
     Snapshot,
     TaskGroupInfo,
     TaskInfo,
     ThreadInfo,
-    capture_snapshot,
-    track_task_ages,
 )
+from pipeline.diagnostics._paths import DUMP_DIR_ENV, default_dump_dir
+from pipeline.diagnostics.cli import add_dump_arguments, dump_command, run_dump
+from pipeline.diagnostics.dumper import TaskDumper, dump, install_task_dumper
+from pipeline.diagnostics.net import bind_socket, bind_socket_async, start_site
+from pipeline.diagnostics.progress import ProgressHeartbeat
+from pipeline.diagnostics.render import render_json, render_text, snapshot_to_dict
+from pipeline.diagnostics.run import asyncio_run
+from pipeline.diagnostics.snapshot import capture_snapshot, track_task_ages
 from pipeline.diagnostics.watchdog import BlockReport, LagStats, Watchdog
 
 __all__ = [

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from pipeline.diagnostics.dumper import (
+from pipeline.diagnostics._paths import (
     FAULTHANDLER_FILE,
     SOCKET_FILE,
     default_dump_dir,

@@ -2,9 +2,10 @@
 
 How it works when the event loop is stuck
 -----------------------------------------
-The signal handler does no work itself: it writes one byte to a pipe and returns. A
-dedicated dumper thread sleeps on that pipe (and on a Unix socket), takes the snapshot and
-writes the file. So the dump never waits for the event loop:
+The signal handler does no work itself: it writes one byte to a pipe and returns (a handler
+that took the snapshot itself would run inside whatever the main thread was interrupted in,
+a held logging lock included). A dedicated dumper thread sleeps on that pipe (and on a Unix
+socket), takes the snapshot and writes the file. So the dump never waits for the loop:
 
 - loop idle in ``epoll``: the signal interrupts the wait, Python runs the handler at once;
 - loop thread blocked in ``time.sleep``, a blocking lock or a pure-Python loop: Python runs
@@ -20,11 +21,9 @@ link (see :mod:`pipeline.diagnostics.snapshot`).
 
 Where dumps go
 --------------
-``$ROLLOUT_DUMP_DIR/<pid>/`` when that variable is set, else
-``<tempdir>/rollout-dumps-<uid>/<pid>/``. A locator file ``<pid>.json`` beside it names the
-directory, signal and socket, so ``rollout dump PID`` finds a process's dumps even when it
-was given another directory. Each dump is ``tasks-<UTC time>-<n>.txt`` (and ``.json``),
-written atomically (a reader never sees half a file).
+``$ROLLOUT_DUMP_DIR/<pid>/``, else ``<tempdir>/rollout-dumps-<uid>/<pid>/``, with a locator
+file for ``rollout dump`` (see :mod:`pipeline.diagnostics._paths`). Each dump is
+``tasks-<UTC time>-<n>.txt``, then its ``.json``, each written atomically.
 
 Signals can only be installed from the main thread. Where the pipeline runs elsewhere (a
 Ray async actor, a trainer's thread), the dumper still serves the socket and :func:`dump`.
@@ -40,7 +39,6 @@ import os
 import selectors
 import signal
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -49,43 +47,23 @@ from typing import IO, Any
 
 import structlog
 
-from pipeline._exceptions import PipelineError
+from pipeline.diagnostics._errors import DiagnosticsError
 from pipeline.diagnostics._frames import HIDDEN_CODES
+from pipeline.diagnostics._paths import (
+    FAULTHANDLER_FILE,
+    SOCKET_FILE,
+    default_dump_dir,
+    locator_path,
+    write_atomic,
+)
 from pipeline.diagnostics.render import render_json, render_text
 from pipeline.diagnostics.snapshot import capture_snapshot, note_loop_thread, track_task_ages
 
-DUMP_DIR_ENV = "ROLLOUT_DUMP_DIR"
-"""Environment variable: the base directory for dumps (``<base>/<pid>/``)."""
-
-FAULTHANDLER_FILE = "faulthandler.txt"
-SOCKET_FILE = "dump.sock"
 _MAX_UNIX_PATH = 100
 
 _logger = structlog.get_logger("pipeline.diagnostics")
 _by_signal: dict[int, TaskDumper] = {}
 _latest: list[TaskDumper] = []
-
-
-class DiagnosticsError(PipelineError):
-    """A diagnostics facility could not be set up or used (names what and why)."""
-
-
-def dump_base_dir(uid: int | None = None) -> Path:
-    """The base dump directory: ``$ROLLOUT_DUMP_DIR``, else ``<tempdir>/rollout-dumps-<uid>``."""
-    env = os.environ.get(DUMP_DIR_ENV)
-    if env:
-        return Path(env)
-    return Path(tempfile.gettempdir()) / f"rollout-dumps-{os.getuid() if uid is None else uid}"
-
-
-def default_dump_dir(pid: int | None = None, uid: int | None = None) -> Path:
-    """Where process ``pid`` (default: this one) writes dumps unless told otherwise."""
-    return dump_base_dir(uid) / str(os.getpid() if pid is None else pid)
-
-
-def locator_path(pid: int, uid: int | None = None) -> Path:
-    """The locator file that tells ``rollout dump`` where process ``pid`` writes dumps."""
-    return dump_base_dir(uid) / f"{pid}.json"
 
 
 class TaskDumper:
@@ -300,9 +278,9 @@ class TaskDumper:
             base = f"tasks-{stamp}.{micros:06d}Z-{self._seq}"
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             path = self.directory / f"{base}.txt"
-            _write_atomic(path, text)  # first: it is what a person waits for
+            write_atomic(path, text)  # first: it is what a person waits for
             if self.write_json:
-                _write_atomic(self.directory / f"{base}.json", render_json(snap))
+                write_atomic(self.directory / f"{base}.json", render_json(snap))
         if self.echo_stderr:
             with contextlib.suppress(OSError):
                 os.write(2, text.encode("utf-8", "replace"))
@@ -319,7 +297,7 @@ class TaskDumper:
         path = locator_path(os.getpid())
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _write_atomic(path, json.dumps(record))
+            write_atomic(path, json.dumps(record))
         except OSError as exc:
             _logger.warning("task_dump_locator_failed", path=str(path), error=str(exc))
 
@@ -420,13 +398,6 @@ def dump(directory: str | Path | None = None, *, reason: str = "dump() call") ->
     if _latest and directory is None:
         return _latest[-1].dump(reason)
     return TaskDumper(directory, signum=None, trigger_socket=False).dump(reason)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def _signal_name(signum: int | None) -> str | None:

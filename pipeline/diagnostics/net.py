@@ -15,16 +15,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from pipeline._exceptions import PipelineError
+from pipeline.diagnostics._errors import AddressInUseError
 
 if TYPE_CHECKING:
     from aiohttp import web
 
 _logger = structlog.get_logger("pipeline.diagnostics")
-
-
-class AddressInUseError(PipelineError):
-    """A server could not bind its address after retrying; names host, port and attempts."""
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0, *, attempts: int = 20,

@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 from pipeline.diagnostics._frames import FrameInfo
-from pipeline.diagnostics.snapshot import Snapshot, TaskGroupInfo
+from pipeline.diagnostics._model import Snapshot, TaskGroupInfo
 
 _NAMES_SHOWN = 5
 
