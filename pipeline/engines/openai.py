@@ -1,0 +1,434 @@
+"""An engine over any OpenAI-compatible server (vLLM, SGLang), token ids in and out.
+
+Each request is one ``POST /v1/completions`` with the prompt as a list of token ids (no
+re-tokenization on the server), ``return_token_ids`` and ``logprobs: 0`` (the sampled token's
+logprob). One pooled ``aiohttp`` session serves every request. Connection errors and 5xx
+answers are retried a bounded number of times with jittered exponential backoff; 4xx answers
+are not. A request that is aborted or whose caller is cancelled closes its connection, which
+makes vLLM abort it server-side.
+
+With several server URLs, the rollouts of one prompt go to the same server (sticky routing by
+``group_id``, so the shared prompt prefix is cached once) and a new group goes to the server
+with the fewest requests in flight. The pipeline's request ids are ``{group_id}-{k}-{turn}``;
+pass ``group_key`` for another scheme.
+
+Weight sync: ``pause``/``resume`` hold this client's new requests and, with
+``server_control=True``, call vLLM's ``/pause`` and ``/resume``; ``update_weights(path=...)``
+reloads a checkpoint through ``/collective_rpc``, and ``reset_prefix_cache`` calls
+``/reset_prefix_cache``. Those endpoints exist on a vLLM server started with
+``VLLM_SERVER_DEV_MODE=1``; other servers raise a clear :class:`~pipeline.EngineError`. A
+server cannot take a state dict over HTTP: save a checkpoint, or push weights with vLLM's
+NCCL weight-transfer API and set ``policy_version`` yourself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import io
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+
+from pipeline._config import SamplingParams
+from pipeline._exceptions import ConfigError, EngineError
+from pipeline._models import FinishReason
+from pipeline.engines.base import Generation
+from pipeline.engines.consistency import TokenizerProbe
+from pipeline.engines.weight_sync import (
+    PauseGate,
+    PauseMode,
+    check_pause_mode,
+    check_weight_source,
+    next_version,
+)
+
+_logger = structlog.get_logger("pipeline.engines.openai")
+
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+
+
+def pipeline_group_key(request_id: str) -> str:
+    """The group of a pipeline request id ``{group_id}-{k}-{turn}`` (the id itself if it
+    has another shape)."""
+    parts = request_id.rsplit("-", 2)
+    return parts[0] if len(parts) == 3 else request_id
+
+
+class ServerError(EngineError):
+    """A server answered with an error status, or could not be reached after retries.
+
+    Attributes:
+        status: the HTTP status, or None when no answer came.
+        url: the server's base URL.
+    """
+
+    def __init__(self, message: str, *, status: int | None, url: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.url = url
+
+
+@dataclass(eq=False)
+class _Server:
+    url: str
+    in_flight: int = 0
+    requests: int = 0
+    failures: int = 0
+
+
+class OpenAIEngine:
+    """Client for OpenAI-compatible completion servers (see the module doc).
+
+    Args:
+        base_urls: one server URL or several (``http://127.0.0.1:8000``, ``/v1`` optional).
+        model: the served model name; default the first one ``/v1/models`` lists.
+        api_key: sent as a bearer token when given.
+        max_retries: retries after the first attempt, on connection errors and 5xx.
+        backoff_s: first retry delay; doubled each time up to ``max_backoff_s``, jittered.
+        request_timeout_s: limit of one HTTP attempt (None: none; the sample's deadline
+            still applies by cancellation).
+        max_connections: size of the connection pool.
+        group_key: maps a request id to its sticky-routing group.
+        ignore_eos: generate through eos (benchmarks with fixed output lengths).
+        check_prompt: raise when the server's ``prompt_token_ids`` differ from the ids sent.
+        server_control: also pause/resume the servers themselves (vLLM dev mode).
+        sticky_capacity: most groups remembered for sticky routing (least recent dropped).
+        extra_body: more fields for every completion request (e.g. ``{"min_p": 0.05}``).
+    """
+
+    def __init__(self, base_urls: str | Sequence[str], *, model: str | None = None,
+                 api_key: str | None = None, max_retries: int = 3, backoff_s: float = 0.25,
+                 max_backoff_s: float = 4.0, request_timeout_s: float | None = None,
+                 max_connections: int = 1024,
+                 group_key: Callable[[str], str] = pipeline_group_key,
+                 ignore_eos: bool = False, check_prompt: bool = True,
+                 server_control: bool = True, sticky_capacity: int = 65536,
+                 extra_body: Mapping[str, Any] | None = None) -> None:
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ConfigError("OpenAIEngine needs at least one server URL")
+        if max_retries < 0 or backoff_s < 0 or max_connections < 1:
+            raise ConfigError("max_retries and backoff_s must be >= 0, max_connections >= 1")
+        self.servers = [_Server(_normalise(u)) for u in urls]
+        self.model = model
+        self.api_key = api_key
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.request_timeout_s = request_timeout_s
+        self.max_connections = max_connections
+        self.group_key = group_key
+        self.ignore_eos = ignore_eos
+        self.check_prompt = check_prompt
+        self.server_control = server_control
+        self.sticky_capacity = sticky_capacity
+        self.extra_body = dict(extra_body or {})
+        self.policy_version: int | None = 0
+        self.aborted: list[str] = []
+        """Ids of requests stopped early (``abort`` or a cancelled caller), oldest first."""
+        self.retries = 0
+        """Attempts repeated after a connection error or a 5xx answer."""
+        self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
+        self._tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
+        self._aborting: set[str] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._model_lock: asyncio.Lock | None = None
+        self._gate = PauseGate()
+        self._closed = False
+
+    # ----- plumbing -----------------------------------------------------------------------
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise EngineError("the engine is closed")
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s), headers=headers)
+        return self._session
+
+    async def _model_name(self) -> str:
+        if self.model is not None:
+            return self.model
+        if self._model_lock is None:
+            self._model_lock = asyncio.Lock()
+        async with self._model_lock:
+            if self.model is None:
+                listing = await self._call(self.servers[0], "GET", "/v1/models", None)
+                data = listing.get("data") or []
+                if not data:
+                    raise EngineError(f"{self.servers[0].url} serves no model")
+                self.model = str(data[0]["id"])
+        return self.model
+
+    def route(self, request_id: str) -> _Server:
+        """The server for ``request_id``: its group's server, else the least busy one."""
+        group = self.group_key(request_id)
+        server = self._sticky.get(group)
+        if server is not None:
+            self._sticky.move_to_end(group)
+            return server
+        server = min(self.servers, key=lambda s: (s.in_flight, s.failures, s.requests))
+        self._sticky[group] = server
+        if len(self._sticky) > self.sticky_capacity:
+            self._sticky.popitem(last=False)
+        return server
+
+    async def _call(self, server: _Server, method: str, path: str,
+                    body: Mapping[str, Any] | None, *, retry: bool = True) -> dict[str, Any]:
+        """One JSON call with bounded retries on connection errors and 5xx answers."""
+        session = self._get_session()
+        attempts = self.max_retries + 1 if retry else 1
+        for attempt in range(attempts):
+            try:
+                async with session.request(method, server.url + path, json=body) as resp:
+                    if resp.status < 400:
+                        if resp.content_type != "application/json":
+                            return {}
+                        answer: dict[str, Any] = await resp.json()
+                        return answer
+                    text = (await resp.text())[:500]
+                    error = ServerError(f"{method} {server.url}{path} answered {resp.status}: "
+                                        f"{text}", status=resp.status, url=server.url)
+                    if resp.status not in RETRY_STATUSES:
+                        raise error
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
+                    TimeoutError) as exc:
+                error = ServerError(f"{method} {server.url}{path} failed: "
+                                    f"{type(exc).__name__}: {exc}", status=None, url=server.url)
+            server.failures += 1
+            if attempt + 1 < attempts:
+                self.retries += 1
+                delay = min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+        raise error
+
+    # ----- generation ---------------------------------------------------------------------
+
+    def _body(self, model: str, prompt_ids: Sequence[int], sampling: SamplingParams,
+              request_id: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model, "prompt": [int(t) for t in prompt_ids],
+            "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "logprobs": 0, "return_token_ids": True,
+            "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
+            "request_id": request_id,
+        }
+        if sampling.top_k > 0:
+            body["top_k"] = sampling.top_k
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        body.update(self.extra_body)
+        return body
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                       request_id: str) -> Generation:
+        """One completion on the routed server (see the class doc).
+
+        Raises:
+            EngineError: a 4xx answer, retries exhausted, or an answer without token ids or
+                logprobs (the server is not vLLM-compatible enough).
+            asyncio.CancelledError: the caller was cancelled; the connection is closed.
+        """
+        model = await self._model_name()
+        async with self._gate.admit(request_id, self.policy_version):
+            version = self._gate.in_flight.get(request_id)
+            server = self.route(request_id)
+            body = self._body(model, prompt_ids, sampling, request_id)
+            task = asyncio.ensure_future(self._call(server, "POST", "/v1/completions", body))
+            self._tasks[request_id] = task
+            server.in_flight += 1
+            server.requests += 1
+            try:
+                answer = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                ours = current is None or not current.cancelling()
+                if request_id in self._aborting and ours:  # our abort: it ends "abort"
+                    return Generation([], [], FinishReason.ABORT, "abort", policy_version=version)
+                task.cancel()
+                self.aborted.append(request_id)
+                await asyncio.gather(task, return_exceptions=True)
+                raise
+            finally:
+                server.in_flight -= 1
+                self._tasks.pop(request_id, None)
+                self._aborting.discard(request_id)
+        return self._generation(answer, prompt_ids, request_id, version)
+
+    def _generation(self, answer: Mapping[str, Any], prompt_ids: Sequence[int],
+                    request_id: str, version: int | None) -> Generation:
+        try:
+            choice = answer["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise EngineError(f"request {request_id}: the answer has no choice") from None
+        tokens = choice.get("token_ids")
+        if tokens is None:
+            raise EngineError(f"request {request_id}: the server returned no token_ids "
+                              f"(it needs return_token_ids support, as vLLM has)")
+        tokens = [int(t) for t in tokens]
+        echoed = choice.get("prompt_token_ids")
+        if self.check_prompt and echoed is not None and list(echoed) != list(prompt_ids):
+            raise EngineError(f"request {request_id}: the server's prompt_token_ids "
+                              f"({len(echoed)} ids) differ from the {len(prompt_ids)} ids sent")
+        logprobs = _token_logprobs(choice.get("logprobs"), len(tokens), request_id)
+        raw = choice.get("finish_reason")
+        if raw == "stop":
+            reason = FinishReason.STOP
+            raw = "stop_token" if isinstance(choice.get("stop_reason"), int) else "eos"
+        elif raw == "length":
+            reason = FinishReason.LENGTH
+        elif raw == "abort":
+            reason = FinishReason.ABORT
+        else:
+            raise EngineError(f"request {request_id}: the server finished with {raw!r}")
+        experts = choice.get("routed_experts")
+        if experts is not None:
+            experts = _decode_experts(experts, len(prompt_ids) + len(tokens))
+        return Generation(tokens, logprobs, reason, raw, routed_experts=experts,
+                          policy_version=version)
+
+    async def abort(self, request_id: str) -> None:
+        """Close ``request_id``'s connection (the server aborts it); its ``generate``
+        returns ``finish_reason=abort``. Unknown ids are ignored."""
+        task = self._tasks.get(request_id)
+        if task is None or task.done():
+            return
+        self._aborting.add(request_id)
+        self.aborted.append(request_id)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Abort what is in flight and close the session (idempotent)."""
+        for request_id in list(self._tasks):
+            await self.abort(request_id)
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ----- weight sync --------------------------------------------------------------------
+
+    async def _control(self, path: str, body: Mapping[str, Any] | None = None) -> list[Any]:
+        answers = []
+        for server in self.servers:
+            try:
+                answers.append(await self._call(server, "POST", path, body, retry=False))
+            except ServerError as exc:
+                if exc.status == 404:
+                    raise EngineError(f"{server.url} has no {path.split('?')[0]} endpoint: "
+                                      f"start vLLM with VLLM_SERVER_DEV_MODE=1 (or pass "
+                                      f"server_control=False)") from exc
+                raise
+        return answers
+
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        """Hold new requests; abort, wait for or keep those in flight (on the servers too,
+        with ``server_control``)."""
+        mode = check_pause_mode(mode)
+        if self.server_control:
+            await self._control(f"/pause?mode={mode}&clear_cache=false")
+        await self._gate.close(mode, self.abort)
+
+    async def resume(self) -> None:
+        """Resume the servers (with ``server_control``) and let held requests go."""
+        if self.server_control:
+            await self._control("/resume")
+        self._gate.open()
+
+    async def update_weights(self, state_dict: Mapping[str, Any] | None = None,
+                             path: str | Path | None = None, *,
+                             version: int | None = None) -> int:
+        """Reload every server's weights from the checkpoint directory ``path`` (as the
+        servers see it); return the new policy version.
+
+        Raises:
+            ConfigError: both or neither source given.
+            EngineError: a state dict (not possible over HTTP), or a server without the
+                endpoint or failing to load.
+        """
+        check_weight_source(state_dict, path)
+        if state_dict is not None:
+            raise EngineError("a server cannot take a state dict over HTTP: save a checkpoint "
+                              "and pass path=, or use vLLM's NCCL weight-transfer API and set "
+                              "engine.policy_version")
+        await self._control("/collective_rpc", {"method": "reload_weights",
+                                                "kwargs": {"weights_path": str(path)}})
+        await self.reset_prefix_cache()
+        new = next_version(self.policy_version, version)
+        await self._control("/update_weight_version", {"new_version": str(new)})
+        self.policy_version = new
+        return new
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every server's prefix cache; True when all confirmed."""
+        answers = await self._control("/reset_prefix_cache")
+        return all(bool(a.get("success", True)) for a in answers)
+
+    # ----- consistency probe --------------------------------------------------------------
+
+    async def probe_tokenizer(self, messages: Sequence[Mapping[str, Any]],
+                              tools: Sequence[Mapping[str, Any]] | None = None
+                              ) -> TokenizerProbe:
+        """The first server's rendering of ``messages`` (its ``/tokenize`` endpoint)."""
+        body: dict[str, Any] = {"model": await self._model_name(),
+                                "messages": [dict(m) for m in messages],
+                                "add_generation_prompt": True, "add_special_tokens": False}
+        if tools:
+            body["tools"] = [dict(t) for t in tools]
+        answer = await self._call(self.servers[0], "POST", "/tokenize", body)
+        return TokenizerProbe(prompt_ids=[int(t) for t in answer["tokens"]],
+                              eos_token_ids=None, pad_token_id=None, source=self.servers[0].url)
+
+    async def tokenize_text(self, text: str) -> list[int]:
+        """The first server's token ids for ``text`` (no special tokens added)."""
+        body = {"model": await self._model_name(), "prompt": text, "add_special_tokens": False}
+        answer = await self._call(self.servers[0], "POST", "/tokenize", body)
+        return [int(t) for t in answer["tokens"]]
+
+    async def echo_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The first server's ``prompt_token_ids`` for a one-token request."""
+        body = {"model": await self._model_name(), "prompt": [int(t) for t in prompt_ids],
+                "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
+        answer = await self._call(self.servers[0], "POST", "/v1/completions", body)
+        return [int(t) for t in answer["choices"][0].get("prompt_token_ids") or ()]
+
+
+def _normalise(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _token_logprobs(block: Any, count: int, request_id: str) -> list[float]:
+    values = (block or {}).get("token_logprobs") if isinstance(block, Mapping) else None
+    if values is None or len(values) != count:
+        raise EngineError(f"request {request_id}: the server returned "
+                          f"{0 if values is None else len(values)} logprobs for {count} tokens")
+    out: list[float] = []
+    for position, value in enumerate(values):
+        if value is None or math.isnan(float(value)):
+            raise EngineError(f"request {request_id}: no logprob at position {position}")
+        out.append(float(value))
+    return out
+
+
+def _decode_experts(encoded: str, length: int) -> Any:
+    """vLLM's base64 ``.npy`` router choices, padded to ``[length, layers, topk]``."""
+    import numpy as np
+
+    from pipeline.engines.vllm import full_length_experts
+
+    array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    return full_length_experts(array, length)
