@@ -144,3 +144,14 @@ def test_invalid_settings_are_config_errors(kwargs):
 def test_start_needs_a_loop():
     with pytest.raises(RuntimeError):
         Watchdog(1.0).start()
+
+
+def test_a_stopped_loop_is_not_reported_as_blocked():
+    loop = asyncio.new_event_loop()
+    try:
+        dog = Watchdog(0.1, interval_s=0.02).start(loop)  # the loop never runs
+        time.sleep(0.4)
+        dog.stop()
+        assert dog.blocks == []
+    finally:
+        loop.close()

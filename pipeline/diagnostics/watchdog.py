@@ -199,6 +199,11 @@ class Watchdog:
                 now = time.monotonic()
                 if self._answered >= seq:
                     break
+                if not loop.is_running():  # stopped or closed, not blocked: nothing to report
+                    if loop.is_closed():
+                        return
+                    posted = now
+                    continue
                 lag = now - posted
                 if reported is None and lag >= self.threshold_s:
                     reported = self._report_block(lag, posted)
