@@ -35,7 +35,13 @@ from pipeline._pipeline import InflightSample, Pipeline
 from pipeline._rows import DatasetRow, iter_rows, load_rows, parse_row
 from pipeline._stats import compute_stats
 from pipeline._tokenizer import Tokenizer
-from pipeline.diagnostics.run import asyncio_run
+from pipeline.diagnostics import (
+    DiagnosticsError,
+    Watchdog,
+    asyncio_run,
+    capture_snapshot,
+    install_task_dumper,
+)
 from pipeline.engines import Engine, Generation, SimulatedEngine
 from pipeline.observability import (
     BatchProgress,
@@ -73,6 +79,7 @@ __all__ = [
     "Context",
     "ContractError",
     "DatasetRow",
+    "DiagnosticsError",
     "Engine",
     "EngineError",
     "ExitReason",
@@ -111,14 +118,17 @@ __all__ = [
     "TrajectoryReader",
     "TrajectoryRecord",
     "TrajectoryWriter",
+    "Watchdog",
     "artifacts",
     "as_stage",
     "asyncio_run",
     "batch_metrics",
     "build_trace",
+    "capture_snapshot",
     "chain_callbacks",
     "compute_stats",
     "fill_sample",
+    "install_task_dumper",
     "iter_rows",
     "load_rows",
     "log_batch_metrics",

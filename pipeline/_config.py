@@ -69,6 +69,8 @@ class PipelineConfig(BaseModel):
         cleanup_timeout_s: limit for each stage's ``cleanup`` and the sample's exit stack.
         seed: base seed; every sample gets its own seed derived from it.
         pad_token_id: used when the tokenizer has none (and by the last-resort failure output).
+        progress_log_s: log a ``batch_heartbeat`` line (done, running, samples per stage,
+            oldest running sample, rate, ETA) this often while a batch runs; None: never.
         sampling: default sampling parameters; rows may override them.
     """
 
@@ -79,6 +81,7 @@ class PipelineConfig(BaseModel):
     cleanup_timeout_s: float = Field(10.0, gt=0)
     seed: int = 0
     pad_token_id: int | None = Field(None, ge=0)
+    progress_log_s: float | None = Field(60.0, gt=0)
     sampling: SamplingParams = SamplingParams()
 
     @classmethod

@@ -8,6 +8,8 @@ Every error the library raises on purpose derives from :class:`PipelineError`::
     ├── StageDefinitionError something in a stage list that is not a stage
     ├── EngineError          an engine failed to generate (foreign errors translated here)
     ├── ContractError        data that breaks a trainer-facing contract
+    ├── RateLimitError       (pipeline.ratelimit) LimiterClosed, LimiterConflict
+    ├── DiagnosticsError     (pipeline.diagnostics) AddressInUseError
     └── SampleAborted        raised by a stage to end its sample as aborted (not failed)
 
 Errors raised inside stages by user code are not wrapped: the sample runner records them on

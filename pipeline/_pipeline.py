@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 import uuid
 import weakref
@@ -31,6 +32,7 @@ from pipeline._models import (
 )
 from pipeline._rows import DatasetRow, parse_row
 from pipeline._stats import compute_stats
+from pipeline.diagnostics.progress import ProgressHeartbeat
 from pipeline.stages.base import Stage, as_stages, run_stage
 
 _logger = structlog.get_logger("pipeline")
@@ -270,8 +272,13 @@ class Pipeline:
         batch.runs = [_SampleRun(item) for item in items]
         _RUNNING.add(self)
         self._active_batches += 1
+        heartbeat: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
+        if self.config.progress_log_s is not None:
+            heartbeat = ProgressHeartbeat(
+                self, interval_s=self.config.progress_log_s, total=len(items)
+            )
         try:
-            async with asyncio.TaskGroup() as group:
+            async with heartbeat, asyncio.TaskGroup() as group:
                 for run in batch.runs:
                     run.task = group.create_task(
                         self._run_sample(run, batch, on_sample_done), name=f"sample:{run.item.uid}"

@@ -68,9 +68,12 @@ class ProgressHeartbeat:
             try:
                 await task
             except asyncio.CancelledError:
+                # Leaving with an exception already (a TaskGroup's error, a cancellation):
+                # returning lets that one through. Otherwise a pending cancellation of our
+                # own task must not be swallowed.
                 current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # we are being cancelled ourselves: let it through
+                if exc[0] is None and current is not None and current.cancelling():
+                    raise
 
     def fields(self) -> dict[str, Any]:
         """The figures of one progress line, now."""
