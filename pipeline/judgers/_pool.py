@@ -153,22 +153,24 @@ class ProcessPool:
     async def _run(self, worker: _Worker, label: str, module: str, main_path: str | None,
                    payload: bytes, timeout_s: float | None) -> Any:
         announce = module not in worker.modules
+        limit, what = self.start_timeout_s, f"importing {module} for {label}"
         try:
             if announce:  # it may import the function's module first: not on the clock
-                async with asyncio.timeout(self.start_timeout_s):
+                async with asyncio.timeout(limit):
                     await worker.send(("call", main_path, True, payload))
                     reply = await worker.recv()
                 if reply[0] != "started":
                     return reply  # unpickling failed in the worker: the worker is fine
                 worker.modules.add(module)
-            else:
-                await worker.send(("call", main_path, False, payload))
             worker.calls += 1
+            limit, what = timeout_s, label  # type: ignore[assignment]
             async with asyncio.timeout(timeout_s):
+                if not announce:
+                    await worker.send(("call", main_path, False, payload))
                 return await worker.recv()
         except TimeoutError:
             raise JudgerTimeout(
-                f"{label} ran past its {timeout_s}s limit; worker {worker.pid} was killed"
+                f"{what} ran past its {limit}s limit; worker {worker.pid} was killed"
             ) from None
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError) as exc:
             code = await _exit_code(worker)
