@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
-def test_python_examples_run():
+def test_python_examples_run(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
     assert blocks
     for code in blocks:
