@@ -1,0 +1,64 @@
+"""An OpenAI-compatible proxy that records black-box agents token-exactly.
+
+Agents that only speak the OpenAI API (coding CLIs, SWE-agent, customer agents) talk to a
+per-session endpoint of :class:`ProxyServer`. The proxy applies the chat template itself,
+generates token in / token out on the pipeline's engine, and records every turn's exact token
+ids and logprobs. When the agent sends its history back, the recorded tokens are reused and
+only the new messages are rendered, so turns merge into one token sequence; a rewritten
+history splits the session into segments. :class:`RemoteAgent` runs an agent per sample and
+fills the standard artifacts from its session. See ``_history`` for the token rules and
+``_server`` for the routes.
+"""
+
+from pipeline.proxy._agent import (
+    AGENT_LOG,
+    FINAL_ANSWER,
+    PROXY_KEY,
+    SEGMENTS,
+    AgentEndpoint,
+    AgentFunction,
+    Command,
+    RemoteAgent,
+)
+from pipeline.proxy._errors import (
+    ProxyAuthError,
+    ProxyError,
+    ProxyLimitError,
+    ProxyRequestError,
+    RemoteAgentError,
+    SessionNotFound,
+)
+from pipeline.proxy._history import SPLIT_REASONS, History, Segment, message_key
+from pipeline.proxy._records import SegmentRecord, SessionRecord, TurnRecord
+from pipeline.proxy._server import ProxyConfig, ProxyServer
+from pipeline.proxy._sessions import Session, SessionStore
+from pipeline.proxy._wire import ChatCompletionRequest
+
+__all__ = [
+    "AGENT_LOG",
+    "FINAL_ANSWER",
+    "PROXY_KEY",
+    "SEGMENTS",
+    "SPLIT_REASONS",
+    "AgentEndpoint",
+    "AgentFunction",
+    "ChatCompletionRequest",
+    "Command",
+    "History",
+    "ProxyAuthError",
+    "ProxyConfig",
+    "ProxyError",
+    "ProxyLimitError",
+    "ProxyRequestError",
+    "ProxyServer",
+    "RemoteAgent",
+    "RemoteAgentError",
+    "Segment",
+    "SegmentRecord",
+    "Session",
+    "SessionNotFound",
+    "SessionRecord",
+    "SessionStore",
+    "TurnRecord",
+    "message_key",
+]

@@ -1,0 +1,369 @@
+"""Token-exact session history: turns merge into one token sequence; rewrites split it.
+
+A black-box agent sends its whole conversation with every request, earlier model replies
+included, as text. Rendering those again would re-tokenize model output, and the tokens would
+no longer be the ones the model sampled. So a session keeps, per *segment*, the token sequence
+it built (prompt ids, then response ids with a mask and logprobs) and the messages it stands
+for. A request whose messages start with a segment's messages *extends* it: only the new
+messages are rendered, as the chat template's delta after the model's last token
+(:func:`pipeline.stages.prompt.render_turn_delta`, mask 0), and the model's reply is appended
+with mask 1. A request that does not extend any segment (the agent summarised, dropped or
+edited turns, retried a request, or changed its tools) starts a new segment. The new segment's
+prompt reuses the recorded tokens of the longest matching prefix that ends on a model reply
+(so earlier model output is still never re-tokenized, only moved into the prompt), and renders
+the rest. Every new segment after the first is a *split*, counted with its reason.
+
+Messages are compared in a normalised form (``developer`` = ``system``, ``None`` content = ``""``,
+assistant text stripped, tool-call arguments compared as parsed JSON, call ids ignored), and
+once a message matched, the agent's own dict for it is kept so the next request compares with
+one dict equality.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline._models import AgentMessage, FinishReason
+from pipeline._tokenizer import Tokenizer
+from pipeline.proxy._errors import ProxyRequestError
+from pipeline.proxy._wire import WireMessage, parse_message
+from pipeline.stages.prompt import chat_form, render_prompt, render_turn_delta
+
+SPLIT_START = "start"
+"""The first segment of a session (not counted as a split)."""
+SPLIT_TOOLS = "tools_changed"
+"""The request's tool schemas differ from the segment's (the system prompt changes)."""
+SPLIT_RETRY = "retry"
+"""The request repeats the previous request's messages (the last reply is abandoned)."""
+SPLIT_TRUNCATED = "truncated"
+"""The request is a shorter prefix of the recorded conversation (turns dropped at the end)."""
+SPLIT_EDITED = "edited"
+"""A recorded message was changed, dropped or replaced (e.g. a summary); ``at_message`` says
+where the request first differs."""
+SPLIT_REASONS = (SPLIT_TOOLS, SPLIT_RETRY, SPLIT_TRUNCATED, SPLIT_EDITED)
+
+
+@dataclass(slots=True)
+class Entry:
+    """One message of a segment's conversation.
+
+    Attributes:
+        message: the message as rendered (for model turns: the reply as sent, with token ids).
+        key: the normalised comparison key.
+        echo: the agent's own dict for this message, once seen (fast comparison).
+        end: model turns only: the sequence offset just after the turn's last token.
+        closed: model turns only: the turn ended on the template's end-of-turn token.
+    """
+
+    message: AgentMessage
+    key: tuple[Any, ...]
+    echo: dict[str, Any] | None = None
+    end: int | None = None
+    closed: bool = True
+
+
+@dataclass(eq=False)
+class Segment:
+    """One token sequence of a session: a trainer sample.
+
+    Attributes:
+        index: position in the session's segments.
+        reason: why it started: ``start`` or one of :data:`SPLIT_REASONS`.
+        at_message: for ``edited``: the first request message that differed.
+        tools: the tool schemas its prompt was rendered with.
+        prompt_ids: the prompt (rendered, or partly reused from an earlier segment).
+        reused_tokens: how many prompt tokens were taken from an earlier segment's record.
+        raw_prompt: the rendered prompt text (None when part of the prompt was reused).
+        response_ids / response_mask / logprobs: everything after the prompt, aligned.
+        entries: the conversation the sequence stands for.
+        turns: indices of the session turns that extended it.
+        tool_turns: merges whose new messages held a tool result.
+        drift: merges whose template delta drifted (see ``render_turn_delta``).
+    """
+
+    index: int
+    reason: str
+    at_message: int | None
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    reused_tokens: int = 0
+    raw_prompt: str | None = None
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    tool_turns: int = 0
+    drift: int = 0
+    anchor: AgentMessage | None = None
+    finish_reason: FinishReason | None = None
+    raw_finish_reason: str | None = None
+    policy_version: int | None = None
+    routed_experts: Any = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def sequence(self) -> list[int]:
+        """Prompt and response ids as one list."""
+        return self.prompt_ids + self.response_ids
+
+
+@dataclass(slots=True)
+class Match:
+    """What a request's messages are to the recorded history (no rendering done yet).
+
+    ``segment`` set: the request extends it. Otherwise a new segment starts, with ``reason``,
+    reusing the first ``keep`` entries (and their tokens) of ``base``.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    segment: Segment | None
+    reason: str | None = None
+    at_message: int | None = None
+    base: Segment | None = None
+    keep: int = 0
+    new: list[tuple[WireMessage, dict[str, Any]]] = field(default_factory=list)
+
+    def render_chars(self) -> int:
+        """Rough size of the text to render (to decide whether to render off the loop)."""
+        total = 0
+        for message, _ in self.new:
+            content = message.content
+            total += len(content) if isinstance(content, str) else sum(
+                len(p.text) for p in content or ())
+        return total
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    """A rendered turn, ready for the engine; committed only if generation succeeds.
+
+    ``template_ids`` are the tokens the chat template produced for this turn (the delta of a
+    merge, or the rendered part of a new segment's prompt); ``prompt_ids`` is the whole
+    engine prompt, of which ``reused_tokens`` came from the record.
+    """
+
+    match: Match
+    template_ids: list[int]
+    prompt_ids: list[int]
+    reused_tokens: int
+    raw_prompt: str | None
+    drift: tuple[str, ...]
+    new_entries: list[Entry]
+
+
+class History:
+    """The segments of one session and the logic that merges and splits them.
+
+    Args:
+        tokenizer: the tokenizer with the chat template (the engine's).
+        eos_token_id: the template's end-of-turn token; default ``tokenizer.eos_token_id``.
+            A reply that did not end on it (length, stop string) gets it added as a
+            template token (mask 0) before the next turn's delta.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_id: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+        self.segments: list[Segment] = []
+        self.splits: dict[str, int] = {}
+        self.current: Segment | None = None
+        """The segment of the latest turn."""
+        self.last_message_count = 0
+        """How many messages the latest turn's request had (tells a retry apart)."""
+
+    # ----- matching (cheap; on the event loop) --------------------------------------------
+
+    def match(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Match:
+        """Find the segment ``messages`` extend, or how a new segment would start.
+
+        Raises:
+            ProxyRequestError: a message that has to be compared or rendered is invalid.
+        """
+        order = [self.current] if self.current is not None else []
+        order += [s for s in reversed(self.segments) if s is not self.current]
+        for segment in order:
+            count = len(segment.entries)
+            if (len(messages) >= count and segment.entries[-1].end is not None
+                    and _same_tools(segment.tools, tools)
+                    and self._common(messages, segment.entries, count) == count):
+                return Match(messages, tools, segment, new=_validated(messages, count))
+        base = self.current
+        if base is None:
+            return Match(messages, tools, None, SPLIT_START, new=_validated(messages, 0))
+        if not _same_tools(base.tools, tools):
+            return Match(messages, tools, None, SPLIT_TOOLS, new=_validated(messages, 0))
+        common = self._common(messages, base.entries, min(len(messages), len(base.entries)))
+        at: int | None = None
+        if common == len(messages):
+            reason = SPLIT_RETRY if common == self.last_message_count else SPLIT_TRUNCATED
+        else:
+            reason, at = SPLIT_EDITED, common
+        keep = next((i + 1 for i in range(common - 1, -1, -1)
+                     if base.entries[i].end is not None), 0)
+        return Match(messages, tools, None, reason, at, base if keep else None, keep,
+                     _validated(messages, keep))
+
+    @staticmethod
+    def _common(messages: list[dict[str, Any]], entries: list[Entry], limit: int) -> int:
+        """How many leading messages match the entries (up to ``limit``)."""
+        for i in range(limit):
+            raw, entry = messages[i], entries[i]
+            if raw == entry.echo:
+                continue
+            if message_key(parse_message(raw, i)) != entry.key:
+                return i
+            entry.echo = raw
+        return limit
+
+    # ----- rendering (template work; may run in a worker thread) ---------------------------
+
+    def render(self, match: Match) -> TurnPlan:
+        """Render what ``match`` needs: the delta for a merge, the prompt for a new segment.
+
+        Raises:
+            ProxyRequestError: the chat template could not render the messages.
+        """
+        new_entries = [Entry(w.to_agent_message(), message_key(w), raw) for w, raw in match.new]
+        new_messages = [e.message for e in new_entries]
+        try:
+            if match.segment is not None:
+                seg = match.segment
+                ids, drift = self._delta(seg.entries, seg.anchor, new_messages, match.tools,
+                                         seg.response_ids[-1:] or seg.prompt_ids[-1:])
+                return TurnPlan(match, ids, seg.sequence() + ids, len(seg), None, drift,
+                                new_entries)
+            if match.base is not None:
+                kept = match.base.entries[:match.keep]
+                end = kept[-1].end
+                assert end is not None
+                prefix = match.base.sequence()[:end]
+                anchor = next((e.message for e in reversed(kept) if e.message.role == "user"),
+                              None)
+                ids, drift = self._delta(kept, anchor, new_messages, match.tools, prefix[-1:])
+                reused = [Entry(e.message, e.key, e.echo, e.end, e.closed) for e in kept]
+                return TurnPlan(match, ids, prefix + ids, end, None, drift,
+                                reused + new_entries)
+            text, ids = render_prompt(self.tokenizer, [chat_form(m) for m in new_messages],
+                                      match.tools)
+            return TurnPlan(match, ids, ids, 0, text, (), new_entries)
+        except ProxyRequestError:
+            raise
+        except Exception as exc:  # a template that cannot render these messages
+            raise ProxyRequestError(f"the chat template could not render the messages: "
+                                    f"{type(exc).__name__}: {exc}", param="messages",
+                                    code="template_error") from exc
+
+    def _delta(self, entries: Sequence[Entry], anchor: AgentMessage | None,
+               new_messages: list[AgentMessage], tools: list[dict[str, Any]] | None,
+               last: list[int]) -> tuple[list[int], tuple[str, ...]]:
+        """Template tokens after the model turn ``entries[-1]`` up to the next generation."""
+        reply = entries[-1]
+        context = [anchor, reply.message] if anchor is not None else [reply.message]
+        if reply.closed and last:
+            delta = render_turn_delta(self.tokenizer, context, new_messages, tools, last[0])
+            return delta.ids, delta.drift
+        if self.eos_token_id is None:  # no end-of-turn token known: the delta as it comes
+            delta = render_turn_delta(self.tokenizer, context, new_messages, tools, -1)
+            return delta.ids, delta.drift
+        delta = render_turn_delta(self.tokenizer, context, new_messages, tools,
+                                  self.eos_token_id)
+        return [self.eos_token_id, *delta.ids], delta.drift
+
+    # ----- committing (after the engine answered) ----------------------------------------
+
+    def commit(self, plan: TurnPlan, reply: AgentMessage, turn: int) -> Segment:
+        """Append the plan's template tokens and the model's reply; returns the segment.
+
+        ``reply`` carries the sampled ``token_ids`` and ``logprobs`` (mask 1).
+        """
+        match = plan.match
+        seg = match.segment
+        if seg is None:
+            seg = Segment(index=len(self.segments), reason=match.reason or SPLIT_START,
+                          at_message=match.at_message, tools=match.tools,
+                          prompt_ids=list(plan.prompt_ids), reused_tokens=plan.reused_tokens,
+                          raw_prompt=plan.raw_prompt, entries=list(plan.new_entries))
+            self.segments.append(seg)
+            if seg.reason != SPLIT_START:
+                self.splits[seg.reason] = self.splits.get(seg.reason, 0) + 1
+            anchors = plan.new_entries
+        else:
+            ids = plan.template_ids
+            seg.response_ids.extend(ids)
+            seg.response_mask.extend([0] * len(ids))
+            seg.logprobs.extend([0.0] * len(ids))
+            seg.entries.extend(plan.new_entries)
+            if any(e.message.role == "tool" for e in plan.new_entries):
+                seg.tool_turns += 1
+            anchors = plan.new_entries
+        seg.drift += bool(plan.drift)
+        for entry in reversed(anchors):
+            if entry.message.role == "user":
+                seg.anchor = entry.message
+                break
+        tokens = reply.token_ids or []
+        seg.response_ids.extend(tokens)
+        seg.response_mask.extend([1] * len(tokens))
+        seg.logprobs.extend(reply.logprobs or [])
+        closed = bool(tokens) and tokens[-1] == self.eos_token_id
+        seg.entries.append(Entry(reply, message_key(reply), None, len(seg), closed))
+        seg.turns.append(turn)
+        seg.finish_reason = reply.finish_reason
+        self.current = seg
+        self.last_message_count = len(match.messages)
+        return seg
+
+
+def message_key(message: WireMessage | AgentMessage) -> tuple[Any, ...]:
+    """The normalised form two messages are compared in (see the module doc)."""
+    role = "system" if message.role == "developer" else message.role
+    text = content_text(message.content)
+    calls: tuple[tuple[str, str], ...] = ()
+    if message.tool_calls:
+        calls = tuple((c.function.name, _canonical_arguments(c.function.arguments))
+                      for c in message.tool_calls)
+    if role == "assistant":
+        return (role, text.strip(), calls)
+    return (role, text, calls, message.tool_call_id, message.name)
+
+
+def content_text(content: Any) -> str:
+    """The text of a message content: a string, ``None`` (``""``) or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(str(p.get("text", "") if isinstance(p, dict) else getattr(p, "text", ""))
+                   for p in content)
+
+
+def _canonical_arguments(arguments: str | dict[str, Any]) -> str:
+    value: Any = arguments
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return arguments.strip()
+    try:
+        return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return repr(arguments)
+
+
+def _same_tools(recorded: list[dict[str, Any]] | None, sent: list[dict[str, Any]] | None) -> bool:
+    if recorded == sent:
+        return True
+    if not recorded or not sent:
+        return not recorded and not sent
+    return json.dumps(recorded, sort_keys=True) == json.dumps(sent, sort_keys=True)
+
+
+def _validated(messages: list[dict[str, Any]],
+               start: int) -> list[tuple[WireMessage, dict[str, Any]]]:
+    return [(parse_message(messages[i], i), messages[i]) for i in range(start, len(messages))]

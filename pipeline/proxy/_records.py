@@ -1,0 +1,199 @@
+"""What a session recorded, as the sessions API returns it (pydantic, JSON wire form).
+
+:class:`SessionRecord` is the answer of ``GET /sessions/{sid}`` and ``POST .../complete`` and
+what :class:`~pipeline.proxy.RemoteAgent` reads in-process. Turns are stored compactly (a
+turn's prompt is a prefix of its segment's sequence); the full per-turn views are built here,
+on request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from pipeline._models import AgentMessage, FinishReason
+
+if TYPE_CHECKING:
+    from pipeline.proxy._history import Segment
+    from pipeline.proxy._sessions import Session
+
+_TOKEN_FIELDS = {"token_ids", "logprobs", "finish_reason"}
+
+
+@dataclass(slots=True)
+class Turn:
+    """One chat completion served in a session (stored compactly).
+
+    ``prompt_len`` is where the turn's tokens start in its segment's sequence: the turn's
+    prompt is ``segment.sequence()[:prompt_len]`` and its request messages are the segment's
+    first ``message_count`` messages.
+    """
+
+    index: int
+    request_id: str
+    segment: int
+    merged: bool
+    split_reason: str | None
+    message_count: int
+    prompt_len: int
+    template_tokens: int
+    reused_tokens: int
+    reply: AgentMessage
+    finish_reason: str
+    raw_finish_reason: str | None
+    drift: tuple[str, ...]
+    stop_string: str | None
+    request: dict[str, Any]
+    sampling: dict[str, Any]
+    policy_version: int | None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class TurnRecord(BaseModel):
+    """One turn: the request, the exact engine prompt and reply, and timings.
+
+    Attributes:
+        request_id: the engine request id of the turn.
+        merged: the turn extended its segment (False: it started one).
+        split_reason: why its segment started, for the first turn of a segment.
+        messages: the request's messages as the segment recorded them.
+        prompt_ids: exactly what the engine was sent.
+        response_ids / logprobs: exactly what the engine returned (cut after a stop string).
+        finish_reason: what the agent was told (``stop``, ``length``, ``tool_calls``).
+        engine_finish_reason / raw_finish_reason: the engine's view.
+        template_tokens: tokens the chat template added for this turn (mask 0).
+        reused_tokens: prompt tokens taken from the record instead of rendering.
+        timings: ``received_at`` (Unix time), ``queued_s`` (waiting for the session),
+            ``render_s``, ``engine_s`` and ``total_s``.
+    """
+
+    index: int
+    request_id: str
+    segment: int
+    merged: bool
+    split_reason: str | None
+    messages: list[dict[str, Any]]
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    engine_finish_reason: FinishReason | None
+    raw_finish_reason: str | None
+    template_tokens: int
+    reused_tokens: int
+    drift: list[str]
+    stop_string: str | None
+    request: dict[str, Any]
+    sampling: dict[str, Any]
+    policy_version: int | None
+    reply: dict[str, Any]
+    timings: dict[str, float]
+
+
+class SegmentRecord(BaseModel):
+    """One token sequence of a session: what a trainer sample is built from.
+
+    ``response_mask`` is 1 on model tokens and 0 on template/tool tokens; ``logprobs`` is
+    aligned with ``response_ids`` (0.0 where the mask is 0).
+    """
+
+    index: int
+    reason: str
+    at_message: int | None
+    turns: list[int]
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    logprobs: list[float]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    tool_turns: int
+    drift: int
+    reused_tokens: int
+    raw_prompt: str | None
+    finish_reason: FinishReason | None
+    policy_version: int | None
+
+    def agent_messages(self) -> list[AgentMessage]:
+        """The conversation as :class:`AgentMessage` objects (model turns carry token ids)."""
+        return [AgentMessage.model_validate(m) for m in self.messages]
+
+    def trainer_fields(self) -> dict[str, Any]:
+        """The token fields a trainer sample needs (``extra_fields["proxy_segments"]``)."""
+        return {"index": self.index, "reason": self.reason, "prompt_ids": self.prompt_ids,
+                "response_ids": self.response_ids, "response_mask": self.response_mask,
+                "logprobs": self.logprobs, "tool_turns": self.tool_turns,
+                "turns": len(self.turns),
+                "finish_reason": None if self.finish_reason is None
+                else self.finish_reason.value}
+
+
+class SessionRecord(BaseModel):
+    """Everything a session recorded.
+
+    Attributes:
+        state: ``active`` or ``completed``.
+        splits: split count by reason (see :data:`pipeline.proxy.SPLIT_REASONS`).
+        requests: chat completions served, including ones that recorded no turn (a spent
+            response budget).
+    """
+
+    id: str
+    state: Literal["active", "completed"]
+    created_at: float
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    turns: list[TurnRecord]
+    segments: list[SegmentRecord]
+    splits: dict[str, int]
+    num_splits: int
+    requests: int
+
+
+def session_record(session: Session, *, with_turns: bool = True) -> SessionRecord:
+    """Build the record of ``session`` (full per-turn views unless ``with_turns`` is False)."""
+    history = session.history
+    segments = [segment_record(s) for s in history.segments]
+    turns: list[TurnRecord] = []
+    if with_turns:
+        for turn in session.turns:
+            seg = history.segments[turn.segment]
+            sequence = seg.sequence()
+            start = turn.prompt_len
+            tokens = turn.reply.token_ids or []
+            turns.append(TurnRecord(
+                index=turn.index, request_id=turn.request_id, segment=turn.segment, merged=turn.merged,
+                split_reason=turn.split_reason,
+                messages=[_wire(e.message, tokens=False)
+                          for e in seg.entries[:turn.message_count]],
+                prompt_ids=sequence[:start], response_ids=list(tokens),
+                logprobs=list(turn.reply.logprobs or []), finish_reason=turn.finish_reason,
+                engine_finish_reason=turn.reply.finish_reason,
+                raw_finish_reason=turn.raw_finish_reason,
+                template_tokens=turn.template_tokens, reused_tokens=turn.reused_tokens,
+                drift=list(turn.drift), stop_string=turn.stop_string, request=turn.request,
+                sampling=turn.sampling, policy_version=turn.policy_version,
+                reply=_wire(turn.reply, tokens=False), timings=dict(turn.timings)))
+    return SessionRecord(
+        id=session.id, state=session.state, created_at=session.created_at,
+        metadata=dict(session.metadata), turns=turns, segments=segments,
+        splits=dict(history.splits), num_splits=sum(history.splits.values()),
+        requests=session.requests)
+
+
+def segment_record(seg: Segment) -> SegmentRecord:
+    """The record of one segment."""
+    return SegmentRecord(
+        index=seg.index, reason=seg.reason, at_message=seg.at_message, turns=list(seg.turns),
+        prompt_ids=list(seg.prompt_ids), response_ids=list(seg.response_ids),
+        response_mask=list(seg.response_mask), logprobs=list(seg.logprobs),
+        messages=[_wire(e.message, tokens=True) for e in seg.entries],
+        tools=seg.tools, tool_turns=seg.tool_turns, drift=seg.drift,
+        reused_tokens=seg.reused_tokens, raw_prompt=seg.raw_prompt,
+        finish_reason=seg.finish_reason, policy_version=seg.policy_version)
+
+
+def _wire(message: AgentMessage, *, tokens: bool) -> dict[str, Any]:
+    return message.model_dump(mode="json", exclude_none=True,
+                              exclude=None if tokens else _TOKEN_FIELDS)

@@ -1,0 +1,176 @@
+"""Sessions: one recorded conversation each, with its own key, lock, limits and idle clock.
+
+A session id and its key are unguessable (``secrets``); the key opens only that session's
+routes. A session's turns run one at a time (its lock), so a turn always sees the history the
+previous one committed. Idle sessions (no request for ``idle_timeout_s``, nothing in flight)
+expire, completed ones included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pipeline._config import SamplingParams
+from pipeline._tokenizer import Tokenizer
+from pipeline.proxy._errors import ProxyLimitError, ProxyRequestError, SessionNotFound
+from pipeline.proxy._history import History
+from pipeline.proxy._records import Turn
+
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+"""Session ids a client may choose (``POST /sessions/{sid}``)."""
+
+
+class Session:
+    """One session: its history, turns, key and sampling policy.
+
+    Attributes:
+        id: the session id (in its URL).
+        api_key: the bearer token that opens this session's routes.
+        history: the token-exact segments (:class:`~pipeline.proxy._history.History`).
+        turns: one :class:`Turn` per chat completion that recorded tokens.
+        requests: chat completions served (recorded or not).
+        state: ``active`` until completed.
+        sampling: the session's sampling parameters (defaults, or fixed: see
+            ``lock_sampling``).
+        lock_sampling: when True the agent's ``temperature``/``top_p``/``seed`` are ignored
+            (recorded only) and its ``max_tokens`` is capped by ``sampling.max_tokens``: the
+            trainer, not the agent, decides how the policy samples.
+        metadata: anything the creator attached (the sample's uid, ...).
+    """
+
+    def __init__(self, session_id: str, api_key: str, tokenizer: Tokenizer, *,
+                 sampling: SamplingParams, lock_sampling: bool,
+                 metadata: Mapping[str, Any] | None, eos_token_id: int | None) -> None:
+        self.id = session_id
+        self.api_key = api_key
+        self.history = History(tokenizer, eos_token_id)
+        self.turns: list[Turn] = []
+        self.requests = 0
+        self.state: Literal["active", "completed"] = "active"
+        self.sampling = sampling
+        self.lock_sampling = lock_sampling
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self.created_at = time.time()
+        self.last_active = time.monotonic()
+        self.lock = asyncio.Lock()
+        self.inflight: set[str] = set()
+        """Engine request ids running for this session (aborted when it is deleted)."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is being served."""
+        return self.lock.locked() or bool(self.inflight)
+
+    def touch(self) -> None:
+        """Reset the idle clock."""
+        self.last_active = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r}, state={self.state}, turns={len(self.turns)})"
+
+
+class SessionStore:
+    """All sessions of one proxy, by id and by key, with the session limits.
+
+    Args:
+        tokenizer: the engine's tokenizer (each session's history renders with it).
+        max_sessions: sessions held at once (completed ones count until deleted or expired).
+        idle_timeout_s: a session with no request for this long expires.
+        sampling: default sampling of sessions created without their own.
+        eos_token_id: the template's end-of-turn token (default: the tokenizer's eos).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, max_sessions: int, idle_timeout_s: float,
+                 sampling: SamplingParams | None = None,
+                 eos_token_id: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self.sampling = sampling or SamplingParams()
+        self.eos_token_id = eos_token_id
+        self._by_id: dict[str, Session] = {}
+        self._by_key: dict[str, Session] = {}
+        self.expired_count = 0
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def create(self, session_id: str | None = None, *, sampling: SamplingParams | None = None,
+               lock_sampling: bool = False,
+               metadata: Mapping[str, Any] | None = None) -> Session:
+        """Create a session (a server-generated id unless ``session_id`` is given).
+
+        Raises:
+            ProxyRequestError: ``session_id`` is malformed (400) or taken (409).
+            ProxyLimitError: ``max_sessions`` sessions exist already.
+        """
+        if session_id is not None and not SESSION_ID.fullmatch(session_id):
+            raise ProxyRequestError("a session id is 1-128 characters of A-Z a-z 0-9 _ -",
+                                    param="session_id", code="invalid_session_id")
+        if session_id is not None and session_id in self._by_id:
+            raise ProxyRequestError(f"session {session_id!r} exists already", status=409,
+                                    code="session_exists")
+        if len(self._by_id) >= self.max_sessions:
+            raise ProxyLimitError(f"the proxy holds {self.max_sessions} sessions already; "
+                                  "complete and delete some first", code="too_many_sessions")
+        sid = session_id or "sess_" + secrets.token_urlsafe(18)
+        session = Session(sid, "sk-proxy-" + secrets.token_urlsafe(24), self.tokenizer,
+                          sampling=sampling or self.sampling, lock_sampling=lock_sampling,
+                          metadata=metadata, eos_token_id=self.eos_token_id)
+        self._by_id[sid] = session
+        self._by_key[session.api_key] = session
+        return session
+
+    def find(self, session_id: str) -> Session | None:
+        """The session, or None."""
+        return self._by_id.get(session_id)
+
+    def get(self, session_id: str) -> Session:
+        """The session.
+
+        Raises:
+            SessionNotFound: no such session (never created, deleted or expired).
+        """
+        session = self._by_id.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"no session {session_id!r} (it may have expired)",
+                                  code="session_not_found")
+        return session
+
+    def by_key(self, api_key: str) -> Session | None:
+        """The session ``api_key`` opens, or None."""
+        return self._by_key.get(api_key)
+
+    def complete(self, session_id: str) -> Session:
+        """Mark a session completed: later chat requests get 409. Idempotent.
+
+        Raises:
+            SessionNotFound: no such session.
+        """
+        session = self.get(session_id)
+        session.state = "completed"
+        session.touch()
+        return session
+
+    def remove(self, session_id: str) -> Session:
+        """Forget a session (its key stops working at once).
+
+        Raises:
+            SessionNotFound: no such session.
+        """
+        session = self.get(session_id)
+        del self._by_id[session_id]
+        self._by_key.pop(session.api_key, None)
+        return session
+
+    def idle(self, now: float | None = None) -> list[Session]:
+        """Sessions idle for longer than ``idle_timeout_s`` and not busy."""
+        now = time.monotonic() if now is None else now
+        limit = self.idle_timeout_s
+        return [s for s in self._by_id.values()
+                if now - s.last_active > limit and not s.busy]

@@ -1,0 +1,249 @@
+"""Serving one chat completion in a session: match, render, generate, cut, parse, commit.
+
+The session's history is changed only after the engine answered (``History.commit``): a
+request that fails, is cancelled (the client went away) or is aborted leaves the session as it
+was, so the agent may simply retry.
+
+``stop`` strings: the engine stops on token ids only. A stop string that is one token is also
+passed as a stop id (to end early); after generation the reply is cut at the first stop
+string: the agent gets the text before it, the record keeps the sampled tokens up to the one
+that completed it (a prefix of what the engine produced, never re-tokenized).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline._config import SamplingParams
+from pipeline._exceptions import EngineError
+from pipeline._models import AgentMessage, FinishReason
+from pipeline._tokenizer import Tokenizer
+from pipeline.engines.base import Engine, Generation
+from pipeline.proxy._errors import ProxyError, ProxyLimitError, ProxyRequestError
+from pipeline.proxy._history import TurnPlan
+from pipeline.proxy._records import Turn
+from pipeline.proxy._sessions import Session
+from pipeline.proxy._wire import ChatCompletionRequest
+from pipeline.stages.generate import TOOL_CALL_ERRORS
+from pipeline.tools.parsers import ToolParser
+
+
+@dataclass(slots=True)
+class TurnOutcome:
+    """What the HTTP layer needs to answer one chat completion."""
+
+    reply: AgentMessage
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    logprobs: list[dict[str, Any]] | None
+    turn: Turn | None
+
+
+class TurnRunner:
+    """Runs chat completions of sessions against one engine.
+
+    Args:
+        engine: the engine (token ids in, token ids and logprobs out).
+        tokenizer: its tokenizer, with the chat template.
+        parser: finds tool calls in replies.
+        max_tokens: cap on one reply's tokens (None: the session's ``sampling.max_tokens``
+            when the agent asks for none, else what the agent asks).
+        max_turns: chat completions one session may make.
+        offload_chars: render in a worker thread when the new messages hold more text.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, parser: ToolParser, *,
+                 max_tokens: int | None, max_turns: int, offload_chars: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.parser = parser
+        self.max_tokens = max_tokens
+        self.max_turns = max_turns
+        self.offload_chars = offload_chars
+        self.max_model_len: int | None = getattr(engine, "max_model_len", None)
+
+    async def run(self, session: Session, request: ChatCompletionRequest) -> TurnOutcome:
+        """Serve ``request`` in ``session`` (see the module doc).
+
+        Raises:
+            ProxyRequestError: the session is completed (409), a message is invalid, or the
+                prompt does not fit the context.
+            ProxyLimitError: the session used up its turns.
+            ProxyError: the engine failed (502) or aborted the request (503).
+        """
+        received, start = time.time(), time.perf_counter()
+        async with session.lock:
+            queued = time.perf_counter()
+            if session.state != "active":
+                raise ProxyRequestError(f"session {session.id!r} is completed", status=409,
+                                        code="session_completed")
+            if session.requests >= self.max_turns:
+                raise ProxyLimitError(f"session {session.id!r} reached its limit of "
+                                      f"{self.max_turns} requests", code="too_many_turns")
+            session.requests += 1
+            session.touch()
+            history = session.history
+            match = history.match(request.messages, request.tool_schemas)
+            if match.render_chars() > self.offload_chars:
+                plan = await asyncio.to_thread(history.render, match)
+            else:
+                plan = history.render(match)
+            rendered = time.perf_counter()
+            sampling = self._sampling(session, request, plan)
+            if sampling is None:  # the response budget is spent: nothing to generate
+                return TurnOutcome(AgentMessage(role="assistant", content=""), "length",
+                                   len(plan.prompt_ids), plan.reused_tokens, None, None)
+            request_id = f"{session.id}-{session.requests}"
+            gen = await self._generate(session, request_id, plan.prompt_ids, sampling)
+            generated = time.perf_counter()
+            outcome = self._commit(session, request, plan, gen, sampling, request_id)
+            assert outcome.turn is not None
+            outcome.turn.timings = {
+                "received_at": received, "queued_s": queued - start,
+                "render_s": rendered - queued, "engine_s": generated - rendered,
+                "total_s": time.perf_counter() - start}
+            session.touch()
+            return outcome
+
+    def _sampling(self, session: Session, request: ChatCompletionRequest,
+                  plan: TurnPlan) -> SamplingParams | None:
+        base = session.sampling
+        asked = request.max_completion_tokens or request.max_tokens
+        if asked is None:
+            max_tokens = base.max_tokens
+        else:
+            max_tokens = min(asked, base.max_tokens) if session.lock_sampling else asked
+        if self.max_tokens is not None:
+            max_tokens = min(max_tokens, self.max_tokens)
+        prompt_len = len(plan.prompt_ids)
+        if self.max_model_len is not None:
+            room = self.max_model_len - prompt_len
+            if room <= 0:
+                raise ProxyRequestError(
+                    f"the prompt has {prompt_len} tokens; the model's context is "
+                    f"{self.max_model_len}", param="messages", code="context_length_exceeded")
+            max_tokens = min(max_tokens, room)
+        if base.max_response_tokens is not None:
+            seg = plan.match.segment
+            used = 0 if seg is None else len(seg.response_ids) + len(plan.template_ids)
+            left = base.max_response_tokens - used
+            if left <= 0:
+                return None
+            max_tokens = min(max_tokens, left)
+        update: dict[str, Any] = {"max_tokens": max_tokens}
+        if not session.lock_sampling:
+            for name in ("temperature", "top_p", "seed"):
+                value = getattr(request, name)
+                if value is not None:
+                    update[name] = value
+        stop_ids = [ids[0] for ids in (self.tokenizer.encode(s, add_special_tokens=False)
+                                       for s in request.stops) if len(ids) == 1]
+        if stop_ids:
+            update["stop_token_ids"] = tuple(dict.fromkeys([*base.stop_token_ids, *stop_ids]))
+        return base.model_copy(update=update)
+
+    async def _generate(self, session: Session, request_id: str, prompt: list[int],
+                        sampling: SamplingParams) -> Generation:
+        session.inflight.add(request_id)
+        try:
+            gen = await self.engine.generate(prompt, sampling, request_id)
+        except asyncio.CancelledError:  # the client went away, or the session was deleted
+            await self.engine.abort(request_id)
+            raise
+        except EngineError as exc:
+            raise ProxyError(f"the engine failed: {exc}", status=502,
+                             code="engine_error") from exc
+        finally:
+            session.inflight.discard(request_id)
+        if gen.finish_reason is FinishReason.ABORT:
+            raise ProxyError("the engine aborted the request; retry it", status=503,
+                             code="engine_aborted")
+        return gen
+
+    def _commit(self, session: Session, request: ChatCompletionRequest, plan: TurnPlan,
+                gen: Generation, sampling: SamplingParams, request_id: str) -> TurnOutcome:
+        tokens, logprobs = list(gen.token_ids), list(gen.logprobs)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        finish, stop_string = gen.finish_reason, None
+        if request.stop:
+            cut = self._cut(tokens, text, request.stops)
+            if cut is not None:
+                kept, text, stop_string = cut
+                tokens, logprobs, finish = tokens[:kept], logprobs[:kept], FinishReason.STOP
+        turn_index = len(session.turns)
+        reply, agent_finish = self._reply(request, text, tokens, logprobs, finish, turn_index)
+        match = plan.match
+        seg = session.history.commit(plan, reply, turn_index)
+        seg.raw_finish_reason = "stop_string" if stop_string is not None else gen.raw_finish_reason
+        if gen.policy_version is not None:
+            seg.policy_version = gen.policy_version
+        if gen.routed_experts is not None:
+            seg.routed_experts = gen.routed_experts
+        turn = Turn(
+            index=turn_index, request_id=request_id, segment=seg.index, merged=match.segment is not None,
+            split_reason=None if match.segment is not None else match.reason,
+            message_count=len(seg.entries) - 1, prompt_len=len(plan.prompt_ids),
+            template_tokens=len(plan.template_ids), reused_tokens=plan.reused_tokens,
+            reply=reply,
+            finish_reason=agent_finish, raw_finish_reason=seg.raw_finish_reason,
+            drift=plan.drift, stop_string=stop_string,
+            request={"model": request.model, "temperature": request.temperature,
+                     "top_p": request.top_p,
+                     "max_tokens": request.max_completion_tokens or request.max_tokens,
+                     "seed": request.seed, "stop": request.stops, "stream": request.stream,
+                     "tool_choice": request.choice},
+            sampling=sampling.model_dump(mode="json"), policy_version=gen.policy_version)
+        session.turns.append(turn)
+        return TurnOutcome(reply, agent_finish, len(plan.prompt_ids), plan.reused_tokens,
+                           self._logprobs(tokens, logprobs) if request.logprobs else None, turn)
+
+    def _cut(self, tokens: list[int], text: str,
+             stops: list[str]) -> tuple[int, str, str] | None:
+        """``(tokens kept, text before the stop, stop string)`` at the first stop string."""
+        found = [(text.find(s), s) for s in stops if s in text]
+        if not found:
+            return None
+        at, stop = min(found)
+        low, high = 1, len(tokens)  # fewest tokens whose text holds the stop string
+        while low < high:
+            mid = (low + high) // 2
+            if stop in self.tokenizer.decode(tokens[:mid], skip_special_tokens=True)[
+                    :at + len(stop)]:
+                high = mid
+            else:
+                low = mid + 1
+        return low, text[:at], stop
+
+    def _reply(self, request: ChatCompletionRequest, text: str, tokens: list[int],
+               logprobs: list[float], finish: FinishReason,
+               turn: int) -> tuple[AgentMessage, str]:
+        agent_finish = "length" if finish is FinishReason.LENGTH else "stop"
+        if not request.tools or request.choice == "none" or finish is not FinishReason.STOP:
+            return AgentMessage(role="assistant", content=text, token_ids=tokens,
+                                logprobs=logprobs, finish_reason=finish), agent_finish
+        parsed = self.parser.parse(text)
+        if not parsed.calls:
+            return AgentMessage(role="assistant", content=text, token_ids=tokens,
+                                logprobs=logprobs, finish_reason=finish), agent_finish
+        errors = {f"call_{turn}_{i}": c.error for i, c in enumerate(parsed.calls)
+                  if c.error is not None}
+        if errors:  # an unreadable call: the agent gets the text as the model wrote it
+            return AgentMessage(role="assistant", content=text, token_ids=tokens,
+                                logprobs=logprobs, finish_reason=finish,
+                                **{TOOL_CALL_ERRORS: errors}), agent_finish
+        calls = [c.to_tool_call(f"call_{turn}_{i}") for i, c in enumerate(parsed.calls)]
+        return AgentMessage(role="assistant", content=parsed.content or None, tool_calls=calls,
+                            token_ids=tokens, logprobs=logprobs,
+                            finish_reason=finish), "tool_calls"
+
+    def _logprobs(self, tokens: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+        out = []
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            piece = self.tokenizer.decode([token], skip_special_tokens=False)
+            out.append({"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
+                        "top_logprobs": []})
+        return out

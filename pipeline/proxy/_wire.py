@@ -1,0 +1,282 @@
+"""OpenAI chat-completions wire formats: the request we accept and the bodies we send.
+
+Requests are validated with pydantic (unknown OpenAI fields such as ``presence_penalty`` or
+``user`` are accepted and ignored). Messages are kept as plain dicts at first: the proxy
+compares most of them with what it recorded before and validates (:class:`WireMessage`) only
+the ones it has to render. Response bodies are plain dicts in OpenAI's shapes, serialised with
+``pydantic_core.to_json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pipeline._config import describe_validation_error
+from pipeline._models import AgentMessage, ToolCall, ToolFunction
+from pipeline.proxy._errors import ProxyRequestError
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+"""Roles a request message may have (``developer`` is rendered as ``system``)."""
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Lenient):
+    """One part of a list-of-parts content; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class WireFunction(_Lenient):
+    """A tool call's function as an agent sends it back (arguments as JSON text or object)."""
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class WireToolCall(_Lenient):
+    """A tool call of an assistant message in a request."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: WireFunction
+
+
+class WireMessage(_Lenient):
+    """A request message, validated before it is rendered by the chat template."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[WireToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_agent_message(self) -> AgentMessage:
+        """The message in the pipeline's own model (``developer`` becomes ``system``)."""
+        content: str | list[dict[str, Any]] | None = (
+            self.content if not isinstance(self.content, list)
+            else [part.model_dump() for part in self.content])
+        calls = None
+        if self.tool_calls:
+            calls = [ToolCall(id=c.id, function=ToolFunction(
+                name=c.function.name, arguments=_arguments_text(c.function.arguments)))
+                     for c in self.tool_calls]
+        role = "system" if self.role == "developer" else self.role
+        return AgentMessage(role=role, content=content, tool_calls=calls,
+                            tool_call_id=self.tool_call_id, name=self.name)
+
+
+class WireFunctionSchema(_Lenient):
+    """The ``function`` part of a tool schema; kept whole for the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+
+
+class WireTool(_Lenient):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: WireFunctionSchema
+
+
+class NamedToolChoice(_Lenient):
+    """``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: dict[str, Any]
+
+
+class StreamOptions(_Lenient):
+    """``stream_options``; only ``include_usage`` has an effect."""
+
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Lenient):
+    """The body of ``POST .../v1/chat/completions`` (see the module doc).
+
+    ``tool_choice`` ``required`` or a named function cannot be enforced (the engine protocol
+    has no constrained decoding): they are accepted, recorded and treated as ``auto``.
+    """
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[WireTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0)
+
+    @field_validator("messages")
+    @classmethod
+    def _roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, message in enumerate(messages):
+            if message.get("role") not in ROLES:
+                raise ValueError(f"messages[{i}].role must be one of {sorted(ROLES)}")
+        return messages
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported: each choice is one recorded turn")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop must be up to 4 non-empty strings")
+        return stop
+
+    @property
+    def stops(self) -> list[str]:
+        """``stop`` as a list."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """``tools`` as plain dicts, the way the chat template takes them."""
+        return None if not self.tools else [t.model_dump() for t in self.tools]
+
+    @property
+    def choice(self) -> str:
+        """``tool_choice`` as a word: ``none``, ``auto``, ``required`` or ``function``."""
+        if self.tool_choice is None:
+            return "auto"
+        return self.tool_choice if isinstance(self.tool_choice, str) else "function"
+
+
+def parse_request(data: Any) -> ChatCompletionRequest:
+    """Validate a decoded JSON body.
+
+    Raises:
+        ProxyRequestError: naming the first invalid field.
+    """
+    if not isinstance(data, dict):
+        raise ProxyRequestError("the request body must be a JSON object")
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        raise ProxyRequestError(describe_validation_error(exc),
+                                param=".".join(str(p) for p in first["loc"]) or None,
+                                code="invalid_value") from None
+
+
+def parse_message(raw: Any, index: int) -> WireMessage:
+    """Validate one request message.
+
+    Raises:
+        ProxyRequestError: naming ``messages.<index>`` and the field.
+    """
+    try:
+        return WireMessage.model_validate(raw)
+    except ValidationError as exc:
+        raise ProxyRequestError(describe_validation_error(exc, f"messages.{index}"),
+                                param=f"messages.{index}", code="invalid_value") from None
+
+
+def _arguments_text(arguments: str | dict[str, Any]) -> str:
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+# ----- response bodies ---------------------------------------------------------------------
+
+
+def message_body(message: AgentMessage) -> dict[str, Any]:
+    """An assistant reply in OpenAI's ``message`` shape."""
+    body: dict[str, Any] = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        body["tool_calls"] = [call.model_dump(mode="json") for call in message.tool_calls]
+    return body
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """``usage``; ``cached_tokens`` counts prompt tokens reused from the session's record."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_body(*, completion_id: str, model: str, message: AgentMessage,
+                    finish_reason: str, usage: dict[str, Any],
+                    logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A whole ``chat.completion`` object."""
+    return {
+        "id": completion_id, "object": "chat.completion", "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message_body(message),
+                     "logprobs": None if logprobs is None else {"content": logprobs},
+                     "finish_reason": finish_reason}],
+        "usage": usage,
+    }
+
+
+def stream_chunks(*, completion_id: str, model: str, message: AgentMessage,
+                  finish_reason: str, usage: dict[str, Any] | None,
+                  logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The ``chat.completion.chunk`` objects of a streamed reply, in order.
+
+    The engine returns a turn whole, so the stream is: the role, the content, one chunk per
+    tool call (id, name and all arguments), the finish reason, and the usage chunk (empty
+    ``choices``) when ``stream_options.include_usage`` asked for it.
+    """
+    created = int(time.time())
+    with_usage = usage is not None
+
+    def chunk(delta: dict[str, Any], finish: str | None = None,
+              chunk_logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": completion_id, "object": "chat.completion.chunk", "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta,
+                         "logprobs": None if chunk_logprobs is None
+                         else {"content": chunk_logprobs},
+                         "finish_reason": finish}]}
+        if with_usage:
+            body["usage"] = None
+        return body
+
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    if message.content:
+        chunks.append(chunk({"content": message.content}, chunk_logprobs=logprobs))
+    elif logprobs:
+        chunks.append(chunk({"content": ""}, chunk_logprobs=logprobs))
+    for i, call in enumerate(message.tool_calls or ()):
+        chunks.append(chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                             "function": {"name": call.function.name,
+                                                          "arguments": call.function.arguments}}]}))
+    chunks.append(chunk({}, finish_reason))
+    if usage is not None:
+        chunks.append({"id": completion_id, "object": "chat.completion.chunk",
+                       "created": created, "model": model, "choices": [], "usage": usage})
+    return chunks
+
+
+def models_body(model: str) -> dict[str, Any]:
+    """``GET /v1/models``: the one model the proxy serves."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0,
+                                        "owned_by": "pipeline"}]}
