@@ -43,6 +43,7 @@ from pipeline.diagnostics import (
     install_task_dumper,
 )
 from pipeline.engines import Engine, Generation, SimulatedEngine
+from pipeline.judgers import JudgeError, Judger, JudgeResult, get_judger, register_judger
 from pipeline.observability import (
     BatchProgress,
     MetricsSink,
@@ -65,7 +66,16 @@ from pipeline.ratelimit import (
     LimiterRegistry,
     RateLimitError,
 )
-from pipeline.stages import BuildPrompt, FunctionStage, Generate, Loop, Stage, as_stage
+from pipeline.stages import (
+    BuildPrompt,
+    FunctionStage,
+    Generate,
+    Judge,
+    JudgerSpec,
+    Loop,
+    Stage,
+    as_stage,
+)
 
 __version__ = "0.1.0"
 
@@ -89,6 +99,11 @@ __all__ = [
     "Generate",
     "Generation",
     "InflightSample",
+    "Judge",
+    "JudgeError",
+    "JudgeResult",
+    "Judger",
+    "JudgerSpec",
     "LimiterClosed",
     "LimiterConflict",
     "LimiterRegistry",
@@ -128,6 +143,7 @@ __all__ = [
     "chain_callbacks",
     "compute_stats",
     "fill_sample",
+    "get_judger",
     "install_task_dumper",
     "iter_rows",
     "load_rows",
@@ -135,5 +151,6 @@ __all__ = [
     "minimal_sample",
     "parse_row",
     "read_trajectories",
+    "register_judger",
     "write_trace",
 ]

@@ -65,3 +65,6 @@ TEMPLATE_DRIFT: Final = "template_drift"
 
 LIMITER_WAIT_S: Final = "limiter_wait_s"
 """float: seconds the sample's tool calls waited for rate-limiter tokens."""
+
+JUDGE_RECORDS: Final = "judge_records"
+"""list[JudgerRecord]: one per judger the Judge stage ran (score, payload, duration, error)."""

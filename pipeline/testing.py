@@ -15,8 +15,9 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from pipeline.engines.simulated import SimulatedEngine
+from pipeline.judgers.testing import judge_item
 
-__all__ = ["ByteTokenizer", "SimulatedEngine", "capture_logs"]
+__all__ = ["ByteTokenizer", "SimulatedEngine", "capture_logs", "judge_item"]
 
 
 class ByteTokenizer:

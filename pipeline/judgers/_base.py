@@ -27,7 +27,7 @@ from pipeline import artifacts as A
 from pipeline._exceptions import ConfigError, PipelineError
 from pipeline._models import AgentMessage, AgentRolloutItem
 
-JUDGE_RECORDS: Final = "judge_records"
+JUDGE_RECORDS: Final = A.JUDGE_RECORDS
 """Artifact key: ``list[JudgerRecord]``, one per judger the ``Judge`` stage ran on the sample."""
 
 

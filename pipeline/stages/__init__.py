@@ -2,6 +2,17 @@
 
 from pipeline.stages.base import FunctionStage, Loop, Stage, as_stage, run_stage
 from pipeline.stages.generate import Generate
+from pipeline.stages.judge import Judge, JudgerSpec
 from pipeline.stages.prompt import BuildPrompt
 
-__all__ = ["BuildPrompt", "FunctionStage", "Generate", "Loop", "Stage", "as_stage", "run_stage"]
+__all__ = [
+    "BuildPrompt",
+    "FunctionStage",
+    "Generate",
+    "Judge",
+    "JudgerSpec",
+    "Loop",
+    "Stage",
+    "as_stage",
+    "run_stage",
+]
