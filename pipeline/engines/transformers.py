@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline._config import SamplingParams
-from pipeline._exceptions import EngineError
+from pipeline._exceptions import ConfigError, EngineError
 from pipeline._models import FinishReason
 from pipeline.engines.base import Generation
 
@@ -112,6 +112,9 @@ class TransformersEngine:
     ``max_tokens``/``context`` for ``length`` (``context``: the model's ``max_model_len``
     was the binding limit; a prompt that already fills it returns no tokens), ``abort``.
 
+    Raises (constructor): ConfigError for sizes below 1, EngineError for a model with
+    sliding-window attention.
+
     Args:
         model: a causal LM (``transformers`` ``PreTrainedModel``), already on its device.
         tokenizer: the matching tokenizer, exposed as ``engine.tokenizer`` (optional).
@@ -130,7 +133,7 @@ class TransformersEngine:
                  eos_token_ids: Sequence[int] | None = None,
                  processor_factory: ProcessorFactory | None = None, seed: int = 0) -> None:
         if max_batch_size < 1 or max_prefill_tokens < 1:
-            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+            raise ConfigError("max_batch_size and max_prefill_tokens must be >= 1")
         config = model.config
         layer_types = getattr(config, "layer_types", None) or []
         if getattr(config, "use_sliding_window", False) or any(
@@ -289,11 +292,9 @@ class TransformersEngine:
                 except Exception as exc:  # the model failed: fail its requests, keep serving
                     _logger.error("engine_step_failed", error=repr(exc))
                     for request in list(self._known.values()):
-                        request.finished = True
-                        _deliver(request.loop, request.future, None,
-                                 EngineError(f"request {request.request_id}: model failed: "
-                                             f"{type(exc).__name__}: {exc}"))
-                    self._known.clear()
+                        self._fail(request, EngineError(
+                            f"request {request.request_id}: model failed: "
+                            f"{type(exc).__name__}: {exc}"))
                     waiting, batch = [], None
 
     def _take_commands(self, waiting: list[_Request], batch: _Batch | None, block: bool) -> bool:
@@ -374,15 +375,13 @@ class TransformersEngine:
     def _sample_and_settle(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
         rows = batch.rows
         broken = self._apply_processors(rows, logits)
-        tokens, logprobs = sample_rows(logits, [r.sampling for r in rows],
-                                       [r.generator for r in rows])
+        next_ids, tokens, logprobs = sample_rows(logits, [r.sampling for r in rows],
+                                                 [r.generator for r in rows])
         done: list[bool] = []
         for request, token, logprob, error in zip(rows, tokens, logprobs, broken, strict=True):
             done.append(True)
             if error is not None:
-                request.finished = True
-                self._known.pop(request.request_id, None)
-                _deliver(request.loop, request.future, None, error)
+                self._fail(request, error)
                 continue
             request.tokens.append(token)
             request.logprobs.append(logprob)
@@ -395,7 +394,7 @@ class TransformersEngine:
                 self._finish(request, FinishReason.LENGTH, request.limit)
             else:
                 done[-1] = False
-        batch.last = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        batch.last = next_ids
         return self._drop(batch, done)
 
     @staticmethod
@@ -454,6 +453,14 @@ class TransformersEngine:
                       torch.cat([pad(old.mask, 1), pad(new.mask, 1)]),
                       torch.cat([old.positions, new.positions]), torch.cat([old.last, new.last]))
 
+    def _fail(self, request: _Request, error: EngineError) -> None:
+        """End ``request`` with ``error`` raised from its ``generate`` call."""
+        if request.finished:
+            return
+        request.finished = True
+        self._known.pop(request.request_id, None)
+        _deliver(request.loop, request.future, None, error)
+
     def _finish(self, request: _Request, reason: FinishReason, raw: str) -> None:
         if request.finished:
             return
@@ -465,11 +472,13 @@ class TransformersEngine:
 
 
 def sample_rows(logits: torch.Tensor, sampling: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator]) -> tuple[list[int], list[float]]:
+                generators: Sequence[torch.Generator]
+                ) -> tuple[torch.Tensor, list[int], list[float]]:
     """Sample one token per row with its own temperature, top-k, top-p and generator.
 
     ``logits`` are ``[rows, vocab]`` float32, after any logits processor. Returns the tokens
-    and their logprobs under the processed distribution each was drawn from.
+    (as a tensor on the logits' device, and as a list) and their logprobs under the processed
+    distribution each was drawn from.
     """
     temps = torch.tensor([s.temperature for s in sampling], device=logits.device)
     greedy = temps == 0
@@ -485,7 +494,8 @@ def sample_rows(logits: torch.Tensor, sampling: Sequence[SamplingParams],
     drawn = drawn.clamp(max=logits.shape[-1] - 1)
     tokens = torch.where(greedy, logp.argmax(dim=-1), drawn)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-    return tokens.tolist(), chosen.tolist()
+    both = torch.stack([tokens.double(), chosen.double()]).tolist()  # one device sync
+    return tokens, [int(t) for t in both[0]], both[1]
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
