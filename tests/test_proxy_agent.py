@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
 from _model_fixtures import ForcedText
 
 from pipeline import Pipeline, SamplingParams, Status, artifacts

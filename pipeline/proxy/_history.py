@@ -182,28 +182,34 @@ class History:
     def match(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Match:
         """Find the segment ``messages`` extend, or how a new segment would start.
 
+        A new segment's reason and reused prefix come from the segment sharing the longest
+        prefix with ``messages`` (the latest one on ties).
+
         Raises:
             ProxyRequestError: a message that has to be compared or rendered is invalid.
         """
         order = [self.current] if self.current is not None else []
         order += [s for s in reversed(self.segments) if s is not self.current]
+        base, common = None, -1
         for segment in order:
+            if not _same_tools(segment.tools, tools):
+                continue
             count = len(segment.entries)
-            if (len(messages) >= count and segment.entries[-1].end is not None
-                    and _same_tools(segment.tools, tools)
-                    and self._common(messages, segment.entries, count) == count):
+            shared = self._common(messages, segment.entries, min(len(messages), count))
+            if shared == count:
                 return Match(messages, tools, segment, new=_validated(messages, count))
-        base = self.current
+            if shared > common:
+                base, common = segment, shared
         if base is None:
-            return Match(messages, tools, None, SPLIT_START, new=_validated(messages, 0))
-        if not _same_tools(base.tools, tools):
-            return Match(messages, tools, None, SPLIT_TOOLS, new=_validated(messages, 0))
-        common = self._common(messages, base.entries, min(len(messages), len(base.entries)))
+            reason = SPLIT_TOOLS if self.segments else SPLIT_START
+            return Match(messages, tools, None, reason, new=_validated(messages, 0))
         at: int | None = None
-        if common == len(messages):
-            reason = SPLIT_RETRY if common == self.last_message_count else SPLIT_TRUNCATED
-        else:
+        if common < len(messages):
             reason, at = SPLIT_EDITED, common
+        elif base is self.current and common == self.last_message_count:
+            reason = SPLIT_RETRY
+        else:
+            reason = SPLIT_TRUNCATED
         keep = next((i + 1 for i in range(common - 1, -1, -1)
                      if base.entries[i].end is not None), 0)
         return Match(messages, tools, None, reason, at, base if keep else None, keep,

@@ -163,7 +163,8 @@ def session_record(session: Session, *, with_turns: bool = True) -> SessionRecor
             start = turn.prompt_len
             tokens = turn.reply.token_ids or []
             turns.append(TurnRecord(
-                index=turn.index, request_id=turn.request_id, segment=turn.segment, merged=turn.merged,
+                index=turn.index, request_id=turn.request_id, segment=turn.segment,
+                merged=turn.merged,
                 split_reason=turn.split_reason,
                 messages=[_wire(e.message, tokens=False)
                           for e in seg.entries[:turn.message_count]],

@@ -184,7 +184,8 @@ class TurnRunner:
         if gen.routed_experts is not None:
             seg.routed_experts = gen.routed_experts
         turn = Turn(
-            index=turn_index, request_id=request_id, segment=seg.index, merged=match.segment is not None,
+            index=turn_index, request_id=request_id, segment=seg.index,
+            merged=match.segment is not None,
             split_reason=None if match.segment is not None else match.reason,
             message_count=len(seg.entries) - 1, prompt_len=len(plan.prompt_ids),
             template_tokens=len(plan.template_ids), reused_tokens=plan.reused_tokens,

@@ -130,7 +130,8 @@ class ChatCompletionRequest(_Lenient):
     @classmethod
     def _roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for i, message in enumerate(messages):
-            if message.get("role") not in ROLES:
+            role = message.get("role")
+            if not isinstance(role, str) or role not in ROLES:
                 raise ValueError(f"messages[{i}].role must be one of {sorted(ROLES)}")
         return messages
 
