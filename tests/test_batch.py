@@ -344,3 +344,10 @@ def test_summarize_groups_flags_uninformative_groups():
     assert [g.informative for g in summary.values()] == [False, False, True]
     cut = summarize_groups(samples, masked=[False] * 5 + [True, False])
     assert not {g.group_id: g for g in cut}["good"].informative  # one valid sample left
+
+
+def test_an_empty_batch_collates_to_empty_tensors():
+    out = collate([], pad_token_id=0, max_prompt_len=4, max_response_len=3, return_tensors="np")
+    assert out["input_ids"].shape == (0, 7) and out["masked"].shape == (0,)
+    assert "rm_scores" not in out and "routed_experts" not in out
+    assert group_advantages([]).shape == (0,) and summarize_groups([]) == []

@@ -215,3 +215,12 @@ def test_use_verl_true_needs_verl(batch):
     assert isinstance(to_verl_outputs(batch.samples)[0], AgentLoopOutput)
     assert isinstance(to_verl_batch(batch.samples, pad_token_id=0, max_prompt_len=40,
                                     max_response_len=20), DataProto)
+
+
+def test_items_must_match_the_samples(batch):
+    from pipeline import ConfigError
+
+    for adapter in (lambda: to_verl_outputs(batch.samples, items=batch.items[:2], use_verl=False),
+                    lambda: to_xtuner(batch.samples, items=batch.items[1:])):
+        with pytest.raises(ConfigError, match="items has"):
+            adapter()

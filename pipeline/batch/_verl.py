@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import artifacts as A
+from pipeline._exceptions import ConfigError
 from pipeline._models import AgentRolloutItem, RolloutSample
 from pipeline.batch._collate import check_alignment, collate, has_logprobs, has_rewards
 from pipeline.batch._experts import as_routes, check_routed_experts, filled_routes
@@ -67,7 +68,7 @@ def _items(samples: Sequence[RolloutSample],
     if items is None:
         return [None] * len(samples)
     if len(items) != len(samples):
-        raise ValueError(f"items has {len(items)} entries for {len(samples)} samples")
+        raise ConfigError(f"items has {len(items)} entries for {len(samples)} samples")
     return list(items)
 
 
@@ -97,6 +98,7 @@ def to_verl_outputs(
     Raises:
         ContractError: the routed-experts rules, or an unmasked sample without logprobs or
             reward beside others that have them.
+        ConfigError: ``items`` does not match ``samples`` in length.
     """
     check_alignment(samples)
     routes = [as_routes(s.routed_experts) for s in samples]

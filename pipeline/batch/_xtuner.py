@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline._exceptions import ConfigError
 from pipeline._models import AgentRolloutItem, FinishReason, RolloutSample, Status
 from pipeline._tokenizer import Tokenizer
 from pipeline.batch._collate import check_alignment
@@ -66,11 +67,11 @@ def to_xtuner(
 
     Raises:
         ContractError: misaligned samples or broken routed-experts rules.
-        ValueError: ``items`` does not match ``samples`` in length.
+        ConfigError: ``items`` does not match ``samples`` in length.
     """
     check_alignment(samples)
     if items is not None and len(items) != len(samples):
-        raise ValueError(f"items has {len(items)} entries for {len(samples)} samples")
+        raise ConfigError(f"items has {len(items)} entries for {len(samples)} samples")
     routes = [as_routes(s.routed_experts) for s in samples]
     layout = check_routed_experts(samples, routes)
     records = []
