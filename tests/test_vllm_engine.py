@@ -1,0 +1,201 @@
+"""In-process vLLM (VLLMEngine) on the real tiny model: tokens, processed logprobs, stops,
+abort on timeout, consistency check and weight sync. One engine for the whole module (its
+start-up costs tens of seconds); skipped where vLLM is not installed."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not installed (see .ci/install_vllm.sh)"),
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(600),  # the first test pays for the engine start (30-90 s)
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"
+                               ":DeprecationWarning"),  # torch, imported by vLLM
+]
+
+from _model_fixtures import torch  # noqa: E402
+from pytest_asyncio import fixture as async_fixture  # noqa: E402
+
+from pipeline import FinishReason, Pipeline, SamplingParams, Status  # noqa: E402
+from pipeline.engines.consistency import ConsistencyError, check_consistency  # noqa: E402
+from pipeline.engines.vllm import VLLMEngine, full_length_experts  # noqa: E402
+from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model  # noqa: E402
+from pipeline.stages import BuildPrompt, Generate  # noqa: E402
+from pipeline.testing import ByteTokenizer  # noqa: E402
+
+pytest_plugins = ["_model_fixtures"]
+
+CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
+ROWS = [{"messages": [{"role": "user", "content": "What is 2 + 3?"}]},
+        {"messages": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Name a colour, then count to five."}]}]
+
+
+@async_fixture(scope="module", loop_scope="module")
+async def engine(tiny_model_dir: Path) -> Any:
+    eng = await VLLMEngine.start(tiny_model_dir, dtype="float32", enforce_eager=True,
+                                 max_model_len=4096, cache_root=CACHE_ROOT, kv_cache_gib=1)
+    yield eng
+    await eng.aclose()
+
+
+async def until(condition: Callable[[], bool], limit_s: float = 30.0) -> None:
+    """Poll ``condition`` every 10 ms, for at most ``limit_s`` seconds."""
+    for _ in range(int(limit_s * 100)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+def processed(raw_logprobs: Any, temperature: float, top_p: float) -> Any:
+    """Trainer-side recomputation: temperature, then the top-p nucleus, renormalised."""
+    logits = raw_logprobs / temperature
+    probs = torch.softmax(logits, -1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    above = ordered.cumsum(-1) - ordered  # mass ranked strictly above each token
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, above >= top_p)
+    return torch.log_softmax(logits.masked_fill(drop, float("-inf")), -1)
+
+
+async def test_pipeline_tokens_and_processed_logprobs_match_a_trainer_rescore(
+        engine, tiny_tokenizer, reference_model):
+    pipeline = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tiny_tokenizer,
+                        sampling={"max_tokens": 24, "temperature": 0.8, "top_p": 0.9})
+    result = await pipeline.run_batch(ROWS, n=2)
+    assert [s.status for s in result.samples] == [Status.COMPLETED] * 4
+    for sample in result.samples:
+        assert sample.response_ids and sample.response_mask == [1] * len(sample.response_ids)
+        assert sample.logprobs is not None and len(sample.logprobs) == len(sample.response_ids)
+        assert all(math.isfinite(v) and v <= 0 for v in sample.logprobs)
+        # the engine saw exactly our prompt ids
+        assert await engine.echo_prompt(sample.prompt_ids) == sample.prompt_ids
+        ids = sample.prompt_ids + sample.response_ids
+        with torch.no_grad():
+            logits = reference_model(input_ids=torch.tensor([ids])).logits[0].float()
+        start = len(sample.prompt_ids)
+        expected = processed(torch.log_softmax(logits[start - 1:len(ids) - 1], -1), 0.8, 0.9)
+        recomputed = expected.gather(1, torch.tensor(sample.response_ids)[:, None])[:, 0]
+        assert sample.logprobs == pytest.approx(recomputed.tolist(), abs=2e-3)
+        assert sample.policy_version == 0
+    # n rollouts of one prompt differ (own seeds) and the batch is reproducible
+    assert result.samples[0].response_ids != result.samples[1].response_ids
+    again = await pipeline.run_batch(ROWS, n=2)
+    assert [s.response_ids for s in again.samples] == [s.response_ids for s in result.samples]
+
+
+async def test_stops_on_token_ids_and_keeps_the_stop_token(engine, tiny_tokenizer):
+    ids = tiny_tokenizer.encode("Ben has 3 apples.")
+    free = await engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=16), "free")
+    assert free.finish_reason is FinishReason.LENGTH and len(free.token_ids) == 16
+    cut = next(i for i in range(3, 16) if free.token_ids[i] not in free.token_ids[:i])
+    stop = free.token_ids[cut]
+    stopped = await engine.generate(
+        ids, SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(stop,)), "stopped")
+    assert stopped.token_ids == free.token_ids[:cut + 1]
+    assert stopped.finish_reason is FinishReason.STOP and stopped.raw_finish_reason == "stop_token"
+
+
+async def test_timed_out_sample_aborts_its_request_inside_vllm(engine, tiny_tokenizer):
+    pipeline = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tiny_tokenizer,
+                        sampling={"max_tokens": 4000, "temperature": 1.0},
+                        sample_timeout_s=1.0)
+    engine.ignore_eos = True  # 4000 tokens take several seconds: the deadline comes first
+    try:
+        result = await pipeline.run_batch(ROWS[:1], n=1)
+    finally:
+        engine.ignore_eos = False
+    sample = result.samples[0]
+    assert sample.status is Status.TIMEOUT and sample.masked
+    assert any(rid.startswith(sample.uid) for rid in engine.aborted)
+    await until(lambda: engine.num_unfinished() == 0, limit_s=5)
+
+
+async def test_abort_ends_a_running_request_with_its_partial_tokens(engine, tiny_tokenizer):
+    ids = tiny_tokenizer.encode("Count:")
+    engine.ignore_eos = True
+    try:
+        task = asyncio.create_task(
+            engine.generate(ids, SamplingParams(max_tokens=4000, seed=5), "to-abort"))
+        await until(lambda: engine.num_unfinished() == 1)
+        await asyncio.sleep(0.3)
+        await engine.abort("to-abort")
+        gen = await asyncio.wait_for(task, 10)
+    finally:
+        engine.ignore_eos = False
+    assert gen.finish_reason is FinishReason.ABORT and len(gen.token_ids) < 4000
+    assert len(gen.logprobs) == len(gen.token_ids)
+    assert engine.num_unfinished() == 0
+    await engine.abort("unknown-id")  # a no-op
+
+
+async def test_consistency_check_passes_and_names_a_mismatch(engine, tiny_tokenizer):
+    report = await check_consistency(engine, tiny_tokenizer)
+    assert report.ok and report.engine == report.ours and report.our_eos in report.engine_eos
+    with pytest.raises(ConsistencyError, match=r"prompt ids differ.*first difference"):
+        await check_consistency(engine, ByteTokenizer())
+
+
+async def test_weight_update_changes_outputs_and_bumps_policy_version(
+        engine, tiny_tokenizer, tiny_model_dir, tmp_path_factory):
+    other = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-seed1",
+                              TinyModelSpec(seed=1))
+    ids = tiny_tokenizer.encode("Ben has 3 apples. How many?")
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    before = await engine.generate(ids, greedy, "w0")
+
+    await engine.pause("wait")
+    assert await engine.update_weights(path=other) == 1
+    await engine.resume()
+    changed = await engine.generate(ids, greedy, "w1")
+    assert changed.token_ids != before.token_ids and changed.policy_version == 1
+
+    from safetensors.torch import load_file
+
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert await engine.update_weights(state_dict=original) == 2
+    back = await engine.generate(ids, greedy, "w2")
+    assert back.token_ids == before.token_ids and back.policy_version == 2
+    assert back.logprobs == pytest.approx(before.logprobs, abs=1e-4)
+
+    pipeline = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tiny_tokenizer,
+                        sampling={"max_tokens": 4})
+    samples = (await pipeline.run_batch(ROWS[:1], n=2)).samples
+    assert [s.policy_version for s in samples] == [2, 2]
+
+
+async def test_pause_abort_ends_requests_in_flight(engine, tiny_tokenizer):
+    ids = tiny_tokenizer.encode("Go on:")
+    engine.ignore_eos = True
+    try:
+        task = asyncio.create_task(
+            engine.generate(ids, SamplingParams(max_tokens=4000, seed=9), "paused"))
+        await until(lambda: engine.num_unfinished() == 1)
+        await engine.pause("abort")
+        gen = await asyncio.wait_for(task, 10)
+    finally:
+        engine.ignore_eos = False
+        await engine.resume()
+    assert gen.finish_reason is FinishReason.ABORT
+    after = await engine.generate(ids, SamplingParams(max_tokens=3), "after-resume")
+    assert len(after.token_ids) == 3
+
+
+async def test_routed_experts_are_padded_to_prompt_plus_response():
+    import numpy as np
+
+    raw = np.arange(2 * 3 * 2).reshape(2, 3, 2)
+    full = full_length_experts(raw, 3)
+    assert full.shape == (3, 3, 2) and full.dtype == np.int32
+    assert (full[:2] == raw).all() and (full[2] == 0).all()
+    with pytest.raises(Exception, match="shape"):
+        full_length_experts(raw, 1)
