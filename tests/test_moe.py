@@ -134,14 +134,14 @@ class CapturingEngine(TransformersEngine):
     """TransformersEngine plus router capture, wired from outside through its internals.
 
     Stands in for the wiring requested of ``TransformersEngine`` (record after each forward,
-    pop in ``_finish``); it relies on ``_forward``, ``_sample_and_settle`` and ``_finish``.
+    pop when a request ends); it relies on ``_forward``, ``_sample_and_settle``, ``_finish``
+    and ``_fail``.
     """
 
     def __init__(self, model: Any, tokenizer: Any, **kwargs: Any) -> None:
         super().__init__(model, tokenizer, **kwargs)
         self.routes = RouterCapture(self.model)
         self.finished: dict[str, Any] = {}
-        self.delivered: dict[str, Any] = {}
         self._valid: Any = None
 
     def _forward(self, ids, mask, positions, cache):
@@ -158,22 +158,14 @@ class CapturingEngine(TransformersEngine):
             self.finished[request.request_id] = self.routes.pop(request.request_id)
         super()._finish(request, reason, raw)
 
+    def _fail(self, request, error):
+        self.routes.pop(request.request_id)
+        super()._fail(request, error)
+
     async def generate(self, prompt_ids, sampling, request_id):
         gen = await super().generate(prompt_ids, sampling, request_id)
         gen.routed_experts = self.finished.pop(request_id, None)
-        self.delivered[request_id] = gen.routed_experts
         return gen
-
-
-class GenerateKeepingRoutes(Generate):
-    """Generate, plus the one line it lacks: keep the turn's ``routed_experts``."""
-
-    async def run(self, item, ctx):
-        turn = item.artifacts.get(artifacts.TURNS, 0)
-        await super().run(item, ctx)
-        routes = ctx.engine.delivered.pop(f"{item.uid}-{turn}", None)
-        if routes is not None:
-            item.artifacts[artifacts.ROUTED_EXPERTS] = routes
 
 
 async def fail_third(item, ctx):
@@ -217,7 +209,7 @@ def moe_batch(model, tokenizer):
                              processor_factory=stop_after(tokenizer.eos_token_id))
     rows = [{"messages": [{"role": "user", "content": text}]}
             for text in ("hi", "what is two plus two?", "tell me a story about a fox")]
-    turns = Loop([GenerateKeepingRoutes(), tool_stage(tokenizer)], max_turns=3,
+    turns = Loop([Generate(), tool_stage(tokenizer)], max_turns=3,
                  until=lambda item: item.artifacts[artifacts.TURNS] >= 2)
     pipe = Pipeline([BuildPrompt(offload=False), turns, fail_third, length_reward],
                     engine=engine, tokenizer=tokenizer, sampling={"max_tokens": 16})
