@@ -35,6 +35,16 @@ from pipeline._pipeline import InflightSample, Pipeline
 from pipeline._rows import DatasetRow, iter_rows, load_rows, parse_row
 from pipeline._stats import compute_stats
 from pipeline._tokenizer import Tokenizer
+from pipeline.batch import (
+    GroupSummary,
+    collate,
+    group_advantages,
+    group_indices,
+    summarize_groups,
+    to_verl_batch,
+    to_verl_outputs,
+    to_xtuner,
+)
 from pipeline.diagnostics import (
     DiagnosticsError,
     Watchdog,
@@ -98,6 +108,7 @@ __all__ = [
     "FunctionStage",
     "Generate",
     "Generation",
+    "GroupSummary",
     "InflightSample",
     "Judge",
     "JudgeError",
@@ -141,9 +152,12 @@ __all__ = [
     "build_trace",
     "capture_snapshot",
     "chain_callbacks",
+    "collate",
     "compute_stats",
     "fill_sample",
     "get_judger",
+    "group_advantages",
+    "group_indices",
     "install_task_dumper",
     "iter_rows",
     "load_rows",
@@ -152,5 +166,9 @@ __all__ = [
     "parse_row",
     "read_trajectories",
     "register_judger",
+    "summarize_groups",
+    "to_verl_batch",
+    "to_verl_outputs",
+    "to_xtuner",
     "write_trace",
 ]
