@@ -307,7 +307,9 @@ async def test_invalid_messages_are_request_errors_naming_the_message():
     with pytest.raises(ProxyRequestError) as info:
         await ask(runner, session, [*BASE, {"role": "user", "content": [{"type": "image_url"}]}])
     assert info.value.param == "messages.2"
-    with pytest.raises(ProxyRequestError):
-        parse_request({"messages": [{"role": "wizard", "content": "x"}]})
+    for bad in ({"role": "wizard", "content": "x"}, {"role": []}, "just text"):
+        with pytest.raises(ProxyRequestError) as info:
+            await ask(runner, session, [bad])
+        assert info.value.param == "messages.0" and info.value.status == 400
     with pytest.raises(ProxyRequestError):
         parse_request({"messages": BASE, "n": 2})

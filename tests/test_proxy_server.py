@@ -316,7 +316,7 @@ async def test_idle_sessions_expire_and_deleting_aborts_engine_requests(http):
         request = asyncio.create_task(chat(http, proxy.session_url(busy), busy.api_key,
                                            [{"role": "user", "content": "hang"}]))
         for _ in range(200):
-            if idle.id not in proxy.sessions._by_id:
+            if proxy.sessions.find(idle.id) is None:
                 break
             await asyncio.sleep(0.02)
         assert proxy.sessions.find(idle.id) is None and proxy.sessions.expired_count == 1

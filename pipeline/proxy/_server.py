@@ -177,7 +177,7 @@ class ProxyServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
             self._sweeper = None
-        for session in list(self.sessions._by_id.values()):
+        for session in self.sessions.all():
             await self._abort(session)
         if self._runner is not None:
             runner, self._runner = self._runner, None

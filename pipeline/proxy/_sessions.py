@@ -100,6 +100,10 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def all(self) -> list[Session]:
+        """Every session held now."""
+        return list(self._by_id.values())
+
     def create(self, session_id: str | None = None, *, sampling: SamplingParams | None = None,
                lock_sampling: bool = False,
                metadata: Mapping[str, Any] | None = None) -> Session:

@@ -19,9 +19,6 @@ from pipeline._config import describe_validation_error
 from pipeline._models import AgentMessage, ToolCall, ToolFunction
 from pipeline.proxy._errors import ProxyRequestError
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-"""Roles a request message may have (``developer`` is rendered as ``system``)."""
-
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -111,7 +108,10 @@ class ChatCompletionRequest(_Lenient):
     """
 
     model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[Any] = Field(min_length=1)
+    """The agent's own dicts, not validated here: each one is either equal to a recorded
+    message that was validated when first seen, or validated before it is compared or
+    rendered (:func:`parse_message`)."""
     tools: list[WireTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -125,15 +125,6 @@ class ChatCompletionRequest(_Lenient):
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
-
-    @field_validator("messages")
-    @classmethod
-    def _roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for i, message in enumerate(messages):
-            role = message.get("role")
-            if not isinstance(role, str) or role not in ROLES:
-                raise ValueError(f"messages[{i}].role must be one of {sorted(ROLES)}")
-        return messages
 
     @field_validator("n")
     @classmethod
