@@ -54,6 +54,7 @@ from pipeline.diagnostics import (
 )
 from pipeline.engines import Engine, Generation, SimulatedEngine
 from pipeline.judgers import JudgeError, Judger, JudgeResult, get_judger, register_judger
+from pipeline.models import ensure_tiny_model
 from pipeline.observability import (
     BatchProgress,
     MetricsSink,
@@ -78,6 +79,7 @@ from pipeline.ratelimit import (
 )
 from pipeline.stages import (
     BuildPrompt,
+    CallTools,
     FunctionStage,
     Generate,
     Judge,
@@ -85,6 +87,15 @@ from pipeline.stages import (
     Loop,
     Stage,
     as_stage,
+)
+from pipeline.tools import (
+    CalculatorError,
+    FunctionTool,
+    HermesToolParser,
+    Tool,
+    ToolParser,
+    calculator_tool,
+    make_registry,
 )
 
 __version__ = "0.1.0"
@@ -95,6 +106,8 @@ __all__ = [
     "BatchProgress",
     "BatchStats",
     "BuildPrompt",
+    "CalculatorError",
+    "CallTools",
     "ConfigError",
     "Context",
     "ContractError",
@@ -106,9 +119,11 @@ __all__ = [
     "FairAsyncTokenBucket",
     "FinishReason",
     "FunctionStage",
+    "FunctionTool",
     "Generate",
     "Generation",
     "GroupSummary",
+    "HermesToolParser",
     "InflightSample",
     "Judge",
     "JudgeError",
@@ -139,8 +154,10 @@ __all__ = [
     "StructlogSink",
     "TensorBoardSink",
     "Tokenizer",
+    "Tool",
     "ToolCall",
     "ToolFunction",
+    "ToolParser",
     "TrajectoryReader",
     "TrajectoryRecord",
     "TrajectoryWriter",
@@ -150,10 +167,12 @@ __all__ = [
     "asyncio_run",
     "batch_metrics",
     "build_trace",
+    "calculator_tool",
     "capture_snapshot",
     "chain_callbacks",
     "collate",
     "compute_stats",
+    "ensure_tiny_model",
     "fill_sample",
     "get_judger",
     "group_advantages",
@@ -162,6 +181,7 @@ __all__ = [
     "iter_rows",
     "load_rows",
     "log_batch_metrics",
+    "make_registry",
     "minimal_sample",
     "parse_row",
     "read_trajectories",

@@ -10,6 +10,8 @@ Every error the library raises on purpose derives from :class:`PipelineError`::
     ├── ContractError        data that breaks a trainer-facing contract
     ├── RateLimitError       (pipeline.ratelimit) LimiterClosed, LimiterConflict
     ├── DiagnosticsError     (pipeline.diagnostics) AddressInUseError
+    ├── JudgeError           (pipeline.judgers) JudgerTimeout, WorkerError
+    ├── CalculatorError      (pipeline.tools) an expression the calculator refuses
     └── SampleAborted        raised by a stage to end its sample as aborted (not failed)
 
 Errors raised inside stages by user code are not wrapped: the sample runner records them on

@@ -204,6 +204,10 @@ class BatchStats(BaseModel):
     prompt_tokens: int
     response_tokens: int
     model_tokens: int
+    tool_calls: int = 0
+    tool_errors: int = 0
+    template_drift: int = 0
+    limiter_wait_s: float = 0.0
     wall_time_s: float
 
 

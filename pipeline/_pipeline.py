@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import time
 import uuid
@@ -31,6 +30,7 @@ from pipeline._models import (
     Status,
 )
 from pipeline._rows import DatasetRow, parse_row
+from pipeline._slots import FifoSlots
 from pipeline._stats import compute_stats
 from pipeline.diagnostics.progress import ProgressHeartbeat
 from pipeline.stages.base import Stage, as_stages, run_stage
@@ -58,41 +58,6 @@ _RUNNING: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 def running_pipelines() -> list[Pipeline]:
     """Pipelines with a batch in progress in this process (read by diagnostics only)."""
     return [p for p in list(_RUNNING) if p._active_batches]
-
-
-class _Slots:
-    """FIFO concurrency slots. ``asyncio.Semaphore.locked()`` on Python 3.11 scans every
-    waiter on each acquire, which is quadratic with thousands of queued samples."""
-
-    __slots__ = ("free", "waiters")
-
-    def __init__(self, size: int) -> None:
-        self.free = size
-        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    async def __aenter__(self) -> None:
-        if self.free > 0 and not self.waiters:
-            self.free -= 1
-            return
-        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(granted)
-        try:
-            await granted
-        except asyncio.CancelledError:
-            if granted.done() and not granted.cancelled():
-                self._release()  # the slot was ours already: hand it on
-            raise
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self.free += 1
 
 
 class _Batch:
@@ -166,7 +131,7 @@ class Pipeline:
             raise ConfigError(f"fill must be callable, got {fill!r}")
         self.fill = fill
         # Slots are per event loop: a pipeline may serve a trainer's loop and a thread's loop.
-        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Slots] = (
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, FifoSlots] = (
             weakref.WeakKeyDictionary()
         )
         self._inflight: dict[str, Context] = {}
@@ -318,7 +283,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         slots = self._slots.get(loop)
         if slots is None:
-            slots = self._slots[loop] = _Slots(self.config.max_concurrency)
+            slots = self._slots[loop] = FifoSlots(self.config.max_concurrency)
         try:
             async with slots:
                 await self._execute(run)

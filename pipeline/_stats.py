@@ -7,13 +7,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pipeline import artifacts as A
 from pipeline._models import AgentRolloutItem, BatchStats, RolloutSample
 
 
 def compute_stats(
     samples: Sequence[RolloutSample], items: Sequence[AgentRolloutItem], wall_time_s: float
 ) -> BatchStats:
-    """Counts by status / finish / exit reason, tool turns, reward, latency and tokens."""
+    """Counts by status / finish / exit reason, tool turns, reward, latency, tokens, and the
+    tool counters (calls, errors, template drift, rate-limiter wait) summed over items."""
     turns = [s.tool_turns for s in samples]
     rewards = np.array([s.reward for s in samples if s.reward is not None], dtype=float)
     latencies = np.array([lat for it in items if (lat := it.latency_s) is not None], dtype=float)
@@ -35,5 +37,13 @@ def compute_stats(
         prompt_tokens=sum(len(s.prompt_ids) for s in samples),
         response_tokens=sum(len(s.response_ids) for s in samples),
         model_tokens=sum(sum(s.response_mask) for s in samples),
+        tool_calls=_total(items, A.TOOL_CALLS),
+        tool_errors=_total(items, A.TOOL_ERRORS),
+        template_drift=_total(items, A.TEMPLATE_DRIFT),
+        limiter_wait_s=float(sum(it.artifacts.get(A.LIMITER_WAIT_S, 0.0) for it in items)),
         wall_time_s=wall_time_s,
     )
+
+
+def _total(items: Sequence[AgentRolloutItem], key: str) -> int:
+    return sum(int(it.artifacts.get(key, 0)) for it in items)

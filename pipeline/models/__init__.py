@@ -9,5 +9,20 @@ from pipeline.models.tiny import (
     default_model_dir,
     ensure_tiny_model,
 )
+from pipeline.models.tiny_moe import (
+    TinyMoeSpec,
+    build_tiny_moe_model,
+    default_moe_model_dir,
+    ensure_tiny_moe_model,
+)
 
-__all__ = ["TinyModelSpec", "build_tiny_model", "default_model_dir", "ensure_tiny_model"]
+__all__ = [
+    "TinyModelSpec",
+    "TinyMoeSpec",
+    "build_tiny_model",
+    "build_tiny_moe_model",
+    "default_model_dir",
+    "default_moe_model_dir",
+    "ensure_tiny_model",
+    "ensure_tiny_moe_model",
+]

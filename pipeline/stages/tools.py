@@ -10,25 +10,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Mapping
+import time
+import weakref
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from pipeline import artifacts as A
 from pipeline._context import Context
 from pipeline._models import AgentMessage, AgentRolloutItem, ToolCall
+from pipeline._slots import FifoSlots
 from pipeline.stages.generate import TOOL_CALL_ERRORS, end_on_length, length_limits
 from pipeline.stages.prompt import render_turn_delta
 from pipeline.tools._registry import Tool
 from pipeline.tools._schema import validate_arguments
 
-TOOL_CALLS = "tool_calls"
-"""int artifact: tool calls answered (errors included)."""
-TOOL_ERRORS = "tool_errors"
-"""int artifact: tool calls answered with an error (parse, unknown tool, arguments, timeout,
-exception, too many calls)."""
-TEMPLATE_DRIFT = "template_drift"
-"""int artifact: tool turns whose template rendering drifted (see
-:func:`pipeline.stages.prompt.render_turn_delta`)."""
+TOOL_CALLS = A.TOOL_CALLS
+TOOL_ERRORS = A.TOOL_ERRORS
+TEMPLATE_DRIFT = A.TEMPLATE_DRIFT
 COUNTERS = (TOOL_CALLS, TOOL_ERRORS, TEMPLATE_DRIFT)
 """Per-sample counters, mirrored into ``extra_fields`` so they reach the trainer view."""
 
@@ -62,6 +60,10 @@ class CallTools:
         self.max_result_chars = max_result_chars
         self.max_model_len = max_model_len
         self.offload = offload
+        # Concurrency slots per event loop and tool (weak: a finished loop takes its slots).
+        self._slots: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, dict[str, FifoSlots]
+        ] = weakref.WeakKeyDictionary()
 
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
         art = item.artifacts
@@ -142,14 +144,39 @@ class CallTools:
                 return f"Error: {type(exc).__name__}: {exc}", "tool_exception"
         return self._as_text(result), None
 
-    def _acquire(self, tool: Tool, item: AgentRolloutItem,
-                 ctx: Context) -> contextlib.AbstractAsyncContextManager[Any]:
-        """Where a call waits for its rate limit (``tool.rate``/``burst``/``max_concurrency``,
-        keyed fairly by ``tool.fairness_key``) through ``ctx.resources.limiters``.
+    @contextlib.asynccontextmanager
+    async def _acquire(self, tool: Tool, item: AgentRolloutItem,
+                       ctx: Context) -> AsyncIterator[None]:
+        """Wait for the tool's rate limit, then for one of its concurrency slots.
 
-        No limiter is applied yet: the limiter registry plugs in here.
+        The token comes first, so waiting for a token never holds a slot others could use.
+        The bucket (``tool.rate`` per second, ``tool.burst`` at once) lives in the pipeline's
+        limiter registry under ``tool:<name>``, shared fairly across ``tool.fairness_key``
+        (``group_id`` by default: one prompt's rollouts cannot starve another's). Time spent
+        waiting is added to ``artifacts.LIMITER_WAIT_S``.
         """
-        return contextlib.nullcontext()
+        rate = getattr(tool, "rate", None)
+        max_concurrency = getattr(tool, "max_concurrency", None)
+        started = time.monotonic()
+        if rate is not None:
+            bucket = ctx.resources.limiters.get(f"tool:{tool.name}", rate,
+                                                getattr(tool, "burst", None))
+            await bucket.acquire(key=_fairness_key(item, getattr(tool, "fairness_key", None)))
+        slots = None
+        if max_concurrency is not None:
+            per_tool = self._slots.setdefault(asyncio.get_running_loop(), {})
+            slots = per_tool.get(tool.name)
+            if slots is None:
+                slots = per_tool[tool.name] = FifoSlots(max_concurrency)
+            await slots.__aenter__()
+        waited = time.monotonic() - started
+        if rate is not None or slots is not None:
+            item.artifacts[A.LIMITER_WAIT_S] = item.artifacts.get(A.LIMITER_WAIT_S, 0.0) + waited
+        try:
+            yield
+        finally:
+            if slots is not None:
+                await slots.__aexit__(None, None, None)
 
     def _as_text(self, result: Any) -> str:
         text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False,
@@ -162,3 +189,11 @@ class CallTools:
         extra: dict[str, Any] = art.setdefault(A.EXTRA_FIELDS, {})
         extra[key] = art[key]
 
+
+
+def _fairness_key(item: AgentRolloutItem, attribute: str | None) -> Any:
+    """The value limits are shared fairly across: a sample attribute or the row's data source."""
+    name = attribute or "group_id"
+    if name == "data_source":
+        return item.data.data_source
+    return getattr(item, name, None)
