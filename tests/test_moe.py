@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any
 
 import numpy as np
 import pytest
@@ -130,44 +129,6 @@ def test_router_capture_refuses_dense_models_and_missed_forwards(model):
 # ----- through the engine and the pipeline ------------------------------------------------
 
 
-class CapturingEngine(TransformersEngine):
-    """TransformersEngine plus router capture, wired from outside through its internals.
-
-    Stands in for the wiring requested of ``TransformersEngine`` (record after each forward,
-    pop when a request ends); it relies on ``_forward``, ``_sample_and_settle``, ``_finish``
-    and ``_fail``.
-    """
-
-    def __init__(self, model: Any, tokenizer: Any, **kwargs: Any) -> None:
-        super().__init__(model, tokenizer, **kwargs)
-        self.routes = RouterCapture(self.model)
-        self.finished: dict[str, Any] = {}
-        self._valid: Any = None
-
-    def _forward(self, ids, mask, positions, cache):
-        logits = super()._forward(ids, mask, positions, cache)
-        self._valid = mask[:, -ids.shape[1]:]
-        return logits
-
-    def _sample_and_settle(self, batch, logits):
-        self.routes.record([r.request_id for r in batch.rows], self._valid)
-        return super()._sample_and_settle(batch, logits)
-
-    def _finish(self, request, reason, raw):
-        if not request.finished:
-            self.finished[request.request_id] = self.routes.pop(request.request_id)
-        super()._finish(request, reason, raw)
-
-    def _fail(self, request, error):
-        self.routes.pop(request.request_id)
-        super()._fail(request, error)
-
-    async def generate(self, prompt_ids, sampling, request_id):
-        gen = await super().generate(prompt_ids, sampling, request_id)
-        gen.routed_experts = self.finished.pop(request_id, None)
-        return gen
-
-
 async def fail_third(item, ctx):
     if item.sample_index == 2:
         raise RuntimeError("tool crashed after generating")
@@ -205,8 +166,8 @@ def stop_after(eos: int):
 
 @pytest.fixture(scope="module")
 def moe_batch(model, tokenizer):
-    engine = CapturingEngine(model, tokenizer, max_batch_size=4,
-                             processor_factory=stop_after(tokenizer.eos_token_id))
+    engine = TransformersEngine(model, tokenizer, max_batch_size=4, capture_routes=True,
+                                processor_factory=stop_after(tokenizer.eos_token_id))
     rows = [{"messages": [{"role": "user", "content": text}]}
             for text in ("hi", "what is two plus two?", "tell me a story about a fox")]
     turns = Loop([Generate(), tool_stage(tokenizer)], max_turns=3,
@@ -219,7 +180,6 @@ def moe_batch(model, tokenizer):
             return await pipe.run_batch(rows, n=3)
         finally:
             await engine.aclose()
-            engine.routes.close()
 
     result = asyncio.run(go())
     assert engine.counters.max_batch_rows > 1, "requests were batched together"

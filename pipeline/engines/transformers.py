@@ -38,6 +38,7 @@ from pipeline._config import SamplingParams
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline._models import FinishReason
 from pipeline.engines.base import Generation
+from pipeline.engines.moe import RouterCapture
 
 _T = TypeVar("_T")
 _logger = structlog.get_logger("pipeline.engines.transformers")
@@ -126,12 +127,16 @@ class TransformersEngine:
             generation config and the tokenizer.
         processor_factory: picks a :data:`LogitsProcessor` per request (constrained decoding).
         seed: base seed for requests without ``sampling.seed``.
+        capture_routes: record each token's MoE router choice (top-k expert ids per layer,
+            :class:`~pipeline.engines.moe.RouterCapture`) and return it as
+            ``Generation.routed_experts``; needs an MoE model.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, max_batch_size: int = 32,
                  max_model_len: int | None = None, max_prefill_tokens: int = 16384,
                  eos_token_ids: Sequence[int] | None = None,
-                 processor_factory: ProcessorFactory | None = None, seed: int = 0) -> None:
+                 processor_factory: ProcessorFactory | None = None, seed: int = 0,
+                 capture_routes: bool = False) -> None:
         if max_batch_size < 1 or max_prefill_tokens < 1:
             raise ConfigError("max_batch_size and max_prefill_tokens must be >= 1")
         config = model.config
@@ -154,6 +159,8 @@ class TransformersEngine:
         self.policy_version: int | None = None
         """Version of the loaded weights; reported on every generation (weight sync sets it)."""
         self.counters = EngineCounters()
+        self.routes: RouterCapture | None = RouterCapture(self.model) if capture_routes else None
+        self._step_valid: torch.Tensor | None = None  # which input positions were real tokens
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -253,6 +260,8 @@ class TransformersEngine:
         if thread is not None:
             self._inbox.put(("close",))
             await asyncio.to_thread(thread.join)
+        if self.routes is not None:
+            self.routes.close()
 
     def _send(self, *command: Any) -> None:
         with self._lock:
@@ -296,6 +305,8 @@ class TransformersEngine:
                             f"request {request.request_id}: model failed: "
                             f"{type(exc).__name__}: {exc}"))
                     waiting, batch = [], None
+                    if self.routes is not None:
+                        self.routes.clear()
 
     def _take_commands(self, waiting: list[_Request], batch: _Batch | None, block: bool) -> bool:
         """Apply queued commands; True when the engine is closing."""
@@ -368,12 +379,15 @@ class TransformersEngine:
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: Any) -> torch.Tensor:
         """One forward pass; returns float32 logits of each row's last position ``[B, V]``."""
+        self._step_valid = mask[:, -ids.shape[1]:]
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
         return out.logits[:, -1, :].float()  # type: ignore[no-any-return]
 
     def _sample_and_settle(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
         rows = batch.rows
+        if self.routes is not None:
+            self.routes.record([r.request_id for r in rows], self._step_valid)
         broken = self._apply_processors(rows, logits)
         next_ids, tokens, logprobs = sample_rows(logits, [r.sampling for r in rows],
                                                  [r.generator for r in rows])
@@ -459,6 +473,8 @@ class TransformersEngine:
             return
         request.finished = True
         self._known.pop(request.request_id, None)
+        if self.routes is not None:
+            self.routes.pop(request.request_id)
         _deliver(request.loop, request.future, None, error)
 
     def _finish(self, request: _Request, reason: FinishReason, raw: str) -> None:
@@ -466,8 +482,9 @@ class TransformersEngine:
             return
         request.finished = True
         self._known.pop(request.request_id, None)
+        routes = self.routes.pop(request.request_id) if self.routes is not None else None
         generation = Generation(list(request.tokens), list(request.logprobs), reason, raw,
-                                policy_version=self.policy_version)
+                                routed_experts=routes, policy_version=self.policy_version)
         _deliver(request.loop, request.future, generation, None)
 
 
