@@ -310,12 +310,16 @@ async def test_unexpected_errors_are_500s_without_internals(http):
 
 async def test_idle_sessions_expire_and_deleting_aborts_engine_requests(http):
     engine = make_engine(hang_rate=1.0)
-    async with ProxyServer(engine, TOK, api_key=ADMIN, idle_timeout_s=0.2) as proxy:
-        idle = proxy.create_session()
+    async with ProxyServer(engine, TOK, api_key=ADMIN, idle_timeout_s=0.5) as proxy:
         busy = proxy.create_session()
         request = asyncio.create_task(chat(http, proxy.session_url(busy), busy.api_key,
                                            [{"role": "user", "content": "hang"}]))
-        for _ in range(200):
+        for _ in range(100):
+            if busy.busy:
+                break
+            await asyncio.sleep(0.01)
+        idle = proxy.create_session()
+        for _ in range(300):
             if proxy.sessions.find(idle.id) is None:
                 break
             await asyncio.sleep(0.02)
@@ -463,3 +467,21 @@ def test_the_fuzzed_server_is_still_healthy(threaded):
     response = conn.getresponse()
     assert response.status == 200 and json.loads(response.read())["status"] == "ok"
     conn.close()
+
+
+async def test_a_busy_fixed_port_is_retried_and_the_url_reported(http):
+    from pipeline.diagnostics import bind_socket
+
+    holder = bind_socket("127.0.0.1", 0)
+    port = holder.getsockname()[1]
+    proxy = ProxyServer(make_engine(), TOK, port=port)
+    starting = asyncio.create_task(proxy.start())
+    await asyncio.sleep(0.3)
+    assert not starting.done()  # still retrying the busy port
+    holder.close()
+    try:
+        assert await starting == proxy.url == f"http://127.0.0.1:{port}"
+        async with http.get(f"{proxy.url}/health") as r:
+            assert r.status == 200
+    finally:
+        await proxy.aclose()
