@@ -34,6 +34,7 @@ pytest_plugins = ["_model_fixtures"]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed "
                                 "(see .ci/install_vllm.sh)")
+"""Tests on the real server; the module starts it once (30-90 s), so they are also slow."""
 CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
 MODEL = "tiny"
 ROWS = [{"messages": [{"role": "user", "content": "What is 2 + 3?"}]},
@@ -114,6 +115,7 @@ async def until(condition: Callable[[], bool], limit_s: float = 30.0) -> None:
 
 
 @needs_vllm
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # the first test pays for the server start (30-90 s)
 async def test_samples_carry_the_servers_token_ids_prompt_ids_and_logprobs(
         server, tiny_tokenizer):
@@ -143,6 +145,7 @@ async def test_samples_carry_the_servers_token_ids_prompt_ids_and_logprobs(
 
 
 @needs_vllm
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_consistency_check_against_the_server(server, tiny_tokenizer):
     async with _closing(OpenAIEngine(server, model=MODEL)) as engine:
@@ -153,6 +156,7 @@ async def test_consistency_check_against_the_server(server, tiny_tokenizer):
 
 
 @needs_vllm
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_timed_out_sample_closes_its_request_on_the_server(server, tiny_tokenizer):
     async with _closing(OpenAIEngine(server, model=MODEL, ignore_eos=True)) as engine:
@@ -169,6 +173,7 @@ async def test_timed_out_sample_closes_its_request_on_the_server(server, tiny_to
 
 
 @needs_vllm
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_weight_sync_through_the_server_endpoints(server, tiny_tokenizer, tiny_model_dir,
                                                         tmp_path_factory):
@@ -353,6 +358,7 @@ async def test_server_answers_that_break_the_contract_are_engine_errors():
 
 
 @needs_vllm
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_factory_builds_a_checked_openai_engine(server, tiny_model_dir):
     from pipeline.engines.factory import make_engine
