@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from _model_fixtures import ForcedText
 
 from pipeline import Pipeline, SamplingParams, Status, artifacts
@@ -26,6 +27,7 @@ from pipeline.proxy import FINAL_ANSWER, SEGMENTS, ProxyServer, RemoteAgent
 from pipeline.stages.prompt import chat_form
 
 pytest_plugins = ["_model_fixtures"]
+pytest.importorskip("openai")  # the agent's SDK (dev extra)
 
 AGENT = Path(__file__).with_name("proxy_agent.py")
 SYSTEM = "Add numbers with the add tool, then reply with one line: Answer: <number>."
