@@ -70,6 +70,14 @@ from pipeline.observability import (
     read_trajectories,
     write_trace,
 )
+from pipeline.proxy import (
+    AgentEndpoint,
+    ProxyConfig,
+    ProxyError,
+    ProxyServer,
+    RemoteAgent,
+    RemoteAgentError,
+)
 from pipeline.ratelimit import (
     FairAsyncTokenBucket,
     LimiterClosed,
@@ -101,6 +109,7 @@ from pipeline.tools import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgentEndpoint",
     "AgentMessage",
     "AgentRolloutItem",
     "BatchProgress",
@@ -139,7 +148,12 @@ __all__ = [
     "PipelineConfig",
     "PipelineError",
     "ProduceBatchResult",
+    "ProxyConfig",
+    "ProxyError",
+    "ProxyServer",
     "RateLimitError",
+    "RemoteAgent",
+    "RemoteAgentError",
     "Resources",
     "RolloutSample",
     "RowError",

@@ -12,6 +12,7 @@ Every error the library raises on purpose derives from :class:`PipelineError`::
     ├── DiagnosticsError     (pipeline.diagnostics) AddressInUseError
     ├── JudgeError           (pipeline.judgers) JudgerTimeout, WorkerError
     ├── CalculatorError      (pipeline.tools) an expression the calculator refuses
+    ├── ProxyError           (pipeline.proxy) RemoteAgentError, session and request errors
     └── SampleAborted        raised by a stage to end its sample as aborted (not failed)
 
 Errors raised inside stages by user code are not wrapped: the sample runner records them on
