@@ -37,13 +37,16 @@ def compute_stats(
         prompt_tokens=sum(len(s.prompt_ids) for s in samples),
         response_tokens=sum(len(s.response_ids) for s in samples),
         model_tokens=sum(sum(s.response_mask) for s in samples),
-        tool_calls=_total(items, A.TOOL_CALLS),
-        tool_errors=_total(items, A.TOOL_ERRORS),
-        template_drift=_total(items, A.TEMPLATE_DRIFT),
-        limiter_wait_s=float(sum(it.artifacts.get(A.LIMITER_WAIT_S, 0.0) for it in items)),
+        tool_calls=int(_total(items, A.TOOL_CALLS)),
+        tool_errors=int(_total(items, A.TOOL_ERRORS)),
+        template_drift=int(_total(items, A.TEMPLATE_DRIFT)),
+        limiter_wait_s=float(_total(items, A.LIMITER_WAIT_S)),
         wall_time_s=wall_time_s,
     )
 
 
-def _total(items: Sequence[AgentRolloutItem], key: str) -> int:
-    return sum(int(it.artifacts.get(key, 0)) for it in items)
+def _total(items: Sequence[AgentRolloutItem], key: str) -> float:
+    """Sum of a numeric counter artifact; a custom stage's non-number under the key is skipped
+    (statistics must never cost the batch)."""
+    values = (it.artifacts.get(key) for it in items)
+    return sum(v for v in values if isinstance(v, int | float) and not isinstance(v, bool))

@@ -414,3 +414,13 @@ async def test_a_failing_sample_callback_is_logged_and_never_costs_the_batch():
         result = await make([Recorder()]).run_batch(ROWS[:4], on_sample_done=callback)
     assert result.stats.by_status == {"completed": 4} and len(seen) == 4
     assert [e["event"] for e in logs].count("on_sample_done_failed") == 1
+
+
+async def test_stats_skip_counter_artifacts_that_are_not_numbers():
+    async def custom(item, ctx):
+        item.artifacts[artifacts.TOOL_CALLS] = ["search", "calc"]  # a user's own meaning
+        item.artifacts[artifacts.TOOL_ERRORS] = 2
+
+    result = await make([custom]).run_batch(ROWS[:3])
+    assert result.stats.by_status == {"completed": 3}
+    assert result.stats.tool_calls == 0 and result.stats.tool_errors == 6
