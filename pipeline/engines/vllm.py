@@ -167,11 +167,13 @@ class VLLMEngine:
                               f"distribution actually sampled from)")
         try:
             args = arg_utils.AsyncEngineArgs(**kwargs)
-            llm = await asyncio.to_thread(async_llm.AsyncLLM.from_engine_args, args)
+            # No local name for the AsyncLLM: this frame outlives the call (vLLM keeps a
+            # reference to it), and aclose() must be able to drop the last reference.
+            return cls(await asyncio.to_thread(async_llm.AsyncLLM.from_engine_args, args),
+                       model=model, ignore_eos=ignore_eos)
         except Exception as exc:
             raise EngineError(f"vLLM failed to start on {model}: {type(exc).__name__}: "
                               f"{exc}") from exc
-        return cls(llm, model=model, ignore_eos=ignore_eos)
 
     # ----- generation ---------------------------------------------------------------------
 
@@ -252,6 +254,7 @@ class VLLMEngine:
         self._closed = True
         llm, self.llm = self.llm, None
         llm.shutdown()
+        _close_zmq_context(llm)
         del llm
         gc.collect()  # collect it now: its __del__ fails at interpreter exit
         self._drop_staged()
@@ -356,6 +359,18 @@ class VLLMEngine:
                 {"prompt_token_ids": [int(t) for t in prompt_ids]}, params, "consistency-probe"):
             final = output
         return [int(t) for t in (final.prompt_token_ids or ())]
+
+
+def _close_zmq_context(llm: Any) -> None:
+    """Terminate the ZeroMQ context vLLM's client leaves open after ``shutdown`` (its sockets
+    are closed by then), so collecting it raises no ResourceWarning."""
+    ctx = getattr(getattr(llm, "engine_core", None), "ctx", None)
+    owner = getattr(ctx, "_shadow_obj", None) or ctx  # the asyncio one only shadows it
+    if owner is not None and not owner.closed:
+        try:
+            owner.destroy(linger=0)
+        except Exception as exc:  # best effort: the engine is closed either way
+            _logger.warning("zmq_context_close_failed", error=repr(exc))
 
 
 def _on_cpu() -> bool:
