@@ -52,7 +52,19 @@ from pipeline.diagnostics import (
     capture_snapshot,
     install_task_dumper,
 )
-from pipeline.engines import Engine, Generation, SimulatedEngine
+from pipeline.engines import (
+    ConsistencyError,
+    Engine,
+    Generation,
+    OpenAIEngine,
+    PauseMode,
+    SimulatedEngine,
+    VLLMEngine,
+    WeightSync,
+    WeightSyncedEngine,
+    check_consistency,
+    make_engine,
+)
 from pipeline.judgers import JudgeError, Judger, JudgeResult, get_judger, register_judger
 from pipeline.models import ensure_tiny_model
 from pipeline.observability import (
@@ -118,6 +130,7 @@ __all__ = [
     "CalculatorError",
     "CallTools",
     "ConfigError",
+    "ConsistencyError",
     "Context",
     "ContractError",
     "DatasetRow",
@@ -144,6 +157,8 @@ __all__ = [
     "LimiterRegistry",
     "Loop",
     "MetricsSink",
+    "OpenAIEngine",
+    "PauseMode",
     "Pipeline",
     "PipelineConfig",
     "PipelineError",
@@ -175,7 +190,10 @@ __all__ = [
     "TrajectoryReader",
     "TrajectoryRecord",
     "TrajectoryWriter",
+    "VLLMEngine",
     "Watchdog",
+    "WeightSync",
+    "WeightSyncedEngine",
     "artifacts",
     "as_stage",
     "asyncio_run",
@@ -184,6 +202,7 @@ __all__ = [
     "calculator_tool",
     "capture_snapshot",
     "chain_callbacks",
+    "check_consistency",
     "collate",
     "compute_stats",
     "ensure_tiny_model",
@@ -195,6 +214,7 @@ __all__ = [
     "iter_rows",
     "load_rows",
     "log_batch_metrics",
+    "make_engine",
     "make_registry",
     "minimal_sample",
     "parse_row",

@@ -33,7 +33,7 @@ pytest_plugins = ["_model_fixtures"]
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed "
-                                "(see .ci/install_vllm.sh)")
+                                "(see scripts/install_vllm.sh)")
 """Tests on the real server; the module starts it once (30-90 s), so they are also slow."""
 CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
 MODEL = "tiny"
@@ -51,7 +51,7 @@ def free_port() -> int:
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real vLLM OpenAI server (dev mode: pause/resume/reload endpoints) on 127.0.0.1."""
     if not HAS_VLLM:
-        pytest.skip("vllm is not installed (see .ci/install_vllm.sh)")
+        pytest.skip("vllm is not installed (see scripts/install_vllm.sh)")
     port = free_port()
     log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
     env = {**os.environ, **vllm_env(cache_root=CACHE_ROOT, kv_cache_gib=1),

@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm is not installed (see .ci/install_vllm.sh)"),
+                       reason="vllm is not installed (see scripts/install_vllm.sh)"),
     pytest.mark.asyncio(loop_scope="module"),
     pytest.mark.slow,  # one vLLM engine start for the module: 30-90 s
     pytest.mark.timeout(600),  # the first test pays for the engine start (30-90 s)

