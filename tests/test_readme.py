@@ -16,7 +16,7 @@ def test_python_examples_run(tmp_path):
     assert blocks
     for code in blocks:
         proc = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
 
