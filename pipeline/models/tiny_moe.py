@@ -13,15 +13,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
 import sys
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline._exceptions import ConfigError
-from pipeline.models.tiny import TinyModelSpec, _build_tokenizer
+from pipeline.models.tiny import TinyModelSpec, _build_tokenizer, build_atomically
 
 ENV_DIR = "ROLLOUT_TINY_MOE_MODEL_DIR"
 """Environment variable that overrides where :func:`ensure_tiny_moe_model` caches the model."""
@@ -101,27 +99,9 @@ def ensure_tiny_moe_model(directory: Path | None = None, spec: TinyMoeSpec | Non
     """
     spec = spec or TinyMoeSpec()
     directory = Path(directory) if directory is not None else default_moe_model_dir()
-    if not rebuild and _is_built(directory, spec):
-        return directory
-    if directory.exists() and any(directory.iterdir()) and not (directory / MARKER).exists():
-        raise ConfigError(f"{directory} exists and is not a tiny-MoE build; "
-                          f"pass an empty or new directory (or set {ENV_DIR})")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = directory.parent / f".{directory.name}.build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        build_tiny_moe_model(staging, spec)
-        if not rebuild and _is_built(directory, spec):  # another process finished first
-            return directory
-        if directory.exists():
-            shutil.rmtree(directory)
-        try:
-            os.rename(staging, directory)
-        except OSError:
-            if not _is_built(directory, spec):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return directory
+    return build_atomically(directory, lambda d: _is_built(d, spec),
+                            lambda d: build_tiny_moe_model(d, spec), marker=MARKER,
+                            what="tiny-MoE", env_var=ENV_DIR, rebuild=rebuild)
 
 
 def build_tiny_moe_model(directory: Path, spec: TinyMoeSpec | None = None) -> Path:

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -108,23 +109,39 @@ def ensure_tiny_model(directory: Path | None = None, spec: TinyModelSpec | None 
     """
     spec = spec or TinyModelSpec()
     directory = Path(directory) if directory is not None else default_model_dir()
-    if not rebuild and _is_built(directory, spec):
+    return build_atomically(directory, lambda d: _is_built(d, spec),
+                            lambda d: build_tiny_model(d, spec), marker=MARKER,
+                            what="tiny-model", env_var=ENV_DIR, rebuild=rebuild)
+
+
+def build_atomically(directory: Path, is_built: Callable[[Path], bool],
+                     build: Callable[[Path], object], *, marker: str, what: str, env_var: str,
+                     rebuild: bool = False) -> Path:
+    """Build into a temporary sibling of ``directory`` and rename it into place.
+
+    Concurrent callers (test workers) never see half-written files; a finished build (its
+    ``marker`` file and ``is_built``) is kept unless ``rebuild``.
+
+    Raises:
+        ConfigError: ``directory`` exists, is not empty and holds no ``marker``.
+    """
+    if not rebuild and is_built(directory):
         return directory
-    if directory.exists() and any(directory.iterdir()) and not (directory / MARKER).exists():
-        raise ConfigError(f"{directory} exists and is not a tiny-model build; "
-                          f"pass an empty or new directory (or set {ENV_DIR})")
+    if directory.exists() and any(directory.iterdir()) and not (directory / marker).exists():
+        raise ConfigError(f"{directory} exists and is not a {what} build; "
+                          f"pass an empty or new directory (or set {env_var})")
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = directory.parent / f".{directory.name}.build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        build_tiny_model(staging, spec)
-        if not rebuild and _is_built(directory, spec):  # another process finished first
+        build(staging)
+        if not rebuild and is_built(directory):  # another process finished first
             return directory
         if directory.exists():
             shutil.rmtree(directory)
         try:
             os.rename(staging, directory)
         except OSError:
-            if not _is_built(directory, spec):
+            if not is_built(directory):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
