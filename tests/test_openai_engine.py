@@ -92,6 +92,14 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             proc.wait(10)
 
 
+def generated_tokens(url: str) -> float:
+    """The server's ``vllm:generation_tokens_total`` counter."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
 def running_requests(url: str) -> float:
     """The server's ``vllm:num_requests_running`` gauge."""
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
@@ -159,17 +167,25 @@ async def test_consistency_check_against_the_server(server, tiny_tokenizer):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_timed_out_sample_closes_its_request_on_the_server(server, tiny_tokenizer):
-    async with _closing(OpenAIEngine(server, model=MODEL, ignore_eos=True)) as engine:
-        pipeline = Pipeline([BuildPrompt(), Generate()], engine=engine,
-                            tokenizer=tiny_tokenizer, sample_timeout_s=1.0,
-                            sampling={"max_tokens": 4000})
-        start = time.monotonic()
-        sample = (await pipeline.run_batch(ROWS[:1], n=1)).samples[0]
-        assert sample.status is Status.TIMEOUT and sample.masked
-        assert len(engine.aborted) == 1 and engine.aborted[0].startswith(sample.uid)
-        # 4000 tokens take the server several seconds; the abort frees it at once
-        await until(lambda: running_requests(server) == 0, limit_s=3)
-        assert time.monotonic() - start < 4.5
+    # Evidence that the server stopped the request: it generated far fewer than the 4000
+    # tokens asked for. On a starved 2-core machine the 1 s deadline can fire late enough for
+    # the server to finish first, so a second attempt is allowed; each attempt checks the
+    # same property.
+    for _attempt in range(2):
+        async with _closing(OpenAIEngine(server, model=MODEL, ignore_eos=True)) as engine:
+            pipeline = Pipeline([BuildPrompt(), Generate()], engine=engine,
+                                tokenizer=tiny_tokenizer, sample_timeout_s=1.0,
+                                sampling={"max_tokens": 4000})
+            tokens_before = generated_tokens(server)
+            result = await pipeline.run_batch(ROWS[:1], n=1)
+            sample = result.samples[0]
+            assert sample.status is Status.TIMEOUT and sample.masked
+            assert len(engine.aborted) == 1 and engine.aborted[0].startswith(sample.uid)
+            await until(lambda: running_requests(server) == 0, limit_s=30)
+            if generated_tokens(server) - tokens_before < 4000:
+                return
+    pytest.fail(f"the server generated all 4000 tokens twice (sample latency "
+                f"{result.items[0].latency_s:.1f}s): the abort did not stop it")
 
 
 @needs_vllm
