@@ -184,8 +184,11 @@ async def test_snapshot_from_another_thread_while_the_loop_churns_tasks():
     thread = threading.Thread(target=snapshots)
     thread.start()
     try:
-        deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline:
+        # Churn for at least 0.5 s and until the thread has taken 3 snapshots (a capture can
+        # take 0.5 s on a loaded machine late in a long test session), within 20 s.
+        start = time.monotonic()
+        while time.monotonic() - start < 20 and (
+                time.monotonic() - start < 0.5 or len(results) < 3):
             batch = [asyncio.create_task(asyncio.sleep(0)) for _ in range(200)]
             await asyncio.gather(*batch)
     finally:
