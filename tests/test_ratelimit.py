@@ -628,7 +628,7 @@ async def test_real_time_burst_is_immediate_then_paced() -> None:
     start = time.monotonic()
     for _ in range(10):
         await bucket.acquire()
-    assert time.monotonic() - start < 0.02  # fast path only: no waits, no timers
+    assert time.monotonic() - start < 0.045  # fast path only: a wait would take >= 50 ms
     await bucket.acquire()
     assert 0.05 - 1e-3 <= time.monotonic() - start < 0.15
     assert_balanced(bucket)
