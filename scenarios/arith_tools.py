@@ -20,7 +20,7 @@ import asyncio
 import math
 import random
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline import artifacts as A
 from pipeline._context import Context
@@ -39,24 +39,35 @@ _NAMES = ("Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goro", "Hana", "Ivan",
 _ITEMS = ("apples", "books", "coins", "marbles", "stamps", "cards", "shells", "pens")
 
 
-def _problem(rng: random.Random) -> tuple[str, int]:
+class Problem(NamedTuple):
+    """One word problem: its text, the integer answer and the expression that computes it."""
+
+    question: str
+    answer: int
+    expression: str
+
+
+def draw_problem(rng: random.Random) -> Problem:
+    """One seeded problem (the draws :func:`rows` makes, so the same seed gives the same ones)."""
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     kind = rng.randrange(4)
     if kind == 0:
         a, b, c = rng.randint(10, 99), rng.randint(2, 9), rng.randint(2, 12)
-        return (f"{name} has {a} {item} and buys {b} boxes with {c} {item} in each. "
-                f"How many {item} does {name} have now?", a + b * c)
+        return Problem(f"{name} has {a} {item} and buys {b} boxes with {c} {item} in each. "
+                       f"How many {item} does {name} have now?", a + b * c, f"{a} + {b} * {c}")
     if kind == 1:
         groups, each, lost = rng.randint(3, 12), rng.randint(5, 40), rng.randint(1, 20)
-        return (f"{name} packs {groups} bags of {each} {item} and then loses {lost} {item}. "
-                f"How many {item} are left?", groups * each - lost)
+        return Problem(f"{name} packs {groups} bags of {each} {item} and then loses {lost} "
+                       f"{item}. How many {item} are left?", groups * each - lost,
+                       f"{groups} * {each} - {lost}")
     if kind == 2:
         share, people = rng.randint(4, 30), rng.randint(2, 9)
         total = share * people
-        return (f"{name} shares {total} {item} equally among {people} friends. "
-                f"How many {item} does each friend get?", share)
+        return Problem(f"{name} shares {total} {item} equally among {people} friends. "
+                       f"How many {item} does each friend get?", share, f"{total} / {people}")
     a, b = rng.randint(100, 999), rng.randint(100, 999)
-    return f"{name} counts {a} {item} on Monday and {b} on Tuesday. What is the total?", a + b
+    return Problem(f"{name} counts {a} {item} on Monday and {b} on Tuesday. What is the total?",
+                   a + b, f"{a} + {b}")
 
 
 def rows(count: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -69,7 +80,7 @@ def rows(count: int, seed: int = 0) -> list[dict[str, Any]]:
     schemas = [tool_schema(t) for t in tools().values()]
     out = []
     for _ in range(count):
-        question, answer = _problem(rng)
+        question, answer, _ = draw_problem(rng)
         out.append({
             "messages": [{"role": "system", "content": SYSTEM_PROMPT},
                          {"role": "user", "content": question}],
