@@ -5,16 +5,33 @@ tokens and nobody queued takes them at once: a lock, a clock read and some arith
 future and no task. Otherwise it queues under its key; queued callers are served in deficit
 round-robin order across keys (see ``_drr.py``) and FIFO within a key.
 
+Ideal times (GCRA-style): while callers are queued, each grant is booked at its *ideal time*,
+the moment its tokens were due (``rate`` per second after the previous grant), not at the
+moment a possibly late timer got to run. Lateness therefore never costs tokens: the long-run
+rate is exact however late the loop wakes up. The bucket is clipped at ``capacity`` only while
+nobody is queued. The guarantee, precisely:
+
+* Counted from any moment the bucket was full, the tokens granted by time ``t`` never exceed
+  ``capacity + rate * (t - that moment)``: the bucket is never more than ``capacity`` tokens
+  ahead of the ideal schedule (a bucket that starts full and refills at ``rate``).
+* No grant comes before its ideal time. A loop that runs late by ``L`` seconds delivers the
+  grants that fell due meanwhile together when it runs: one burst of up to
+  ``capacity + rate * L`` tokens, which the schedule then makes up for (on a punctual loop,
+  ``L = 0`` and no window of length ``T`` gets more than ``capacity + rate * T``).
+
 Threads and loops: all state sits behind one ``threading.Lock`` and every queued caller
 carries its own event loop. A grant resolves the caller's future on that loop (directly, or
 through ``call_soon_threadsafe`` from another thread). When the next caller must wait for
-tokens, one timer (``call_later``) is set on *that caller's* loop; the bucket starts no task,
-and once the queue is empty nothing of it is scheduled anywhere.
+tokens, one timer (``call_later``) is set on *every* loop that has callers queued, so a loop
+that is busy or gone cannot hold up the others; the bucket starts no task, and once the queue
+is empty nothing of it is scheduled anywhere.
 
 Cancellation: the lock-protected waiter state, not the future, decides who owns tokens. A
 caller cancelled or timed out while queued leaves the queue and has consumed nothing; a
-caller cancelled after its grant but before it resumed puts its tokens back (a refund), and
-the next caller is served from them.
+caller cancelled after its grant but before it resumed gives its tokens back (a refund) as if
+the grant had never happened: they are credited in full, refill that accrued meanwhile
+included, unless the bucket filled up since the grant (then, as with any refill of a full
+bucket, they are counted as ``discarded``). The next caller is served from them.
 """
 
 from __future__ import annotations
@@ -33,7 +50,7 @@ import structlog
 
 from pipeline.ratelimit._drr import EPS, DeficitRoundRobin
 from pipeline.ratelimit._errors import LimiterClosed
-from pipeline.ratelimit._stats import BucketStats, Tally
+from pipeline.ratelimit._stats import MAX_KEYS, BucketStats, Tally
 
 _logger = structlog.get_logger("pipeline.ratelimit")
 
@@ -54,7 +71,8 @@ class _Waiter:
     future: asyncio.Future[None]
     queued_at: float
     state: _State = _State.QUEUED
-    granted_at: float = 0.0
+    granted_at: float = 0.0  # when the grant was made (bucket clock)
+    ideal: float = 0.0  # when it was due: the time it is booked at
 
 
 @dataclass(eq=False, slots=True)
@@ -67,6 +85,9 @@ class _Wakeup:
 class FairAsyncTokenBucket:
     """An async token bucket, fair across keys, usable from several event loops and threads.
 
+    Grants while callers are queued are booked at their ideal times, so a late loop delays
+    grants but never loses rate; see the module docstring for the exact burst guarantee.
+
     Args:
         rate: tokens added per second.
         capacity: most tokens the bucket holds (the burst); defaults to ``max(1, rate)``.
@@ -76,9 +97,12 @@ class FairAsyncTokenBucket:
         clock: monotonic seconds; inject a virtual clock in tests. Timers run on the event
             loop's clock, so the two must advance together.
         name: used in errors, logs and stats.
+        max_keys: keys whose statistics are kept separately; beyond it the least recently
+            active idle keys are folded into one aggregate (``BucketStats.folded``).
 
     Raises:
-        ValueError: ``rate``, ``capacity``, ``quantum`` or a weight is not a finite number > 0.
+        ValueError: ``rate``, ``capacity``, ``quantum`` or a weight is not a finite number > 0,
+            or ``max_keys`` < 1.
     """
 
     def __init__(
@@ -90,18 +114,23 @@ class FairAsyncTokenBucket:
         quantum: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         name: str = "ratelimit",
+        max_keys: int = MAX_KEYS,
     ) -> None:
         self._rate = _positive("rate", rate)
         self._capacity = _positive("capacity", max(1.0, rate) if capacity is None else capacity)
         self._clock = clock
         self.name = name
         self._lock = threading.Lock()
+        # The level at time t >= _stamp is _tokens + rate * (t - _stamp); clipped at capacity
+        # only while nobody is queued (_advance), so queued grants keep their ideal times.
         self._tokens = self._capacity
-        self._stamp = clock()
+        self._stamp = self._created = self._full_at = clock()
+        self._discarded = 0.0
         self._queue: DeficitRoundRobin[_Waiter] = DeficitRoundRobin(_positive("quantum", quantum))
         self._granted: set[_Waiter] = set()
-        self._wakeup: _Wakeup | None = None
-        self._tally = Tally()
+        self._loops: dict[asyncio.AbstractEventLoop, int] = {}  # callers queued per loop
+        self._wakeups: dict[asyncio.AbstractEventLoop, _Wakeup] = {}
+        self._tally = Tally(max_keys, busy=self._queue)
         self._closed = False
         for key, weight in (weights or {}).items():
             self.set_weight(key, weight)
@@ -145,8 +174,9 @@ class FairAsyncTokenBucket:
         """Take ``cost`` tokens for ``key``, waiting for them (fairly) if needed.
 
         Args:
-            key: who is asking (a tenant, a task family, a stage); fairness is across keys.
-                Keep keys few: each keeps counters and up to 4,096 wait samples for stats.
+            key: who is asking (a tenant, a task family, a prompt group); fairness is across
+                keys. Any number of keys is fine: statistics are kept for the most recently
+                active ``max_keys`` and the rest are folded into one aggregate.
             cost: tokens to take.
             timeout: seconds to wait at most; None waits forever, 0 only takes free tokens.
                 It is a timer on the caller's loop that settles the wait; it never cancels
@@ -167,19 +197,22 @@ class FairAsyncTokenBucket:
             if self._closed:
                 raise LimiterClosed(
                     f"rate limiter {self.name!r} is closed; acquire(key={key!r}) refused")
-            now = self._refill()
+            now = self._clock()
             if self._queue.waiting:
                 self._dispatch(now)  # serve those ahead first
-            if not self._queue.waiting and self._tokens >= cost - EPS:
-                self._tokens -= cost
-                self._tally.record_grant(key, cost, 0.0)
-                return
+            if not self._queue.waiting:
+                self._advance(now)
+                if self._tokens >= cost - EPS:
+                    self._tokens -= cost
+                    self._tally.record_grant(key, cost, 0.0)
+                    return
             if timeout == 0:
                 self._tally.record_timeout(key)
                 raise TimeoutError(self._timeout_message(key, cost, timeout))
             loop = asyncio.get_running_loop()
             waiter = _Waiter(key, cost, loop, loop.create_future(), now)
             self._queue.push(waiter)
+            self._loops[loop] = self._loops.get(loop, 0) + 1
             self._dispatch(now)
         await self._wait(waiter, timeout)
 
@@ -198,17 +231,27 @@ class FairAsyncTokenBucket:
     def stats(self) -> BucketStats:
         """A snapshot of totals, per-key figures and the accounting ledger.
 
+        Only the raw counters are copied under the bucket's lock (about a millisecond at
+        ``max_keys`` keys); percentiles and the snapshot are computed after releasing it,
+        so acquirers on other threads are not held up.
+
         Returns:
             The bucket's :class:`BucketStats`.
         """
         with self._lock:
-            self._refill()
-            return self._tally.snapshot(
-                name=self.name, rate=self._rate, capacity=self._capacity,
-                available=self._tokens, closed=self._closed,
-                queue_lens=self._queue.queue_lens(), weight=self._queue.weight,
-                in_flight=self._in_flight(),
-            )
+            now = self._clock()
+            if self._queue.waiting:
+                self._dispatch(now)
+            if not self._queue.waiting:
+                self._advance(now)
+            available = self._tokens + (now - self._stamp) * self._rate
+            capture = self._tally.capture(self._queue.queue_lens(), self._queue.weight)
+            in_flight = self._in_flight()
+            accrued = self._capacity + (now - self._created) * self._rate
+            discarded, closed = self._discarded, self._closed
+        return capture.snapshot(
+            name=self.name, rate=self._rate, capacity=self._capacity, available=available,
+            closed=closed, in_flight=in_flight, accrued=accrued, discarded=discarded)
 
     @property
     def leaked_tokens(self) -> float:
@@ -226,6 +269,7 @@ class FairAsyncTokenBucket:
                 return
             self._closed = True
             waiters = self._queue.drain()
+            self._loops.clear()
             for waiter in waiters:
                 waiter.state = _State.DROPPED
                 self._notify(waiter, LimiterClosed(
@@ -259,13 +303,22 @@ class FairAsyncTokenBucket:
     def _abandon(self, waiter: _Waiter) -> None:
         # The caller is leaving with an exception (cancelled, most likely). Under the lock.
         if waiter.state is _State.QUEUED:
-            self._queue.remove(waiter)
+            self._unqueue(waiter)
             waiter.state = _State.DROPPED
             self._tally.record_cancel(waiter.key)
-            self._dispatch(self._refill())  # the head may have changed
+            self._dispatch(self._clock())  # the head may have changed
         elif waiter.state is _State.GRANTED:
-            now = self._refill()
-            self._tokens = min(self._capacity, self._tokens + waiter.cost)
+            now = self._clock()
+            self._dispatch(now)  # what fell due meanwhile keeps its ideal time
+            idle = not self._queue.waiting
+            if idle:
+                self._advance(now)  # did the bucket fill up since the grant?
+            if waiter.ideal >= self._full_at:
+                self._tokens += waiter.cost  # as if the grant had never happened
+                if idle:
+                    self._clip(now)
+            else:  # the bucket was full after the grant: these tokens would have overflowed
+                self._discarded += waiter.cost
             waiter.state = _State.REFUNDED
             self._granted.discard(waiter)
             self._tally.record_refund(waiter.key, waiter.cost)
@@ -276,40 +329,71 @@ class FairAsyncTokenBucket:
         with self._lock:
             if waiter.state is not _State.QUEUED:
                 return
-            self._queue.remove(waiter)
+            self._unqueue(waiter)
             waiter.state = _State.DROPPED
             self._tally.record_timeout(waiter.key)
-            self._dispatch(self._refill())
+            self._dispatch(self._clock())
         message = self._timeout_message(waiter.key, waiter.cost, timeout)
         _settle(waiter.future, TimeoutError(message))
 
     # -- granting (all under the lock) -----------------------------------------------------
 
-    def _refill(self) -> float:
-        now = self._clock()
+    def _advance(self, now: float) -> None:
+        # Refill up to now and clip at capacity. Only while nobody is queued: a full bucket
+        # with nobody to serve is the one place tokens are lost, and they are counted.
         elapsed = now - self._stamp
         if elapsed > 0:
-            self._tokens = min(self._capacity, self._tokens + elapsed * self._rate)
+            self._tokens += elapsed * self._rate
             self._stamp = now
-        return now
+        self._clip(self._stamp)
+
+    def _clip(self, now: float) -> None:
+        # _full_at: the latest moment the bucket was seen full; a refund of a grant made
+        # before it is worth nothing (the tokens would have overflowed).
+        if self._tokens >= self._capacity - EPS:
+            if self._tokens > self._capacity:
+                self._discarded += self._tokens - self._capacity
+                self._tokens = self._capacity
+            self._full_at = max(self._full_at, now)
 
     def _dispatch(self, now: float) -> None:
+        rate = self._rate
         while (waiter := self._queue.head()) is not None:
             if waiter.loop.is_closed():  # its caller can never resume
-                self._queue.remove(waiter)
+                self._unqueue(waiter)
                 waiter.state = _State.DROPPED
                 continue
-            if self._tokens < waiter.cost - EPS:
-                self._arm(waiter.loop, now + (waiter.cost - self._tokens) / self._rate)
+            due = self._stamp + (waiter.cost - self._tokens) / rate  # its tokens are there
+            if due > now + EPS / rate:
+                self._arm(due)
                 return
             self._queue.pop()
-            self._tokens -= waiter.cost
+            self._unloop(waiter.loop)
+            # Book the grant at its ideal time, however late this code runs: lateness is
+            # not lost at the capacity cap, so the rate holds under a late loop.
+            ideal = min(now, max(waiter.queued_at, self._stamp, due))
+            self._tokens += (ideal - self._stamp) * rate - waiter.cost
+            self._stamp = ideal
             waiter.state = _State.GRANTED
-            waiter.granted_at = now
+            waiter.granted_at, waiter.ideal = now, ideal
             self._granted.add(waiter)
             self._tally.record_issue(waiter.cost)
             self._notify(waiter, None)
         self._disarm()
+
+    def _unqueue(self, waiter: _Waiter) -> None:
+        if self._queue.remove(waiter):
+            self._unloop(waiter.loop)
+
+    def _unloop(self, loop: asyncio.AbstractEventLoop) -> None:
+        left = self._loops.get(loop, 0) - 1
+        if left > 0:
+            self._loops[loop] = left
+            return
+        self._loops.pop(loop, None)
+        wakeup = self._wakeups.pop(loop, None)
+        if wakeup is not None:
+            _cancel(wakeup)
 
     def _notify(self, waiter: _Waiter, exc: BaseException | None) -> None:
         if _running_loop() is waiter.loop:
@@ -318,19 +402,23 @@ class FairAsyncTokenBucket:
         with contextlib.suppress(RuntimeError):  # its loop closed: nobody is left to wake
             waiter.loop.call_soon_threadsafe(_settle, waiter.future, exc)
 
-    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
-        wakeup = self._wakeup
-        if wakeup is not None and wakeup.loop is loop and wakeup.at <= at + EPS:
-            return  # an early enough timer is already set on the right loop
-        self._disarm()
-        wakeup = self._wakeup = _Wakeup(loop, at)
-        if _running_loop() is loop:
-            self._schedule(wakeup)
-            return
-        try:
-            loop.call_soon_threadsafe(self._schedule_locked, wakeup)
-        except RuntimeError:  # loop closed; the next dispatch drops its waiters
-            self._wakeup = None
+    def _arm(self, at: float) -> None:
+        # A timer on every loop with callers queued: whichever runs first dispatches for all.
+        running = _running_loop()
+        for loop in list(self._loops):
+            wakeup = self._wakeups.get(loop)
+            if wakeup is not None:
+                if wakeup.at <= at + EPS / self._rate:
+                    continue  # early enough; if early, it dispatches nothing and re-arms
+                _cancel(wakeup)
+            wakeup = self._wakeups[loop] = _Wakeup(loop, at)
+            if running is loop:
+                self._schedule(wakeup)
+                continue
+            try:
+                loop.call_soon_threadsafe(self._schedule_locked, wakeup)
+            except RuntimeError:  # loop closed; the next dispatch drops its waiters
+                del self._wakeups[loop]
 
     def _schedule(self, wakeup: _Wakeup) -> None:
         delay = max(0.0, wakeup.at - self._clock())
@@ -338,21 +426,21 @@ class FairAsyncTokenBucket:
 
     def _schedule_locked(self, wakeup: _Wakeup) -> None:
         with self._lock:
-            if self._wakeup is wakeup and wakeup.handle is None:
+            if self._wakeups.get(wakeup.loop) is wakeup and wakeup.handle is None:
                 self._schedule(wakeup)
 
     def _disarm(self) -> None:
-        wakeup, self._wakeup = self._wakeup, None
-        # A timer on another thread's loop is left to fire once and find itself superseded.
-        if wakeup is not None and wakeup.handle is not None and _running_loop() is wakeup.loop:
-            wakeup.handle.cancel()
+        wakeups = list(self._wakeups.values())
+        self._wakeups.clear()
+        for wakeup in wakeups:
+            _cancel(wakeup)
 
     def _on_wakeup(self, wakeup: _Wakeup) -> None:
         with self._lock:
-            if self._wakeup is not wakeup:
+            if self._wakeups.get(wakeup.loop) is not wakeup:
                 return
-            self._wakeup = None
-            self._dispatch(self._refill())
+            del self._wakeups[wakeup.loop]
+            self._dispatch(self._clock())
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -373,6 +461,13 @@ class FairAsyncTokenBucket:
     def _timeout_message(self, key: Hashable, cost: float, timeout: float | None) -> str:
         return (f"acquire(key={key!r}, cost={cost}) on rate limiter {self.name!r}"
                 f" timed out after {timeout}s")
+
+
+def _cancel(wakeup: _Wakeup) -> None:
+    # TimerHandle.cancel is not thread-safe: a timer on another thread's loop is left to
+    # fire once and find itself superseded.
+    if wakeup.handle is not None and _running_loop() is wakeup.loop:
+        wakeup.handle.cancel()
 
 
 def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:

@@ -57,6 +57,10 @@ class DeficitRoundRobin(Generic[W]):
         self._credited = False  # whether _turns[0] has received its credit this turn
         self.waiting = 0
 
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` has callers queued now."""
+        return key in self._queues
+
     def weight(self, key: Hashable) -> float:
         """The weight of ``key`` (1.0 unless set)."""
         return self._weights.get(key, 1.0)

@@ -44,10 +44,11 @@ class FifoTokenBucket:
         self._clock = clock
         self.name = name
         self._tokens = self._capacity
-        self._stamp = clock()
+        self._stamp = self._created = clock()
+        self._discarded = 0.0
         self._lock = asyncio.Lock()
         self._queued: Counter[Hashable] = Counter()
-        self._tally = Tally()
+        self._tally = Tally(busy=self._queued)
         self._closed = False
 
     @property
@@ -119,10 +120,13 @@ class FifoTokenBucket:
             The bucket's :class:`BucketStats`.
         """
         self._refill()
-        return self._tally.snapshot(
+        capture = self._tally.capture(self._queued, lambda key: 1.0)
+        return capture.snapshot(
             name=self.name, rate=self._rate, capacity=self._capacity, available=self._tokens,
-            closed=self._closed, queue_lens=dict(self._queued), weight=lambda key: 1.0,
+            closed=self._closed,
             in_flight=0.0,  # tokens are taken by the caller's own coroutine: no hand-off
+            accrued=self._capacity + (self._stamp - self._created) * self._rate,
+            discarded=self._discarded,
         )
 
     @property
@@ -142,8 +146,11 @@ class FifoTokenBucket:
     def _refill(self) -> None:
         now = self._clock()
         if now > self._stamp:
-            self._tokens = min(self._capacity, self._tokens + (now - self._stamp) * self._rate)
+            self._tokens += (now - self._stamp) * self._rate
             self._stamp = now
+            if self._tokens > self._capacity:
+                self._discarded += self._tokens - self._capacity
+                self._tokens = self._capacity
 
     def _take(self, cost: float) -> bool:
         self._refill()
