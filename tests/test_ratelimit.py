@@ -50,9 +50,10 @@ class VirtualClock:
 class _VirtualSelector(selectors.DefaultSelector):
     """Polls without blocking; a wait for the next timer becomes a jump of the clock."""
 
-    def __init__(self, clock: VirtualClock) -> None:
+    def __init__(self, clock: VirtualClock, late: Callable[[], float] | None = None) -> None:
         super().__init__()
         self._clock = clock
+        self._late = late
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         events = super().select(0)
@@ -60,16 +61,24 @@ class _VirtualSelector(selectors.DefaultSelector):
             return events
         if timeout is None:
             raise RuntimeError("virtual-time deadlock: nothing is ready and no timer is set")
-        self._clock.advance(timeout)
+        self._clock.advance(timeout + (self._late() if self._late is not None else 0.0))
         return []
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    """An event loop on a :class:`VirtualClock`; pass ``loop.clock`` to the bucket."""
+    """An event loop on a :class:`VirtualClock`; pass ``loop.clock`` to the bucket.
 
-    def __init__(self) -> None:
+    ``late`` (seconds, drawn per sleep) makes every wake-up from a wait for timers that late,
+    as on a loaded machine; ``stall(seconds)`` keeps the loop busy that long right now.
+    """
+
+    def __init__(self, late: Callable[[], float] | None = None) -> None:
         self.clock = VirtualClock()
-        super().__init__(_VirtualSelector(self.clock))
+        super().__init__(_VirtualSelector(self.clock, late))
+
+    def stall(self, seconds: float) -> None:
+        """Hog the loop: time passes and nothing else runs (call it from a callback or task)."""
+        self.clock.advance(seconds)
 
     def time(self) -> float:
         return self.clock.now
