@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from pipeline._cancel import abort_request
 from pipeline._config import PipelineConfig, SamplingParams
-from pipeline._models import AgentRolloutItem
+from pipeline._models import AgentRolloutItem, StageRecord, Status
 from pipeline._tokenizer import Tokenizer
 from pipeline.engines.base import Engine
 from pipeline.ratelimit import LimiterRegistry
@@ -143,6 +144,22 @@ class Context:
         self._started_stages.setdefault(id(stage), stage)
         self.stage = stage.name
         self.stage_started = time.monotonic()
+
+    async def abort_engine_request(self, request_id: str) -> None:
+        """Abort ``request_id`` on the engine from a cancellation path (timeout, abort).
+
+        Bounded by ``cleanup_timeout_s`` and shielded; a failure is logged and recorded as an
+        ``engine_abort`` cleanup record on the item, never raised, so it cannot replace how
+        the sample ends.
+        """
+        start, start_wall = time.monotonic(), time.time()
+        error = await abort_request(self.engine, request_id, self.config.cleanup_timeout_s,
+                                    uid=self.item.uid, stage=self.stage)
+        if error is not None:
+            self.item.records.append(StageRecord(
+                name=f"{self.stage}:engine_abort", phase="cleanup", turn=self.turn,
+                start=start, end=time.monotonic(), start_wall=start_wall,
+                status=Status.FAILED, error_type="EngineAbortError", error_message=error))
 
     @property
     def started_stages(self) -> list[Stage]:

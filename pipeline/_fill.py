@@ -19,6 +19,7 @@ from pipeline._models import (
     FinishReason,
     RolloutSample,
     Status,
+    is_finite_number,
 )
 
 SampleBuilder = Callable[[AgentRolloutItem, Context], RolloutSample]
@@ -52,6 +53,8 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
         )
     masked = status is not Status.COMPLETED
     reward = art.get(A.REWARD)
+    if reward is not None and not is_finite_number(reward):
+        raise ContractError(f"sample {item.uid}: reward is not a finite number: {reward!r}")
     return RolloutSample(
         uid=item.uid,
         group_id=item.group_id,
@@ -76,25 +79,32 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
 
 
 def minimal_sample(item: AgentRolloutItem, pad_token_id: int, error: str) -> RolloutSample:
-    """Last-resort trainer view: fully masked, built from the pad token id alone."""
-    prompt: Any = item.artifacts.get(A.PROMPT_IDS)
-    prompt_ids = list(prompt) if _is_int_list(prompt) else [pad_token_id]
+    """Last-resort trainer view: fully masked, built from the pad token id alone.
+
+    Infallible: every field read from the item is checked and replaced when a stage left it
+    wrongly typed (a raw finish reason that is not a string, token ids whose ``len()``
+    raises, a uid that is not a string).
+    """
+    pad = pad_token_id if _is_int(pad_token_id) else 0
+    prompt_ids = _int_list(_safe(lambda: item.artifacts.get(A.PROMPT_IDS))) or [pad]
+    raw = _safe(lambda: item.raw_finish_reason)
+    index = _safe(lambda: item.index)
     return RolloutSample(
-        uid=item.uid,
-        group_id=item.group_id,
-        index=item.index,
+        uid=_as_text(_safe(lambda: item.uid)),
+        group_id=_as_text(_safe(lambda: item.group_id)),
+        index=index if _is_int(index) else 0,
         prompt_ids=prompt_ids,
-        response_ids=[pad_token_id],
+        response_ids=[pad],
         response_mask=[0],
         logprobs=[0.0],
         reward=None,
         reward_payload={},
         status=Status.FAILED,
         finish_reason=FinishReason.ERROR,
-        raw_finish_reason=item.raw_finish_reason,
+        raw_finish_reason=raw if isinstance(raw, str) else None,
         masked=True,
         exit_reason=ExitReason.BUILD_FAILED.value,
-        error=error,
+        error=_as_text(error),
         policy_version=None,
         routed_experts=None,
         tool_turns=0,
@@ -102,8 +112,30 @@ def minimal_sample(item: AgentRolloutItem, pad_token_id: int, error: str) -> Rol
     )
 
 
-def _is_int_list(value: Any) -> bool:
+def _safe(read: Callable[[], Any]) -> Any:
     try:
-        return len(value) > 0 and all(isinstance(v, int) for v in value)
-    except TypeError:
-        return False
+        return read()
+    except Exception:
+        return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return repr(value)
+    except Exception:
+        return f"<unprintable {type(value).__name__}>"
+
+
+def _int_list(value: Any) -> list[int] | None:
+    """``value`` as a list of ints, or None when it is anything else (or cannot be read)."""
+    try:
+        ids = list(value)
+    except Exception:
+        return None
+    return ids if ids and all(_is_int(v) for v in ids) else None

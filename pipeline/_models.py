@@ -6,12 +6,24 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline._config import SamplingParams
 from pipeline._rows import DatasetRow
+
+
+def is_finite_number(value: Any) -> bool:
+    """Whether ``value`` is a real number (not a bool) that is neither NaN nor infinite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except (OverflowError, TypeError, ValueError):
+        return False
 
 
 class Status(enum.StrEnum):
@@ -184,6 +196,14 @@ class RolloutSample(BaseModel):
     tool_turns: int = 0
     extra_fields: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("reward")
+    @classmethod
+    def _finite_reward(cls, value: float | None) -> float | None:
+        # A NaN or infinite reward would reach the loss and turn batch means into NaN.
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"reward must be a finite number, got {value}")
+        return value
+
 
 class BatchStats(BaseModel):
     """Aggregate figures of one batch (see :func:`pipeline.compute_stats`)."""
@@ -209,6 +229,11 @@ class BatchStats(BaseModel):
     template_drift: int = 0
     limiter_wait_s: float = 0.0
     wall_time_s: float
+    skipped_values: dict[str, int] = Field(default_factory=dict)
+    """Counter artifacts left out of the sums, by key: not a number, not finite, negative
+    or beyond 2**53 (a custom stage's bug must not cost the batch its statistics)."""
+    error: str | None = None
+    """Set when the statistics could not be computed at all; the counts are then partial."""
 
 
 class ProduceBatchResult(BaseModel):

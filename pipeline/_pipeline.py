@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import threading
 import time
 import uuid
 import weakref
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +18,10 @@ import structlog
 from pydantic import ValidationError
 
 from pipeline import artifacts as A
+from pipeline._cancel import cancel_requested, shielded, wait_through_cancellation
 from pipeline._config import PipelineConfig, describe_validation_error
 from pipeline._context import Context, Resources
-from pipeline._exceptions import ConfigError, SampleAborted
+from pipeline._exceptions import ConfigError, ContractError, SampleAborted
 from pipeline._fill import SampleBuilder, fill_sample, minimal_sample
 from pipeline._models import (
     AgentRolloutItem,
@@ -31,7 +34,7 @@ from pipeline._models import (
 )
 from pipeline._rows import DatasetRow, parse_row
 from pipeline._slots import FifoSlots
-from pipeline._stats import compute_stats
+from pipeline._stats import safe_stats
 from pipeline.diagnostics.progress import ProgressHeartbeat
 from pipeline.stages.base import Stage, as_stages, run_stage
 
@@ -61,13 +64,14 @@ def running_pipelines() -> list[Pipeline]:
 
 
 class _Batch:
-    """Book-keeping of one ``run_batch`` call (for over-sampling)."""
+    """Book-keeping of one ``run_batch`` call (over-sampling, cancellation)."""
 
-    __slots__ = ("completed", "num_needed", "runs")
+    __slots__ = ("cancelled", "completed", "num_needed", "runs")
 
     def __init__(self, num_needed: int | None) -> None:
         self.num_needed = num_needed
         self.completed = 0
+        self.cancelled = False
         self.runs: list[_SampleRun] = []
 
     def abort_rest(self) -> None:
@@ -136,6 +140,7 @@ class Pipeline:
         )
         self._inflight: dict[str, Context] = {}
         self._active_batches = 0
+        self._lock = threading.Lock()  # counters: one pipeline may serve several loops
         self.samples_done = 0
         """Samples finished by this pipeline so far (any status)."""
         self.last_sample_done: float | None = None
@@ -236,22 +241,21 @@ class Pipeline:
         batch = _Batch(num_needed)
         batch.runs = [_SampleRun(item) for item in items]
         _RUNNING.add(self)
-        self._active_batches += 1
+        with self._lock:
+            self._active_batches += 1
         heartbeat: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
         if self.config.progress_log_s is not None:
             heartbeat = ProgressHeartbeat(
                 self, interval_s=self.config.progress_log_s, total=len(items)
             )
         try:
-            async with heartbeat, asyncio.TaskGroup() as group:
-                for run in batch.runs:
-                    run.task = group.create_task(
-                        self._run_sample(run, batch, on_sample_done), name=f"sample:{run.item.uid}"
-                    )
+            async with heartbeat:
+                await self._run_all(batch, on_sample_done)
         finally:
-            self._active_batches -= 1
-        samples = [run.task.result() for run in batch.runs if run.task is not None]
-        stats = compute_stats(samples, items, time.monotonic() - started)
+            with self._lock:
+                self._active_batches -= 1
+        samples = [self._sample_of(run) for run in batch.runs]
+        stats = safe_stats(samples, items, time.monotonic() - started)
         _logger.info(
             "batch_done",
             samples=stats.num_samples,
@@ -259,6 +263,51 @@ class Pipeline:
             wall_time_s=round(stats.wall_time_s, 3),
         )
         return ProduceBatchResult(samples=samples, items=items, stats=stats)
+
+    async def _run_all(self, batch: _Batch, on_done: SampleCallback | None) -> None:
+        """Run every sample in a task owned here; on cancellation, cancel them all and wait.
+
+        Not a TaskGroup: a sample task never raises for a stage's error (its outcome is a
+        status), and a task group would cancel the caller's task for a child's error and, on
+        Python 3.11, could leave that cancellation pending on the caller. A ``BaseException``
+        that is not ours to stop (a stage raising ``SystemExit``, say) cancels the batch and
+        is raised in a ``BaseExceptionGroup``, as a task group would.
+        """
+        loop = asyncio.get_running_loop()
+        tasks = []
+        for run in batch.runs:
+            run.task = loop.create_task(
+                self._run_sample(run, batch, on_done), name=f"sample:{run.item.uid}"
+            )
+            tasks.append(run.task)
+        pending: set[asyncio.Task[RolloutSample]] = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                fatal = [exc for task in done if not task.cancelled()
+                         and not isinstance(exc := task.exception(), Exception | None)]
+                if fatal:
+                    raise BaseExceptionGroup("a sample raised a BaseException", fatal)
+        except BaseException:
+            batch.cancelled = True
+            for task in tasks:
+                task.cancel()
+            await wait_through_cancellation(tasks)
+            raise
+
+    def _sample_of(self, run: _SampleRun) -> RolloutSample:
+        """The sample a finished task produced; a task that ended without one (cancelled
+        from outside, or raised through every guard) still yields a masked sample."""
+        task = run.task
+        if task is not None and task.done() and not task.cancelled():
+            exc = task.exception()
+            if exc is None:
+                return task.result()
+            error = f"the sample's task raised {type(exc).__name__}: {exc}"
+        else:
+            error = "the sample's task was cancelled from outside the pipeline"
+        _force_end(run.item, Status.FAILED, error)
+        return self._build(run.item, run.ctx)
 
     def inflight(self) -> list[InflightSample]:
         """The samples running now, with their current stage and how long they have run."""
@@ -278,6 +327,9 @@ class Pipeline:
     async def _run_sample(
         self, run: _SampleRun, batch: _Batch, on_done: SampleCallback | None
     ) -> RolloutSample:
+        """Run one sample to a status and build its trainer view. Raises only
+        ``CancelledError`` when the batch itself is cancelled (and ``BaseException``s that
+        are not ours to stop, such as ``KeyboardInterrupt``)."""
         item = run.item
         item.queued_at = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -286,16 +338,22 @@ class Pipeline:
             slots = self._slots[loop] = FifoSlots(self.config.max_concurrency)
         try:
             async with slots:
-                await self._execute(run)
+                await self._execute(run, batch)
         except asyncio.CancelledError:
-            if not run.abort_requested:
+            # Cancelled while queued for a slot (no stage ran yet), or re-raised by
+            # _settle because the batch itself was cancelled.
+            if batch.cancelled:
+                if item.status is None:
+                    _force_end(item, Status.ABORTED, _BATCH_CANCELLED)
                 raise
             _uncancel()
             if item.status is None:
-                _end(item, Status.ABORTED, "aborted: the batch had enough completed samples")
+                _force_end(item, Status.ABORTED,
+                           _ENOUGH if run.abort_requested else _OUTSIDE_CANCEL)
         sample = self._build(item, run.ctx)
-        self.samples_done += 1
-        self.last_sample_done = time.monotonic()
+        with self._lock:
+            self.samples_done += 1
+            self.last_sample_done = time.monotonic()
         if item.status is Status.COMPLETED and batch.num_needed is not None:
             batch.completed += 1
             if batch.completed >= batch.num_needed:
@@ -307,7 +365,7 @@ class Pipeline:
                 _logger.error("on_sample_done_failed", uid=item.uid, error=repr(exc))
         return sample
 
-    async def _execute(self, run: _SampleRun) -> None:
+    async def _execute(self, run: _SampleRun, batch: _Batch) -> None:
         item = run.item
         loop = asyncio.get_running_loop()
         timeout = self.config.sample_timeout_s
@@ -322,94 +380,128 @@ class Pipeline:
                 async with scope:
                     for stage in self.stages:
                         await run_stage(stage, item, ctx)
-            except TimeoutError as exc:
-                if scope.expired():
-                    _end(
-                        item,
-                        Status.TIMEOUT,
-                        f"sample timed out after {timeout}s in stage '{_failed_stage(item)}'",
-                    )
-                else:
-                    _end(item, Status.FAILED, _describe(exc, item))
-            except asyncio.CancelledError:
-                if not ctx.abort_requested:
-                    raise
-                _uncancel()
-                _end(item, Status.ABORTED, "aborted: the batch had enough completed samples")
-            except SampleAborted as exc:
-                _end(item, Status.ABORTED, f"aborted in stage '{_failed_stage(item)}': {exc}")
-            except Exception as exc:
-                _end(item, Status.FAILED, _describe(exc, item))
+            except (Exception, asyncio.CancelledError) as exc:
+                self._settle(exc, run, batch, scope.expired() or ctx.deadline_passed())
             else:
                 _end(item, Status.COMPLETED, None)
         finally:
-            await self._cleanup(item, ctx)
-            item.ended_at = time.monotonic()
-            self._inflight.pop(item.uid, None)
-            if item.status is not Status.COMPLETED and item.status is not None:
-                ctx.log.warning("sample_ended", status=item.status.value, error=item.error)
+            try:
+                await self._cleanup(item, ctx)
+            finally:
+                item.ended_at = time.monotonic()
+                self._inflight.pop(item.uid, None)
+        if item.status is not Status.COMPLETED and item.status is not None:
+            ctx.log.warning("sample_ended", status=item.status.value, error=item.error)
+
+    def _settle(
+        self, exc: BaseException, run: _SampleRun, batch: _Batch, deadline_expired: bool
+    ) -> None:
+        """Turn how the stages ended into a status; re-raise only a cancelled batch.
+
+        The pipeline's own cancellations (a cancelled batch, an over-sampling abort, the
+        deadline) are known from its flags and clock, whatever the exception: a stage that
+        turns a cancellation into another error (an engine abort that raised) still ends as
+        the cancellation it was. Only for a bare ``CancelledError`` is the task's
+        ``cancelling()`` asked whether somebody else cancelled the sample (aborted) or a
+        future inside the stage was cancelled (a stray one: the stage failed).
+        """
+        item = run.item
+        if batch.cancelled:
+            _force_end(item, Status.ABORTED, _BATCH_CANCELLED)
+            raise asyncio.CancelledError from (
+                None if isinstance(exc, asyncio.CancelledError) else exc
+            )
+        if run.abort_requested:
+            _uncancel()
+            _end(item, Status.ABORTED, _ENOUGH)
+        elif deadline_expired:
+            _end(item, Status.TIMEOUT, f"sample timed out after {self.config.sample_timeout_s}s "
+                 f"in stage '{_failed_stage(item)}'")
+        elif isinstance(exc, asyncio.CancelledError) and cancel_requested():
+            _uncancel()
+            _end(item, Status.ABORTED, _OUTSIDE_CANCEL)
+        elif isinstance(exc, asyncio.CancelledError):
+            _end(item, Status.FAILED, f"stage '{_failed_stage(item)}' raised CancelledError "
+                 "from inside it: nobody cancelled the sample (a task or future it awaited "
+                 "was cancelled)")
+        elif isinstance(exc, SampleAborted):
+            _end(item, Status.ABORTED, f"aborted in stage '{_failed_stage(item)}': {exc}")
+        else:
+            _end(item, Status.FAILED, _describe(exc, item))
 
     async def _cleanup(self, item: AgentRolloutItem, ctx: Context) -> None:
-        """Run each started stage's cleanup once, then the exit stack; never raise for them."""
-        steps: list[tuple[str, Callable[[], Any]]] = [
-            (stage.name, stage.cleanup)
+        """Run each started stage's cleanup once, then the exit stack, shielded: whatever
+        cancels the sample meanwhile waits until they are done. Never raises for them."""
+        steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+            (stage.name, functools.partial(stage.cleanup, item, ctx))
             for stage in reversed(ctx.started_stages)
             if hasattr(stage, "cleanup")
         ]
         if ctx.has_exit_stack:
             steps.append(("exit_stack", ctx.exit_stack.aclose))
-        for name, step in steps:
-            await self._run_cleanup(name, step, item, ctx)
+        if steps:
+            await shielded(lambda: self._run_cleanups(steps, item, ctx), None)
 
-    async def _run_cleanup(
-        self, name: str, step: Callable[..., Any], item: AgentRolloutItem, ctx: Context
+    async def _run_cleanups(
+        self, steps: list[tuple[str, Callable[[], Awaitable[Any]]]], item: AgentRolloutItem,
+        ctx: Context,
     ) -> None:
         limit = self.config.cleanup_timeout_s
-        record = StageRecord(
-            name=name,
-            phase="cleanup",
-            turn=None,
-            start=time.monotonic(),
-            end=None,
-            start_wall=time.time(),
-            status=Status.COMPLETED,
-            error_type=None,
-            error_message=None,
-        )
-        item.records.append(record)
-        try:
-            async with asyncio.timeout(limit):
-                await (step() if name == "exit_stack" else step(item, ctx))
-        except TimeoutError:
-            record.status, record.error_type = Status.TIMEOUT, "TimeoutError"
-            record.error_message = f"cleanup exceeded {limit}s"
-        except Exception as exc:
-            record.status, record.error_type = Status.FAILED, type(exc).__name__
-            record.error_message = str(exc)
-        finally:
-            record.end = time.monotonic()
-        if record.status is not Status.COMPLETED:
-            ctx.log.warning("cleanup_failed", cleanup=name, error=record.error_message)
+        for name, step in steps:
+            record = StageRecord(
+                name=name,
+                phase="cleanup",
+                turn=None,
+                start=time.monotonic(),
+                end=None,
+                start_wall=time.time(),
+                status=Status.COMPLETED,
+                error_type=None,
+                error_message=None,
+            )
+            with contextlib.suppress(Exception):  # a stage may have replaced the list
+                item.records.append(record)
+            try:
+                async with asyncio.timeout(limit):
+                    await step()
+            except TimeoutError:
+                record.status, record.error_type = Status.TIMEOUT, "TimeoutError"
+                record.error_message = f"cleanup exceeded {limit}s"
+            except (Exception, asyncio.CancelledError) as exc:
+                # Shielded: a CancelledError here came from inside the cleanup.
+                record.status, record.error_type = Status.FAILED, type(exc).__name__
+                record.error_message = str(exc) or repr(exc)
+            finally:
+                record.end = time.monotonic()
+            if record.status is not Status.COMPLETED:
+                ctx.log.warning("cleanup_failed", cleanup=name, error=record.error_message)
 
     def _build(self, item: AgentRolloutItem, ctx: Context | None) -> RolloutSample:
-        """The trainer view; falls back to a fully masked sample if the builder raises."""
+        """The trainer view; falls back to a fully masked sample if the builder raises or
+        returns something else than a :class:`RolloutSample`."""
         try:
             if ctx is None:  # aborted before it started: no context was ever made
                 ctx = Context(self.resources, self.config, item)
-            return self.fill(item, ctx)
+            sample = self.fill(item, ctx)
+            if not isinstance(sample, RolloutSample):
+                raise ContractError(f"fill returned {type(sample).__name__}, not a RolloutSample")
+            return sample
         except Exception as exc:
             error = f"building the sample failed: {type(exc).__name__}: {exc}"
-            if item.error:
+            if isinstance(item.error, str) and item.error:
                 error = f"{item.error}; {error}"
-            _logger.error("sample_build_failed", uid=item.uid, error=error)
-            item.status, item.exit_reason, item.error = (
-                Status.FAILED,
-                ExitReason.BUILD_FAILED,
-                error,
-            )
-            item.finish_reason = FinishReason.ERROR
-            return minimal_sample(item, self.pad_token_id, error)
+            _logger.error("sample_build_failed", uid=_text(item.uid), error=error)
+            _force_end(item, Status.FAILED, error, ExitReason.BUILD_FAILED)
+            try:
+                pad = self.pad_token_id
+            except Exception:  # a tokenizer whose pad/eos properties raise
+                pad = 0
+            return minimal_sample(item, pad, error)
 
+
+_ENOUGH = "aborted: the batch had enough completed samples"
+_BATCH_CANCELLED = "aborted: run_batch was cancelled"
+_OUTSIDE_CANCEL = "aborted: the sample's task was cancelled from outside the pipeline"
 
 _FINISH = {
     Status.FAILED: FinishReason.ERROR,
@@ -424,22 +516,47 @@ _EXIT = {
 
 
 def _end(item: AgentRolloutItem, status: Status, error: str | None) -> None:
+    """Record how the sample ended; falls back to :func:`_force_end` when a stage left the
+    item in a state this cannot read (wrongly typed artifacts or records)."""
+    try:
+        item.status = status
+        item.error = error
+        if not isinstance(item.records, list) or not isinstance(item.artifacts, dict):
+            raise ContractError("a stage replaced item.records or item.artifacts")
+        if status is Status.COMPLETED:
+            item.finish_reason = item.finish_reason or FinishReason.STOP
+            item.exit_reason = item.artifacts.get(A.EXIT_REASON) or ExitReason.DONE.value
+        else:
+            item.finish_reason = _FINISH[status]
+            item.exit_reason = _EXIT[status].value
+            item.error_stage = _failed_stage(item)
+    except Exception as exc:
+        _force_end(item, Status.FAILED, f"{error or 'ending the sample'}; the item is "
+                   f"malformed: {type(exc).__name__}: {exc}")
+
+
+def _force_end(item: AgentRolloutItem, status: Status, error: str,
+               exit_reason: ExitReason | None = None) -> None:
+    """Set the end fields directly, reading nothing a stage could have broken; fields the
+    dump and the trainer view read are reset when a stage replaced them with something else."""
+    if not isinstance(item.records, list):
+        item.records = []
+    if not isinstance(item.artifacts, dict):
+        item.artifacts = {}
     item.status = status
+    item.finish_reason = _FINISH[status]
+    item.exit_reason = (exit_reason or _EXIT[status]).value
     item.error = error
-    if status is Status.COMPLETED:
-        item.finish_reason = item.finish_reason or FinishReason.STOP
-        item.exit_reason = item.artifacts.get(A.EXIT_REASON) or ExitReason.DONE.value
-    else:
-        item.finish_reason = _FINISH[status]
-        item.exit_reason = _EXIT[status].value
-        item.error_stage = _failed_stage(item)
 
 
 def _failed_stage(item: AgentRolloutItem) -> str | None:
     """The innermost stage that did not complete (records are appended as stages start)."""
-    for record in reversed(item.records):
-        if record.phase == "run" and record.status is not Status.COMPLETED:
-            return record.name
+    try:
+        for record in reversed(item.records):
+            if record.phase == "run" and record.status is not Status.COMPLETED:
+                return str(record.name)
+    except Exception:  # a stage replaced the records with something else
+        return None
     return None
 
 
@@ -447,8 +564,13 @@ def _describe(exc: BaseException, item: AgentRolloutItem) -> str:
     return f"stage '{_failed_stage(item)}' raised {type(exc).__name__}: {exc}"
 
 
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
 def _uncancel() -> None:
-    """Swallow the cancellation we asked for ourselves (an abort), keeping counts straight."""
+    """Take back a cancellation the pipeline asked for itself (an abort), keeping the
+    task's cancellation count straight."""
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()

@@ -1,24 +1,38 @@
-"""Aggregate figures of a batch."""
+"""Aggregate figures of a batch. Statistics never cost a batch: bad values are skipped and
+counted, and a failure to compute them at all still returns what is known."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import structlog
 
 from pipeline import artifacts as A
-from pipeline._models import AgentRolloutItem, BatchStats, RolloutSample
+from pipeline._models import AgentRolloutItem, BatchStats, RolloutSample, is_finite_number
+
+_logger = structlog.get_logger("pipeline")
+
+COUNTER_LIMIT = 2**53
+"""Largest counter value summed (exact as a float); larger ones are skipped as corrupt."""
 
 
 def compute_stats(
     samples: Sequence[RolloutSample], items: Sequence[AgentRolloutItem], wall_time_s: float
 ) -> BatchStats:
     """Counts by status / finish / exit reason, tool turns, reward, latency, tokens, and the
-    tool counters (calls, errors, template drift, rate-limiter wait) summed over items."""
+    tool counters (calls, errors, template drift, rate-limiter wait) summed over items.
+
+    Counter artifacts that are not finite numbers in ``[0, 2**53]`` are left out of the
+    sums and counted in ``skipped_values``.
+    """
+    skipped: Counter[str] = Counter()
     turns = [s.tool_turns for s in samples]
     rewards = np.array([s.reward for s in samples if s.reward is not None], dtype=float)
-    latencies = np.array([lat for it in items if (lat := it.latency_s) is not None], dtype=float)
+    latencies = np.array([lat for it in items if (lat := _latency(it)) is not None], dtype=float)
     pct = np.percentile(latencies, [50, 95, 99]).tolist() if latencies.size else [None, None, None]
     return BatchStats(
         num_samples=len(samples),
@@ -37,16 +51,51 @@ def compute_stats(
         prompt_tokens=sum(len(s.prompt_ids) for s in samples),
         response_tokens=sum(len(s.response_ids) for s in samples),
         model_tokens=sum(sum(s.response_mask) for s in samples),
-        tool_calls=int(_total(items, A.TOOL_CALLS)),
-        tool_errors=int(_total(items, A.TOOL_ERRORS)),
-        template_drift=int(_total(items, A.TEMPLATE_DRIFT)),
-        limiter_wait_s=float(_total(items, A.LIMITER_WAIT_S)),
+        tool_calls=int(_total(items, A.TOOL_CALLS, skipped)),
+        tool_errors=int(_total(items, A.TOOL_ERRORS, skipped)),
+        template_drift=int(_total(items, A.TEMPLATE_DRIFT, skipped)),
+        limiter_wait_s=float(_total(items, A.LIMITER_WAIT_S, skipped)),
         wall_time_s=wall_time_s,
+        skipped_values=dict(skipped),
     )
 
 
-def _total(items: Sequence[AgentRolloutItem], key: str) -> float:
-    """Sum of a numeric counter artifact; a custom stage's non-number under the key is skipped
-    (statistics must never cost the batch)."""
-    values = (it.artifacts.get(key) for it in items)
-    return sum(v for v in values if isinstance(v, int | float) and not isinstance(v, bool))
+def safe_stats(
+    samples: Sequence[RolloutSample], items: Sequence[AgentRolloutItem], wall_time_s: float
+) -> BatchStats:
+    """:func:`compute_stats`, or, if it raises anyway, the counts by status with ``error``
+    set: the batch's samples are worth more than its statistics."""
+    try:
+        return compute_stats(samples, items, wall_time_s)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        _logger.error("batch_stats_failed", error=error)
+        return BatchStats(
+            num_samples=len(samples),
+            by_status=dict(Counter(str(s.status) for s in samples)),
+            by_finish_reason={}, by_exit_reason={}, tool_turns_mean=0.0, tool_turns_min=0,
+            tool_turns_max=0, reward_mean=None, reward_std=None, latency_p50_s=None,
+            latency_p95_s=None, latency_p99_s=None, latency_max_s=None, prompt_tokens=0,
+            response_tokens=0, model_tokens=0, wall_time_s=wall_time_s, error=error,
+        )
+
+
+def _latency(item: AgentRolloutItem) -> float | None:
+    latency: Any = item.latency_s
+    return latency if is_finite_number(latency) else None
+
+
+def _total(items: Sequence[AgentRolloutItem], key: str, skipped: Counter[str]) -> float:
+    """Sum of a numeric counter artifact over items; values that are not finite numbers in
+    ``[0, COUNTER_LIMIT]`` (a custom stage's own meaning, or a bug) are skipped and counted."""
+    total = 0.0
+    for item in items:
+        artifacts: Any = item.artifacts
+        value = artifacts.get(key) if isinstance(artifacts, dict) else None
+        if value is None:
+            continue
+        if is_finite_number(value) and 0 <= value <= COUNTER_LIMIT:
+            total += float(value)
+        else:
+            skipped[key] += 1
+    return total if math.isfinite(total) else 0.0

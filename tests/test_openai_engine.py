@@ -349,7 +349,7 @@ async def test_cancelled_and_aborted_requests_close_their_connection():
         gen = await asyncio.wait_for(task, 5)
         assert gen.finish_reason is FinishReason.ABORT and gen.token_ids == []
         await until(lambda: "y-0-0" in cancelled, limit_s=5)
-        assert engine.aborted == ["x-0-0", "y-0-0"]
+        assert list(engine.aborted) == ["x-0-0", "y-0-0"]
 
 
 async def test_server_answers_that_break_the_contract_are_engine_errors():

@@ -44,7 +44,7 @@ def setup(**sampling: Any) -> tuple[TurnRunner, Any, Script, SimulatedEngine]:
     engine = SimulatedEngine(latency_s=0, latency_sigma=0, tail_prob=0, responder=script,
                              eos_token_id=EOS)
     runner = TurnRunner(engine, TOK, HermesToolParser(), max_tokens=None, max_turns=50,
-                        offload_chars=10_000)
+                        offload_chars=10_000, abort_timeout_s=5.0)
     store = SessionStore(TOK, max_sessions=10, idle_timeout_s=60)
     session = store.create(sampling=SamplingParams(**{"max_tokens": 100, **sampling}))
     return runner, session, script, engine

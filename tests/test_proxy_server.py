@@ -328,7 +328,7 @@ async def test_idle_sessions_expire_and_deleting_aborts_engine_requests(http):
         await proxy.delete_session(busy.id)
         status, body = await request
         assert status == 503 and body["error"]["code"] == "engine_aborted"
-        assert engine.aborted == [f"{busy.id}-1"] and engine.in_flight == {}
+        assert list(engine.aborted) == [f"{busy.id}-1"] and engine.in_flight == {}
 
 
 async def test_a_client_that_goes_away_aborts_its_engine_request():
@@ -343,7 +343,7 @@ async def test_a_client_that_goes_away_aborts_its_engine_request():
             if engine.aborted:
                 break
             await asyncio.sleep(0.02)
-        assert engine.aborted == [f"{session.id}-1"] and engine.in_flight == {}
+        assert list(engine.aborted) == [f"{session.id}-1"] and engine.in_flight == {}
         assert session.history.segments == [] and not session.busy
 
 

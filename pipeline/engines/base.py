@@ -16,6 +16,10 @@ from typing import Any, Protocol, runtime_checkable
 from pipeline._config import SamplingParams
 from pipeline._models import FinishReason
 
+RECENT_ABORTS = 4096
+"""How many aborted request ids an engine remembers (its ``aborted`` deque), for tests and
+diagnostics; older ones are forgotten."""
+
 
 @dataclass(slots=True)
 class Generation:

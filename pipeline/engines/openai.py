@@ -44,7 +44,7 @@ import structlog
 from pipeline._config import SamplingParams
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline._models import FinishReason
-from pipeline.engines.base import Generation
+from pipeline.engines.base import RECENT_ABORTS, Generation
 from pipeline.engines.consistency import TokenizerProbe
 from pipeline.engines.weight_sync import (
     PauseGate,
@@ -136,8 +136,9 @@ class OpenAIEngine:
         self.sticky_capacity = sticky_capacity
         self.extra_body = dict(extra_body or {})
         self.policy_version: int | None = 0
-        self.aborted: list[str] = []
-        """Ids of requests stopped early (``abort`` or a cancelled caller), oldest first."""
+        self.aborted: collections.deque[str] = collections.deque(maxlen=RECENT_ABORTS)
+        """The most recent ids of requests stopped early (``abort`` or a cancelled caller),
+        oldest first; bounded, so a long run does not grow it."""
         self.retries = 0
         """Attempts repeated after a connection error or a 5xx answer."""
         self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()

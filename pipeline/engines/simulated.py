@@ -7,6 +7,7 @@ cost, never a model's.
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import random
 import zlib
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pipeline._config import SamplingParams
 from pipeline._exceptions import EngineError
 from pipeline._models import FinishReason
-from pipeline.engines.base import Generation
+from pipeline.engines.base import RECENT_ABORTS, Generation
 
 Responder = Callable[[list[int], random.Random], list[int]]
 """Makes the simulated reply: ``(prompt_ids, rng) -> token_ids`` (end with the eos id to stop)."""
@@ -75,8 +76,9 @@ class SimulatedEngine:
         self.responder = responder
         self.seed = seed
         self.in_flight: dict[str, asyncio.Future[bool]] = {}
-        self.aborted: list[str] = []
-        """Ids of requests stopped early, by ``abort`` or by cancelling the caller."""
+        self.aborted: collections.deque[str] = collections.deque(maxlen=RECENT_ABORTS)
+        """The most recent ids of requests stopped early (``abort`` or a cancelled caller),
+        oldest first; bounded, so a long run does not grow it."""
         self.calls = 0
 
     def _rng(

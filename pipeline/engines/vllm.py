@@ -13,6 +13,8 @@ is what a trainer recomputes from its own logits.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import gc
 import importlib
 import importlib.util
@@ -20,7 +22,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ import structlog
 from pipeline._config import SamplingParams
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline._models import FinishReason
-from pipeline.engines.base import Generation
+from pipeline.engines.base import RECENT_ABORTS, Generation
 from pipeline.engines.consistency import TokenizerProbe
 from pipeline.engines.weight_sync import (
     PauseMode,
@@ -104,8 +106,9 @@ class VLLMEngine:
         self.model = str(model)
         self.ignore_eos = ignore_eos
         self.policy_version: int | None = policy_version
-        self.aborted: list[str] = []
-        """Ids of requests stopped early (``abort`` or a cancelled caller), oldest first."""
+        self.aborted: collections.deque[str] = collections.deque(maxlen=RECENT_ABORTS)
+        """The most recent ids of requests stopped early (``abort`` or a cancelled caller),
+        oldest first; bounded, so a long run does not grow it."""
         self._in_flight: set[str] = set()
         self._vllm: Any = importlib.import_module("vllm")
         self._output_kind: Any = importlib.import_module(
@@ -244,7 +247,8 @@ class VLLMEngine:
         ignored."""
         if request_id in self._in_flight and not self._closed:
             self.aborted.append(request_id)
-            await self.llm.abort(request_id)
+            with _as_engine_error(f"aborting request {request_id}"):
+                await self.llm.abort(request_id)
 
     def num_unfinished(self) -> int:
         """Requests vLLM still holds (queued or running)."""
@@ -266,11 +270,14 @@ class VLLMEngine:
 
     async def pause(self, mode: PauseMode = "wait") -> None:
         """Pause vLLM's scheduler; requests in flight are aborted, awaited or kept."""
-        await self.llm.pause_generation(mode=check_pause_mode(mode), clear_cache=False)
+        mode = check_pause_mode(mode)
+        with _as_engine_error("pausing"):
+            await self.llm.pause_generation(mode=mode, clear_cache=False)
 
     async def resume(self) -> None:
         """Resume vLLM's scheduler."""
-        await self.llm.resume_generation()
+        with _as_engine_error("resuming"):
+            await self.llm.resume_generation()
 
     async def update_weights(self, state_dict: Mapping[str, Any] | None = None,
                              path: str | Path | None = None, *,
@@ -294,12 +301,9 @@ class VLLMEngine:
         if state_dict is not None:
             path = await asyncio.to_thread(self._stage_state_dict, state_dict)
         assert path is not None
-        try:
+        with _as_engine_error("loading the new weights"):
             await self.llm.collective_rpc("reload_weights",
                                           kwargs={"weights_path": _absolute(path)})
-        except Exception as exc:
-            raise EngineError(f"vLLM could not load the new weights: {type(exc).__name__}: "
-                              f"{exc}") from exc
         await self.reset_prefix_cache()
         new = next_version(self.policy_version, version)
         await self.llm.update_weight_version(str(new))
@@ -330,7 +334,8 @@ class VLLMEngine:
 
     async def reset_prefix_cache(self) -> bool:
         """Drop vLLM's prefix cache (False while running requests still hold blocks)."""
-        return bool(await self.llm.reset_prefix_cache())
+        with _as_engine_error("resetting the prefix cache"):
+            return bool(await self.llm.reset_prefix_cache())
 
     # ----- consistency probe --------------------------------------------------------------
 
@@ -447,3 +452,14 @@ def _as_ids(value: Any) -> set[int]:
     if isinstance(value, list | tuple | set):
         return {int(v) for v in value}
     return set()
+
+
+@contextlib.contextmanager
+def _as_engine_error(what: str) -> Iterator[None]:
+    """Translate vLLM's exceptions at the boundary: callers catch :class:`EngineError`."""
+    try:
+        yield
+    except EngineError:
+        raise
+    except Exception as exc:
+        raise EngineError(f"vLLM failed {what}: {type(exc).__name__}: {exc}") from exc

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams
 from pipeline._models import AgentRolloutItem, FinishReason
 from pipeline._tokenizer import Tokenizer
@@ -78,12 +79,14 @@ class LLMJudger:
             score outside ``[0, max_score]`` is an error.
         sampling: the judge's sampling (default: greedy, 512 tokens).
         name: the judger's name.
+        abort_timeout_s: bound on aborting the judge request when judging is cancelled (a
+            failed or slow abort is logged, never replaces the outcome).
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, *, template: str = DEFAULT_TEMPLATE,
                  system: str | None = None, parse: ScoreParser = parse_score,
                  max_score: float = 10.0, sampling: SamplingParams | None = None,
-                 name: str = "llm") -> None:
+                 name: str = "llm", abort_timeout_s: float = 10.0) -> None:
         if max_score <= 0:
             raise ValueError(f"max_score must be > 0, got {max_score}")
         self.engine = engine
@@ -94,6 +97,7 @@ class LLMJudger:
         self.max_score = max_score
         self.sampling = sampling or SamplingParams(temperature=0.0, max_tokens=512)
         self.name = name
+        self.abort_timeout_s = abort_timeout_s
         self._ids = itertools.count()
 
     async def judge(self, item: AgentRolloutItem) -> JudgeResult:
@@ -117,7 +121,7 @@ class LLMJudger:
         try:
             gen = await self.engine.generate(prompt_ids, self.sampling, request_id)
         except asyncio.CancelledError:
-            await self.engine.abort(request_id)
+            await abort_request(self.engine, request_id, self.abort_timeout_s, uid=item.uid)
             raise
         if gen.finish_reason is FinishReason.ABORT:
             raise JudgeError(f"the judge engine aborted request {request_id}")

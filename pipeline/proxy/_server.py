@@ -35,6 +35,7 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams, describe_validation_error
 from pipeline._exceptions import ConfigError
 from pipeline._tokenizer import Tokenizer
@@ -72,6 +73,8 @@ class ProxyConfig(BaseModel):
         max_tokens: cap on one reply (None: no cap beyond the session's sampling).
         sampling: sampling of sessions created over HTTP without their own.
         offload_chars: render in a worker thread when a request's new messages hold more text.
+        abort_timeout_s: bound on one engine abort (a client gone, a session deleted); a
+            failed or slow abort is logged, never an error of the request.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -87,6 +90,7 @@ class ProxyConfig(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     sampling: SamplingParams = SamplingParams()
     offload_chars: int = Field(32768, ge=0)
+    abort_timeout_s: float = Field(10.0, gt=0)
 
 
 class SessionCreate(BaseModel):
@@ -133,7 +137,8 @@ class ProxyServer:
                                      eos_token_id=eos_token_id)
         self.turns = TurnRunner(engine, tokenizer, parser or HermesToolParser(),
                                 max_tokens=cfg.max_tokens, max_turns=cfg.max_turns,
-                                offload_chars=cfg.offload_chars)
+                                offload_chars=cfg.offload_chars,
+                                abort_timeout_s=cfg.abort_timeout_s)
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -231,7 +236,8 @@ class ProxyServer:
 
     async def _abort(self, session: Session) -> None:
         for request_id in list(session.inflight):
-            await self.engine.abort(request_id)
+            await abort_request(self.engine, request_id, self.config.abort_timeout_s,
+                                session=session.id)
 
     async def _sweep(self) -> None:
         interval = min(max(self.config.idle_timeout_s / 4, 0.01), 30.0)

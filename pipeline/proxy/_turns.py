@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams
 from pipeline._exceptions import EngineError
 from pipeline._models import AgentMessage, FinishReason
@@ -54,11 +55,14 @@ class TurnRunner:
             when the agent asks for none, else what the agent asks).
         max_turns: chat completions one session may make.
         offload_chars: render in a worker thread when the new messages hold more text.
+        abort_timeout_s: bound on the engine abort when a client goes away.
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, parser: ToolParser, *,
-                 max_tokens: int | None, max_turns: int, offload_chars: int) -> None:
+                 max_tokens: int | None, max_turns: int, offload_chars: int,
+                 abort_timeout_s: float) -> None:
         self.engine = engine
+        self.abort_timeout_s = abort_timeout_s
         self.tokenizer = tokenizer
         self.parser = parser
         self.max_tokens = max_tokens
@@ -152,7 +156,8 @@ class TurnRunner:
         try:
             gen = await self.engine.generate(prompt, sampling, request_id)
         except asyncio.CancelledError:  # the client went away, or the session was deleted
-            await self.engine.abort(request_id)
+            await abort_request(self.engine, request_id, self.abort_timeout_s,
+                                session=session.id)
             raise
         except EngineError as exc:
             raise ProxyError(f"the engine failed: {exc}", status=502,

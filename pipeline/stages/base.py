@@ -15,9 +15,17 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from pipeline import artifacts as A
+from pipeline._cancel import cancel_requested
 from pipeline._context import Context
-from pipeline._exceptions import SampleAborted, StageDefinitionError
-from pipeline._models import AgentMessage, AgentRolloutItem, ExitReason, StageRecord, Status
+from pipeline._exceptions import ContractError, SampleAborted, StageDefinitionError
+from pipeline._models import (
+    AgentMessage,
+    AgentRolloutItem,
+    ExitReason,
+    StageRecord,
+    Status,
+    is_finite_number,
+)
 
 StageFunction = Callable[[AgentRolloutItem, Context], Awaitable[None]]
 
@@ -91,8 +99,10 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     """Run one stage on one sample and append its :class:`StageRecord`.
 
     Exceptions propagate (the sample runner turns them into a status); the record says how the
-    stage ended: ``failed`` on an exception, ``timeout`` when cancelled by the sample's deadline,
-    ``aborted`` when cancelled otherwise.
+    stage ended: ``failed`` on an exception (a ``CancelledError`` nobody asked for included),
+    ``timeout`` when cancelled by the sample's deadline, ``aborted`` when cancelled otherwise.
+    A stage that leaves a reward that is not a finite number fails here, so the error names
+    the stage that wrote it.
     """
     ctx.mark_started(stage)
     start = ctx.stage_started or time.monotonic()
@@ -110,8 +120,16 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     item.records.append(record)
     try:
         await stage.run(item, ctx)
-    except asyncio.CancelledError:
-        record.status = Status.TIMEOUT if ctx.deadline_passed() else Status.ABORTED
+        reward = item.artifacts.get(A.REWARD)
+        if reward is not None and not is_finite_number(reward):
+            raise ContractError(f"stage '{stage.name}' wrote a reward that is not a finite "
+                                f"number: {reward!r}")
+    except asyncio.CancelledError as exc:
+        if cancel_requested():
+            record.status = Status.TIMEOUT if ctx.deadline_passed() else Status.ABORTED
+        else:
+            record.status, record.error_type = Status.FAILED, type(exc).__name__
+            record.error_message = "CancelledError raised inside the stage; nobody cancelled it"
         raise
     except SampleAborted as exc:
         record.status, record.error_type, record.error_message = (

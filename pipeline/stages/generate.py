@@ -12,7 +12,6 @@ limit (or nothing is left), the sample ends with ``finish_reason=length``,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from pipeline import artifacts as A
 from pipeline._context import Context
@@ -97,10 +96,7 @@ class Generate:
         try:
             gen = await ctx.engine.generate([*art[A.PROMPT_IDS], *response], sampling, request_id)
         except asyncio.CancelledError:
-            # Bounded: a slow engine abort must not hold a timed-out sample.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(ctx.config.cleanup_timeout_s):
-                    await ctx.engine.abort(request_id)
+            await ctx.abort_engine_request(request_id)
             raise
         if gen.finish_reason is FinishReason.ABORT:
             raise SampleAborted(f"engine aborted request {request_id}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pipeline import artifacts as A
+from pipeline._cancel import run_owned
 from pipeline._context import Context
 from pipeline._exceptions import ConfigError
 from pipeline._models import AgentRolloutItem
@@ -170,9 +171,7 @@ class Judge:
         if len(entries) == 1:
             records = [await self._judge_one(entries[0], item)]
         else:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._judge_one(e, item)) for e in entries]
-            records = [task.result() for task in tasks]
+            records = await run_owned([self._judge_one(e, item) for e in entries])
         item.artifacts[JUDGE_RECORDS] = records
         failed = [r for r in records if r.status != "ok"]
         for record in failed:

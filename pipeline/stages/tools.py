@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from pipeline import artifacts as A
+from pipeline._cancel import cancel_requested, run_owned
 from pipeline._context import Context
 from pipeline._models import AgentMessage, AgentRolloutItem, ToolCall
 from pipeline._slots import FifoSlots
@@ -72,9 +73,7 @@ class CallTools:
         if last is None or last.role != "assistant" or not last.tool_calls:
             return
         parse_errors: dict[str, str] = (last.model_extra or {}).get(TOOL_CALL_ERRORS) or {}
-        answers = await asyncio.gather(*(
-            self._answer(call, parse_errors.get(call.id), i, item, ctx)
-            for i, call in enumerate(last.tool_calls)))
+        answers = await self._answer_all(last.tool_calls, parse_errors, item, ctx)
         replies = [AgentMessage(role="tool", tool_call_id=call.id, name=call.function.name,
                                 content=content, **({"error": kind} if kind else {}))
                    for call, (content, kind) in zip(last.tool_calls, answers, strict=True)]
@@ -113,6 +112,15 @@ class CallTools:
         art.setdefault(A.RESPONSE_MASK, []).extend([0] * len(delta.ids))
         art.setdefault(A.LOGPROBS, []).extend([0.0] * len(delta.ids))
 
+    async def _answer_all(self, calls: list[ToolCall], parse_errors: dict[str, str],
+                          item: AgentRolloutItem, ctx: Context) -> list[tuple[str, str | None]]:
+        """Answer the calls concurrently, in owned tasks: if one raises (a broken
+        limiter), its siblings are cancelled and awaited, never left running."""
+        if len(calls) == 1:
+            return [await self._answer(calls[0], parse_errors.get(calls[0].id), 0, item, ctx)]
+        return await run_owned([self._answer(call, parse_errors.get(call.id), i, item, ctx)
+                                for i, call in enumerate(calls)])
+
     async def _answer(self, call: ToolCall, parse_error: str | None, index: int,
                       item: AgentRolloutItem, ctx: Context) -> tuple[str, str | None]:
         """``(content, error kind or None)`` for one call; raises only on cancellation."""
@@ -140,6 +148,11 @@ class CallTools:
                     result = await tool(arguments)
             except TimeoutError:
                 return f"Error: tool {tool.name!r} timed out after {tool.timeout_s}s", "timeout"
+            except asyncio.CancelledError:
+                if cancel_requested():
+                    raise
+                # A future inside the tool was cancelled by someone else: the tool failed.
+                return "Error: CancelledError: the tool's work was cancelled", "tool_exception"
             except Exception as exc:  # the tool's own failure is the model's observation
                 return f"Error: {type(exc).__name__}: {exc}", "tool_exception"
         return self._as_text(result), None

@@ -1,0 +1,138 @@
+"""Cancellation, told apart and contained.
+
+Two rules of the runner live here:
+
+* A ``CancelledError`` is a *real* cancellation only when somebody called ``cancel()`` on the
+  task that sees it (``task.cancelling() > 0``). A stage that awaits a future someone else
+  cancelled gets a *stray* one: that is a failure of the stage, never a reason to cancel the
+  batch.
+* Concurrent work inside a sample is owned by :func:`run_owned`, not ``asyncio.TaskGroup``:
+  on Python 3.11 a task group whose child fails leaves a cancellation request counted on the
+  task that owns it (``cancelling()`` stays 1), which would make a stage's plain error look
+  like a cancellation of its sample.
+* Cleanups run to their end with their own deadline, whatever cancels their caller meanwhile.
+  anyio's ``CancelScope(shield=True)`` does not stop a native ``Task.cancel()`` (a cancelled
+  ``run_batch``, an ``asyncio.timeout``), so the cleanup runs in a task of its own that the
+  caller waits for, and the caller's cancellation is re-raised once it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import structlog
+
+T = TypeVar("T")
+
+_logger = structlog.get_logger("pipeline")
+
+
+def cancel_requested() -> bool:
+    """Whether somebody asked to cancel the current task (a real, not a stray, cancellation)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def shielded(make: Callable[[], Awaitable[T]], timeout_s: float | None) -> T:
+    """Run ``make()`` to its end in a task of its own, bounded by ``timeout_s``.
+
+    A cancellation of the caller while it runs is deferred: ``CancelledError`` is raised once
+    the work has ended, so a cleanup is never cut short and never runs twice.
+
+    Raises:
+        TimeoutError: the work did not end within ``timeout_s``.
+        asyncio.CancelledError: the caller was cancelled meanwhile.
+        Exception: whatever the work raised (when the caller was not cancelled).
+    """
+
+    async def bounded() -> T:
+        async with asyncio.timeout(timeout_s):
+            return await make()
+
+    inner = asyncio.get_running_loop().create_task(bounded())
+    if await wait_through_cancellation([inner]):
+        if not inner.cancelled():
+            inner.exception()  # retrieved: the caller's cancellation takes precedence
+        raise asyncio.CancelledError
+    return inner.result()
+
+
+async def wait_through_cancellation(tasks: Sequence[asyncio.Future[Any]]) -> bool:
+    """Wait until every task is done, even if the caller is cancelled meanwhile.
+
+    Returns:
+        Whether the caller was cancelled while waiting (it should re-raise
+        ``CancelledError`` once it has looked at the tasks).
+    """
+    cancelled = False
+    while not all(task.done() for task in tasks):
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
+
+
+async def run_owned(awaitables: Sequence[Awaitable[T]]) -> list[T]:
+    """Run ``awaitables`` concurrently; their results in order.
+
+    The tasks are owned here: on the first error, or when the caller is cancelled, the
+    others are cancelled and awaited before this raises, so none is left running. Unlike
+    ``asyncio.TaskGroup`` on Python 3.11, no cancellation request is left pending on the
+    caller's task.
+
+    Raises:
+        Exception: the first error, in input order, of a task that failed.
+        asyncio.CancelledError: the caller was cancelled.
+    """
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(_as_coroutine(a)) for a in awaitables]
+    cancelled = False
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        cancelled = True
+    rest = [task for task in tasks if not task.done()]
+    for task in rest:
+        task.cancel()
+    cancelled = await wait_through_cancellation(rest) or cancelled
+    errors = [exc for task in tasks if not task.cancelled()
+              and (exc := task.exception()) is not None]  # every one retrieved
+    if cancelled:
+        raise asyncio.CancelledError
+    if errors:
+        raise errors[0]
+    return [task.result() for task in tasks]
+
+
+async def _as_coroutine(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+class _Aborting(Protocol):
+    async def abort(self, request_id: str) -> None: ...
+
+
+async def abort_request(engine: _Aborting, request_id: str, timeout_s: float | None,
+                        **log: Any) -> str | None:
+    """Abort an engine request on a cancellation path: bounded, shielded, never raising.
+
+    Returns:
+        None when the abort went through, else why it did not (also logged as
+        ``engine_abort_failed``); the caller records it and keeps its own outcome.
+    """
+    try:
+        await shielded(lambda: engine.abort(request_id), timeout_s)
+        return None
+    except TimeoutError:
+        error = f"engine abort of {request_id} took longer than {timeout_s}s"
+    except asyncio.CancelledError:
+        if cancel_requested():
+            raise
+        error = f"engine abort of {request_id} raised CancelledError"
+    except Exception as exc:
+        error = f"engine abort of {request_id} failed: {type(exc).__name__}: {exc}"
+    _logger.warning("engine_abort_failed", request_id=request_id, error=error, **log)
+    return error
