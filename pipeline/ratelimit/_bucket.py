@@ -200,10 +200,17 @@ class FairAsyncTokenBucket:
             now = self._clock()
             if self._queue.waiting:
                 self._dispatch(now)  # serve those ahead first
-            if not self._queue.waiting:
-                self._advance(now)
-                if self._tokens >= cost - EPS:
-                    self._tokens -= cost
+            if not self._queue.waiting:  # _advance(now), inlined: this is every acquire
+                tokens = self._tokens + (now - self._stamp) * self._rate
+                self._stamp = now
+                if tokens >= self._capacity - EPS:
+                    if tokens > self._capacity:
+                        self._discarded += tokens - self._capacity
+                        tokens = self._capacity
+                    self._full_at = now
+                self._tokens = tokens
+                if tokens >= cost - EPS:
+                    self._tokens = tokens - cost
                     self._tally.record_grant(key, cost, 0.0)
                     return
             if timeout == 0:

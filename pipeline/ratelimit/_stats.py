@@ -199,12 +199,24 @@ class Tally:
 
     def record_grant(self, key: Hashable, cost: float, wait_s: float) -> None:
         """Count tokens issued to a caller whose ``acquire`` returns without a refund window."""
+        # The uncontended path of every acquire: _key and _wait, inlined.
         self.issued += cost
         self.returned += cost
-        tally = self._key(key)
+        tally = self._keys.get(key)
+        if tally is None:
+            tally = self._key(key)
+        else:
+            self._events = tally.last = self._events + 1
         tally.grants += 1
         tally.tokens += cost
-        self._wait(tally, wait_s)
+        waits = tally.waits
+        waits.append(wait_s)
+        if len(waits) >= 2 * KEY_WAIT_SAMPLES:
+            del waits[:KEY_WAIT_SAMPLES]
+        waits = self._waits
+        waits.append(wait_s)
+        if len(waits) >= 2 * WAIT_SAMPLES:
+            del waits[:WAIT_SAMPLES]
 
     def record_issue(self, cost: float) -> None:
         """Count tokens issued to a queued caller that has not resumed yet."""
