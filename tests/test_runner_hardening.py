@@ -41,8 +41,10 @@ def make(stages, **options):
 class CleanupCounter:
     name = "counted"
 
-    def __init__(self, cleanup_s: float = 0.0) -> None:
+    def __init__(self, cleanup_s: float = 0.0, expected: int = 0) -> None:
         self.cleanup_s = cleanup_s
+        self.expected = expected
+        self.all_in_cleanup = asyncio.Event()
         self.started: dict[str, int] = {}
         self.cleanups: dict[str, int] = {}
         self.cleanup_finished: dict[str, int] = {}
@@ -52,6 +54,8 @@ class CleanupCounter:
 
     async def cleanup(self, item: AgentRolloutItem, ctx: Context) -> None:
         self.cleanups[item.uid] = self.cleanups.get(item.uid, 0) + 1
+        if len(self.cleanups) == self.expected:
+            self.all_in_cleanup.set()
         await asyncio.sleep(self.cleanup_s)
         self.cleanup_finished[item.uid] = self.cleanup_finished.get(item.uid, 0) + 1
 
@@ -165,7 +169,7 @@ async def test_timeout_when_stage_converts_cancellation_into_another_error():
 
 
 async def test_cancel_run_batch_during_stage_cleanup_runs_every_cleanup_once():
-    counter = CleanupCounter(cleanup_s=0.3)
+    counter = CleanupCounter(cleanup_s=0.3, expected=len(ROWS))
 
     async def after(item, ctx):
         ctx.exit_stack.push_async_callback(asyncio.sleep, 0)
@@ -173,8 +177,7 @@ async def test_cancel_run_batch_during_stage_cleanup_runs_every_cleanup_once():
     pipe = make([counter, after])
     items = pipe.make_items(ROWS)
     task = asyncio.create_task(pipe.run_batch(items))
-    while len(counter.cleanups) < len(items):
-        await asyncio.sleep(0.01)
+    await counter.all_in_cleanup.wait()
     task.cancel()  # every sample is inside its 0.3 s cleanup now
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -189,12 +192,11 @@ async def test_cancel_run_batch_during_stage_cleanup_runs_every_cleanup_once():
 
 
 async def test_cancel_run_batch_twice_during_cleanup_still_finishes_cleanups():
-    counter = CleanupCounter(cleanup_s=0.3)
+    counter = CleanupCounter(cleanup_s=0.3, expected=3)
     pipe = make([counter])
     items = pipe.make_items(ROWS[:3])
     task = asyncio.create_task(pipe.run_batch(items))
-    while len(counter.cleanups) < len(items):
-        await asyncio.sleep(0.01)
+    await counter.all_in_cleanup.wait()
     task.cancel()
     await asyncio.sleep(0.05)
     task.cancel()
