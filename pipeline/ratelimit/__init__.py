@@ -3,7 +3,10 @@
 :class:`FairAsyncTokenBucket` refills ``rate`` tokens per second up to ``capacity``. Callers
 queue under a key (an endpoint, a tenant, a stage) and are served round-robin across keys,
 FIFO within a key, so a key with 1,000 queued callers cannot starve a key with one. It is
-cancellation-safe, usable from several event loops and threads, and runs nothing while idle::
+cancellation-safe, usable from several event loops and threads, and runs nothing while idle.
+While callers queue, grants are booked at their ideal times, so a late loop costs no rate (the
+exact burst guarantee is in ``_bucket.py``); per-key statistics stay bounded however many
+keys come and go::
 
     registry = LimiterRegistry()
     judge_api = registry.get("judge-api", rate=20, capacity=40)

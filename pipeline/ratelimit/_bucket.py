@@ -16,8 +16,9 @@ nobody is queued. The guarantee, precisely:
   ahead of the ideal schedule (a bucket that starts full and refills at ``rate``).
 * No grant comes before its ideal time. A loop that runs late by ``L`` seconds delivers the
   grants that fell due meanwhile together when it runs: one burst of up to
-  ``capacity + rate * L`` tokens, which the schedule then makes up for (on a punctual loop,
-  ``L = 0`` and no window of length ``T`` gets more than ``capacity + rate * T``).
+  ``capacity + rate * L`` tokens, after which the schedule goes on as if punctual. On a
+  punctual loop ``L = 0``: no window of length ``T`` gets more than ``capacity + rate * T``,
+  plus the tokens of grants refunded meanwhile.
 
 Threads and loops: all state sits behind one ``threading.Lock`` and every queued caller
 carries its own event loop. A grant resolves the caller's future on that loop (directly, or
