@@ -2,7 +2,7 @@
 
 Run::
 
-    python benchmarks/ratelimit.py           # about 50 s; writes benchmarks/results/ratelimit.json
+    python benchmarks/ratelimit.py           # about 3 min; writes benchmarks/results/ratelimit.json
     python benchmarks/ratelimit.py --quick   # shorter runs, prints only
 
 Each figure is measured for ``FairAsyncTokenBucket`` and ``FifoTokenBucket`` (one queue behind
@@ -24,15 +24,24 @@ today), one after the other on the real clock with the default asyncio loop.
    more than capacity + rate * length.
 4. Uncontended cost: ``await bucket.acquire("k")`` on a bucket that always has tokens; CPU
    time per call, best of 7 runs, next to an ``await`` of an empty coroutine for scale.
+5. Rate at small bursts, quiet and loaded: rate=200/s, capacity 1, 2 and 200, 200 tasks that
+   acquire in a loop (10 keys) for 8 s from the first grant, as in 1. "Loaded" runs one
+   CPU-burning subprocess per core beside it, so timers fire late.
+6. Many keys: 10^4, 10^5 and 10^6 distinct keys (one acquire each, as ``CallTools``' default
+   group-id key gives over a run); the tallies' memory (deep size of their containers),
+   ``stats()`` time (median of 5) and the part of it spent holding the bucket's lock.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,8 +56,9 @@ Bucket = FairAsyncTokenBucket | FifoTokenBucket
 KINDS: dict[str, type[Bucket]] = {"fair": FairAsyncTokenBucket, "fifo": FifoTokenBucket}
 
 
-async def rate_accuracy(kind: type[Bucket], seconds: float) -> dict[str, Any]:
-    rate, capacity, waiters = 200.0, 200.0, 1000
+async def rate_accuracy(kind: type[Bucket], seconds: float, capacity: float = 200.0,
+                        waiters: int = 1000) -> dict[str, Any]:
+    rate = 200.0
     bucket = kind(rate, capacity)
     start = 0.0
     granted = 0
@@ -217,7 +227,73 @@ async def uncontended(kind: type[Bucket], calls: int) -> dict[str, Any]:
     }
 
 
-async def run(quick: bool) -> dict[str, Any]:
+@contextlib.contextmanager
+def cpu_burners(n: int) -> Any:
+    """``n`` subprocesses spinning on a core each, stopped on exit."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+async def rate_vs_capacity(seconds: float, burners: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for load, n in (("quiet", 0), ("loaded", burners)):
+        with cpu_burners(n):
+            out[load] = {"cpu_burners": n, "loadavg": [round(x, 2) for x in os.getloadavg()]}
+            for name, kind in KINDS.items():
+                out[load][name] = {
+                    str(int(capacity)): await rate_accuracy(kind, seconds, capacity, waiters=200)
+                    for capacity in (1.0, 2.0, 200.0)}
+            out[load]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    return out
+
+
+def tally_bytes(bucket: FairAsyncTokenBucket) -> int:
+    """Deep size of the bucket's per-key statistics: dict, entries, wait-sample arrays."""
+    tally = bucket._tally
+    keys = tally._keys
+    size = sys.getsizeof(keys)
+    for key, entry in keys.items():
+        size += sys.getsizeof(key) + sys.getsizeof(entry) + sys.getsizeof(entry.waits)
+    folded = tally._folded
+    return size + sys.getsizeof(folded) + sys.getsizeof(folded.waits) + sys.getsizeof(
+        tally._waits)
+
+
+def many_keys(n: int) -> dict[str, Any]:
+    bucket = FairAsyncTokenBucket(rate=1e12, capacity=1e12)
+    started = time.perf_counter()
+    for i in range(n):  # each acquire completes on its first step: no loop needed
+        coro = bucket.acquire(("group", i))
+        with contextlib.suppress(StopIteration):
+            coro.send(None)
+    fill_s = time.perf_counter() - started
+    runs, locked = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        stats = bucket.stats()
+        runs.append(time.perf_counter() - t0)
+        with bucket._lock:
+            t0 = time.perf_counter()
+            bucket._tally.capture(bucket._queue.queue_lens(), bucket._queue.weight)
+            locked.append(time.perf_counter() - t0)
+    assert stats.grants == n and stats.leaked == 0
+    return {
+        "keys": n, "keys_kept": len(stats.keys), "keys_folded": stats.folded_keys,
+        "tally_bytes": tally_bytes(bucket),
+        "stats_ms": round(1e3 * float(np.median(runs)), 2),
+        "stats_lock_held_ms": round(1e3 * float(np.median(locked)), 3),
+        "acquire_us_while_filling": round(1e6 * fill_s / n, 3),
+    }
+
+
+async def run(quick: bool, burners: int) -> dict[str, Any]:
     figures: dict[str, Any] = {"loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
                                "loop": "asyncio (default)"}
     for name, kind in KINDS.items():
@@ -227,6 +303,8 @@ async def run(quick: bool) -> dict[str, Any]:
         figures.setdefault("accounting", {})[name] = await accounting(kind)
         figures.setdefault("uncontended", {})[name] = await uncontended(
             kind, 5_000 if quick else 20_000)
+    figures["rate_vs_capacity"] = await rate_vs_capacity(3.0 if quick else 8.0, burners)
+    figures["many_keys"] = [many_keys(n) for n in (10**4, 10**5, 10**6)]
     return figures
 
 
@@ -253,6 +331,19 @@ def print_table(figures: dict[str, Any]) -> None:
     for label, section, field, goal in rows:
         fair, fifo = (figures[section][kind][field] for kind in KINDS)
         print(f"{label:<38}{fair!s:>12}{fifo!s:>12}  {goal}")
+    print("\nrate error (%) at 200/s, 200 waiters       fair      fifo   goal |x| <= 1")
+    for load in ("quiet", "loaded"):
+        section = figures["rate_vs_capacity"][load]
+        for capacity in ("1", "2", "200"):
+            fair, fifo = (section[kind][capacity]["error_pct"] for kind in KINDS)
+            print(f"  {load:<7} capacity {capacity:<4} (loadavg {section['loadavg'][0]:>5})"
+                  f"{fair:>10}{fifo:>10}")
+    print("\n     keys    kept  folded   tally MB  stats() ms  lock held ms"
+          "   goal: < 10 MB, < 100 ms")
+    for row in figures["many_keys"]:
+        print(f"{row['keys']:>9}{row['keys_kept']:>8}{row['keys_folded']:>8}"
+              f"{row['tally_bytes'] / 1e6:>11.2f}{row['stats_ms']:>12}"
+              f"{row['stats_lock_held_ms']:>14}")
 
 
 def _round(value: float | None) -> float | None:
@@ -263,9 +354,11 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter runs; prints only")
+    parser.add_argument("--burners", type=int, default=os.cpu_count() or 2,
+                        help="CPU-burning subprocesses for the loaded runs (default: one a core)")
     args = parser.parse_args()
     started = time.monotonic()
-    figures = asyncio.run(run(args.quick))
+    figures = asyncio.run(run(args.quick, args.burners))
     figures["wall_s"] = round(time.monotonic() - started, 1)
     print_table(figures)
     print(f"wall time {figures['wall_s']} s")
