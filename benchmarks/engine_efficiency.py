@@ -37,10 +37,10 @@ from typing import Any
 from _common import write_result
 
 from pipeline import Pipeline, SamplingParams
+from pipeline._render import render_prompt
 from pipeline.models.tiny import ensure_tiny_model
 from pipeline.stages import BuildPrompt, Generate
-from pipeline.stages.judge import Judge
-from pipeline.stages.prompt import render_prompt
+from pipeline.stages._judge import Judge
 
 ROOT = Path(__file__).resolve().parents[1]
 

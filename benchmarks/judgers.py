@@ -51,7 +51,7 @@ from pipeline.judgers import (
     MathJudger,
     ProcessPool,
 )
-from pipeline.stages.judge import Judge, JudgerSpec
+from pipeline.stages._judge import Judge, JudgerSpec
 
 
 async def answer(item: AgentRolloutItem, ctx: Context) -> None:

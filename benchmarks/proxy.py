@@ -82,7 +82,7 @@ def serve_floor() -> None:
     from aiohttp import web
 
     from pipeline import asyncio_run
-    from pipeline.diagnostics import start_site
+    from pipeline._net import start_site
 
     reply = json.dumps({"id": "x", "object": "chat.completion", "choices": [{
         "index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [

@@ -3,7 +3,23 @@
 A rollout is a list of async stages run on an :class:`AgentRolloutItem`; the
 :class:`Pipeline` runs a batch of them with per-sample deadlines and failure isolation and
 hands the trainer one :class:`RolloutSample` per sample, in input order.
+
+Public API rule: inside each subpackage the modules are private (``_name.py``) and the
+subpackage's ``__init__`` is its public surface (``__all__``, snapshotted by a test). Public
+modules are kept only where importing the module is the point: the ones that load a heavy
+optional dependency (:mod:`pipeline.engines.vllm`, :mod:`pipeline.engines.transformers`,
+:mod:`pipeline.engines.moe`),
+commands (:mod:`pipeline.cli`, ``python -m pipeline.models.tiny``), test helpers
+(:mod:`pipeline.testing`, :mod:`pipeline.judgers.testing`) and the artifact key names
+(:mod:`pipeline.artifacts`). This package re-exports the names most programs need; the rest
+live in their subpackage.
 """
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
 
 from pipeline import artifacts
 from pipeline._config import PipelineConfig, SamplingParams
@@ -17,7 +33,7 @@ from pipeline._exceptions import (
     SampleAborted,
     StageDefinitionError,
 )
-from pipeline._fill import SampleBuilder, fill_sample, minimal_sample
+from pipeline._fill import SampleBuilder, fill_sample
 from pipeline._models import (
     AgentMessage,
     AgentRolloutItem,
@@ -31,144 +47,69 @@ from pipeline._models import (
     ToolCall,
     ToolFunction,
 )
-from pipeline._pipeline import InflightSample, Pipeline
+from pipeline._pipeline import Pipeline
 from pipeline._rows import DatasetRow, iter_rows, load_rows, parse_row
-from pipeline._stats import compute_stats
 from pipeline._tokenizer import Tokenizer
-from pipeline.batch import (
-    GroupSummary,
-    collate,
-    group_advantages,
-    group_indices,
-    summarize_groups,
-    to_verl_batch,
-    to_verl_outputs,
-    to_xtuner,
-)
-from pipeline.diagnostics import (
-    DiagnosticsError,
-    Watchdog,
-    asyncio_run,
-    capture_snapshot,
-    install_task_dumper,
-)
+from pipeline.batch import collate, group_advantages, summarize_groups, to_verl_batch, to_xtuner
+from pipeline.diagnostics import Watchdog, asyncio_run, capture_snapshot, install_task_dumper
 from pipeline.engines import (
-    ConsistencyError,
     Engine,
     Generation,
     OpenAIEngine,
-    PauseMode,
     SimulatedEngine,
     VLLMEngine,
-    WeightSync,
-    WeightSyncedEngine,
-    check_consistency,
     make_engine,
 )
 from pipeline.judgers import JudgeError, Judger, JudgeResult, get_judger, register_judger
 from pipeline.models import ensure_tiny_model
 from pipeline.observability import (
     BatchProgress,
-    MetricsSink,
     StructlogSink,
-    TensorBoardSink,
     TrajectoryReader,
-    TrajectoryRecord,
     TrajectoryWriter,
-    batch_metrics,
-    build_trace,
     chain_callbacks,
     log_batch_metrics,
-    read_trajectories,
-    write_trace,
 )
-from pipeline.proxy import (
-    AgentEndpoint,
-    ProxyConfig,
-    ProxyError,
-    ProxyServer,
-    RemoteAgent,
-    RemoteAgentError,
-)
-from pipeline.ratelimit import (
-    FairAsyncTokenBucket,
-    LimiterClosed,
-    LimiterConflict,
-    LimiterRegistry,
-    RateLimitError,
-)
-from pipeline.stages import (
-    BuildPrompt,
-    CallTools,
-    FunctionStage,
-    Generate,
-    Judge,
-    JudgerSpec,
-    Loop,
-    Stage,
-    as_stage,
-)
-from pipeline.tools import (
-    CalculatorError,
-    FunctionTool,
-    HermesToolParser,
-    Tool,
-    ToolParser,
-    calculator_tool,
-    make_registry,
-)
+from pipeline.proxy import ProxyServer, RemoteAgent
+from pipeline.ratelimit import FairAsyncTokenBucket, LimiterRegistry
+from pipeline.stages import BuildPrompt, CallTools, Generate, Judge, JudgerSpec, Loop, Stage
+from pipeline.tools import FunctionTool, Tool, calculator_tool, make_registry
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AgentEndpoint",
     "AgentMessage",
     "AgentRolloutItem",
     "BatchProgress",
     "BatchStats",
     "BuildPrompt",
-    "CalculatorError",
     "CallTools",
     "ConfigError",
-    "ConsistencyError",
     "Context",
     "ContractError",
     "DatasetRow",
-    "DiagnosticsError",
     "Engine",
     "EngineError",
     "ExitReason",
     "FairAsyncTokenBucket",
     "FinishReason",
-    "FunctionStage",
     "FunctionTool",
     "Generate",
     "Generation",
-    "GroupSummary",
-    "HermesToolParser",
-    "InflightSample",
     "Judge",
     "JudgeError",
     "JudgeResult",
     "Judger",
     "JudgerSpec",
-    "LimiterClosed",
-    "LimiterConflict",
     "LimiterRegistry",
     "Loop",
-    "MetricsSink",
     "OpenAIEngine",
-    "PauseMode",
     "Pipeline",
     "PipelineConfig",
     "PipelineError",
     "ProduceBatchResult",
-    "ProxyConfig",
-    "ProxyError",
     "ProxyServer",
-    "RateLimitError",
     "RemoteAgent",
-    "RemoteAgentError",
     "Resources",
     "RolloutSample",
     "RowError",
@@ -181,48 +122,77 @@ __all__ = [
     "StageRecord",
     "Status",
     "StructlogSink",
-    "TensorBoardSink",
     "Tokenizer",
     "Tool",
     "ToolCall",
     "ToolFunction",
-    "ToolParser",
     "TrajectoryReader",
-    "TrajectoryRecord",
     "TrajectoryWriter",
     "VLLMEngine",
     "Watchdog",
-    "WeightSync",
-    "WeightSyncedEngine",
     "artifacts",
-    "as_stage",
     "asyncio_run",
-    "batch_metrics",
-    "build_trace",
     "calculator_tool",
     "capture_snapshot",
     "chain_callbacks",
-    "check_consistency",
     "collate",
-    "compute_stats",
     "ensure_tiny_model",
     "fill_sample",
     "get_judger",
     "group_advantages",
-    "group_indices",
     "install_task_dumper",
     "iter_rows",
     "load_rows",
     "log_batch_metrics",
     "make_engine",
     "make_registry",
-    "minimal_sample",
     "parse_row",
-    "read_trajectories",
     "register_judger",
     "summarize_groups",
     "to_verl_batch",
-    "to_verl_outputs",
     "to_xtuner",
-    "write_trace",
 ]
+
+_MOVED = {
+    "AgentEndpoint": "pipeline.proxy",
+    "CalculatorError": "pipeline.tools",
+    "ConsistencyError": "pipeline.engines",
+    "DiagnosticsError": "pipeline.diagnostics",
+    "FunctionStage": "pipeline.stages",
+    "GroupSummary": "pipeline.batch",
+    "HermesToolParser": "pipeline.tools",
+    "InflightSample": "pipeline.diagnostics",
+    "LimiterClosed": "pipeline.ratelimit",
+    "LimiterConflict": "pipeline.ratelimit",
+    "MetricsSink": "pipeline.observability",
+    "PauseMode": "pipeline.engines",
+    "ProxyConfig": "pipeline.proxy",
+    "ProxyError": "pipeline.proxy",
+    "RateLimitError": "pipeline.ratelimit",
+    "RemoteAgentError": "pipeline.proxy",
+    "TensorBoardSink": "pipeline.observability",
+    "ToolParser": "pipeline.tools",
+    "TrajectoryRecord": "pipeline.observability",
+    "WeightSync": "pipeline.engines",
+    "WeightSyncedEngine": "pipeline.engines",
+    "as_stage": "pipeline.stages",
+    "batch_metrics": "pipeline.observability",
+    "build_trace": "pipeline.observability",
+    "check_consistency": "pipeline.engines",
+    "compute_stats": "pipeline.batch",
+    "group_indices": "pipeline.batch",
+    "minimal_sample": "pipeline.batch",
+    "read_trajectories": "pipeline.observability",
+    "to_verl_outputs": "pipeline.batch",
+    "write_trace": "pipeline.observability",
+}
+"""Names this package exported before 0.2, now only in their subpackage (CHANGELOG.md)."""
+
+
+def __getattr__(name: str) -> Any:
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+    warnings.warn(f"'pipeline.{name}' moved to '{home}.{name}'; the old name goes away in "
+                  "the next release", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(home), name)

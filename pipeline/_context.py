@@ -15,11 +15,11 @@ from pipeline._cancel import abort_request
 from pipeline._config import PipelineConfig, SamplingParams
 from pipeline._models import AgentRolloutItem, StageRecord, Status
 from pipeline._tokenizer import Tokenizer
-from pipeline.engines.base import Engine
+from pipeline.engines import Engine
 from pipeline.ratelimit import LimiterRegistry
 
 if TYPE_CHECKING:
-    from pipeline.stages.base import Stage
+    from pipeline.stages import Stage
 
 _logger = structlog.get_logger("pipeline")
 

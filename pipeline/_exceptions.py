@@ -8,8 +8,9 @@ Every error the library raises on purpose derives from :class:`PipelineError`::
     ├── StageDefinitionError something in a stage list that is not a stage
     ├── EngineError          an engine failed to generate (foreign errors translated here)
     ├── ContractError        data that breaks a trainer-facing contract
+    ├── AddressInUseError    a server port stayed busy after the bind retries
     ├── RateLimitError       (pipeline.ratelimit) LimiterClosed, LimiterConflict
-    ├── DiagnosticsError     (pipeline.diagnostics) AddressInUseError
+    ├── DiagnosticsError     (pipeline.diagnostics) a dump or watchdog could not be set up
     ├── JudgeError           (pipeline.judgers) JudgerTimeout, WorkerError
     ├── CalculatorError      (pipeline.tools) an expression the calculator refuses
     ├── ProxyError           (pipeline.proxy) RemoteAgentError, session and request errors
@@ -54,6 +55,10 @@ class EngineError(PipelineError):
 
 class ContractError(PipelineError):
     """Data that violates a contract with the trainer (e.g. misaligned logprobs)."""
+
+
+class AddressInUseError(PipelineError, OSError):
+    """A server could not bind its address after retrying; names host, port and attempts."""
 
 
 class SampleAborted(PipelineError):

@@ -26,6 +26,11 @@ def is_finite_number(value: Any) -> bool:
         return False
 
 
+TOOL_CALL_ERRORS = "tool_call_errors"
+"""Extra field of an assistant :class:`AgentMessage`: ``{call id: why it is unusable}`` for
+calls the parser could not read; the tool-calling stage answers them with that error."""
+
+
 class Status(enum.StrEnum):
     """How a sample ended. Everything but ``completed`` is masked out of the loss."""
 

@@ -35,8 +35,8 @@ from pipeline._models import (
 from pipeline._rows import DatasetRow, parse_row
 from pipeline._slots import FifoSlots
 from pipeline._stats import safe_stats
-from pipeline.diagnostics.progress import ProgressHeartbeat
-from pipeline.stages.base import Stage, as_stages, run_stage
+from pipeline.observability import ProgressHeartbeat
+from pipeline.stages import Stage, as_stages, run_stage
 
 _logger = structlog.get_logger("pipeline")
 

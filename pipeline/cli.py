@@ -22,11 +22,8 @@ import structlog
 from pipeline._exceptions import PipelineError
 from pipeline._models import ProduceBatchResult, Status
 from pipeline._pipeline import Pipeline
-from pipeline.diagnostics.cli import add_dump_arguments, run_dump
-from pipeline.diagnostics.run import asyncio_run
-from pipeline.engines.base import Engine
-from pipeline.engines.factory import ENGINE_NAMES, make_engine
-from pipeline.engines.simulated import SimulatedEngine
+from pipeline.diagnostics import add_dump_arguments, asyncio_run, run_dump
+from pipeline.engines import ENGINE_NAMES, Engine, SimulatedEngine, make_engine
 from pipeline.models.tiny import ensure_tiny_model
 from pipeline.observability import (
     BatchProgress,

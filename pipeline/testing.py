@@ -14,7 +14,7 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
-from pipeline.engines.simulated import SimulatedEngine
+from pipeline.engines import SimulatedEngine
 from pipeline.judgers.testing import judge_item
 
 __all__ = ["ByteTokenizer", "SimulatedEngine", "capture_logs", "judge_item"]

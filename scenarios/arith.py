@@ -15,9 +15,8 @@ import random
 import re
 from typing import Any
 
-from pipeline import AgentRolloutItem, BuildPrompt, Context, Generate, artifacts
-from pipeline._tokenizer import Tokenizer
-from pipeline.engines.simulated import Responder
+from pipeline import AgentRolloutItem, BuildPrompt, Context, Generate, Tokenizer, artifacts
+from pipeline.engines import Responder
 
 SYSTEM = "Answer the question. Put the final number in <answer></answer>."
 _QUESTION = re.compile(r"What is (-?\d+) ([+\-*]) (-?\d+)\?")

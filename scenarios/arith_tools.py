@@ -22,13 +22,9 @@ import random
 import re
 from typing import Any, NamedTuple
 
+from pipeline import AgentMessage, AgentRolloutItem, Context
 from pipeline import artifacts as A
-from pipeline._context import Context
-from pipeline._models import AgentMessage, AgentRolloutItem
-from pipeline.stages.base import Loop
-from pipeline.stages.generate import Generate
-from pipeline.stages.prompt import BuildPrompt
-from pipeline.stages.tools import CallTools
+from pipeline.stages import BuildPrompt, CallTools, Generate, Loop
 from pipeline.tools import Tool, calculator_tool, make_registry, tool_schema
 
 DATA_SOURCE = "arith_tools"

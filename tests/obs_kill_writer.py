@@ -19,7 +19,7 @@ import time
 from obs_batch import make_pipeline, rows
 
 from pipeline.observability import TrajectoryWriter
-from pipeline.observability import writer as writer_module
+from pipeline.observability import _writer as writer_module
 
 
 def main() -> None:

@@ -29,9 +29,9 @@ from pipeline import (
     artifacts,
     parse_row,
 )
+from pipeline._render import DRIFT_PREFIX, chat_form, render_turn_delta
 from pipeline.models._template import CHAT_TEMPLATE
-from pipeline.stages.prompt import DRIFT_PREFIX, chat_form, render_turn_delta
-from pipeline.stages.tools import TEMPLATE_DRIFT, TOOL_CALLS, TOOL_ERRORS, CallTools
+from pipeline.stages._tools import TEMPLATE_DRIFT, TOOL_CALLS, TOOL_ERRORS, CallTools
 from pipeline.testing import ByteTokenizer, capture_logs
 from pipeline.tools import FunctionTool, calculator_tool, make_registry, tool_schema
 from scenarios import arith_tools

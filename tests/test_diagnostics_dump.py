@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.diagnostics import DUMP_DIR_ENV, dump_command
+from pipeline.diagnostics import DUMP_DIR_ENV
+from pipeline.diagnostics._cli import dump_command
 
 CHILD = Path(__file__).with_name("diag_child.py")
 READY_TIMEOUT_S = 30.0

@@ -16,19 +16,18 @@ import pytest
 from aiohttp import web
 
 from pipeline import BuildPrompt, Generate, Pipeline
+from pipeline._net import bind_socket, start_site
 from pipeline.diagnostics import (
     DUMP_DIR_ENV,
-    AddressInUseError,
     DiagnosticsError,
-    ProgressHeartbeat,
     TaskDumper,
     Watchdog,
     asyncio_run,
-    bind_socket,
     dump,
     install_task_dumper,
-    start_site,
 )
+from pipeline.observability import ProgressHeartbeat
+from pipeline.proxy import AddressInUseError
 from pipeline.testing import ByteTokenizer, SimulatedEngine, capture_logs
 
 

@@ -9,13 +9,8 @@ import time
 from collections.abc import AsyncIterator
 
 from pipeline import BuildPrompt, Pipeline
-from pipeline.diagnostics import (
-    TaskDumper,
-    capture_snapshot,
-    render_json,
-    render_text,
-    track_task_ages,
-)
+from pipeline.diagnostics import TaskDumper, capture_snapshot, render_json, render_text
+from pipeline.diagnostics._snapshot import track_task_ages
 from pipeline.testing import ByteTokenizer, SimulatedEngine
 
 

@@ -31,7 +31,7 @@ from pipeline.judgers import (
     MathJudger,
     ProcessPool,
 )
-from pipeline.stages.judge import Judge, JudgerSpec
+from pipeline.stages._judge import Judge, JudgerSpec
 
 PLUGIN_DIR = Path(__file__).parent / "judger_plugin"
 

@@ -22,8 +22,8 @@ import pytest
 from aiohttp import web
 
 from pipeline import EngineError, FinishReason, Pipeline, SamplingParams, Status
-from pipeline.engines.consistency import ConsistencyError, check_consistency
-from pipeline.engines.openai import OpenAIEngine, ServerError, pipeline_group_key
+from pipeline.engines._consistency import ConsistencyError, check_consistency
+from pipeline.engines._openai import OpenAIEngine, ServerError, pipeline_group_key
 from pipeline.engines.vllm import vllm_env
 from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model
 from pipeline.stages import BuildPrompt, Generate
@@ -377,7 +377,7 @@ async def test_server_answers_that_break_the_contract_are_engine_errors():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_factory_builds_a_checked_openai_engine(server, tiny_model_dir):
-    from pipeline.engines.factory import make_engine
+    from pipeline.engines._factory import make_engine
 
     lines: list[str] = []
     engine, tokenizer = await make_engine("openai", model_dir=tiny_model_dir, base_url=server,

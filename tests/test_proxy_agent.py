@@ -23,8 +23,8 @@ import pytest
 from _model_fixtures import ForcedText
 
 from pipeline import Pipeline, SamplingParams, Status, artifacts
+from pipeline._render import chat_form
 from pipeline.proxy import FINAL_ANSWER, SEGMENTS, ProxyServer, RemoteAgent
-from pipeline.stages.prompt import chat_form
 
 pytest_plugins = ["_model_fixtures"]
 pytest.importorskip("openai")  # the agent's SDK (dev extra)

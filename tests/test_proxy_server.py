@@ -470,7 +470,7 @@ def test_the_fuzzed_server_is_still_healthy(threaded):
 
 
 async def test_a_busy_fixed_port_is_retried_and_the_url_reported(http):
-    from pipeline.diagnostics import bind_socket
+    from pipeline._net import bind_socket
 
     holder = bind_socket("127.0.0.1", 0)
     port = holder.getsockname()[1]

@@ -356,7 +356,7 @@ def test_pipeline_counters_are_exact_across_threads():
 
 
 async def test_simulated_engine_remembers_a_bounded_number_of_aborts():
-    from pipeline.engines.base import RECENT_ABORTS
+    from pipeline.engines._base import RECENT_ABORTS
 
     async def prompt(item, ctx):
         item.artifacts[artifacts.PROMPT_IDS] = [1, 2, 3]

@@ -7,7 +7,7 @@ import json
 import time
 
 from pipeline import AgentMessage, Pipeline, ToolCall, ToolFunction, artifacts
-from pipeline.stages.tools import CallTools
+from pipeline.stages._tools import CallTools
 from pipeline.testing import ByteTokenizer
 from pipeline.tools import FunctionTool, make_registry
 

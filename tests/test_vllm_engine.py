@@ -27,7 +27,7 @@ from _model_fixtures import torch  # noqa: E402
 from pytest_asyncio import fixture as async_fixture  # noqa: E402
 
 from pipeline import FinishReason, Pipeline, SamplingParams, Status  # noqa: E402
-from pipeline.engines.consistency import ConsistencyError, check_consistency  # noqa: E402
+from pipeline.engines._consistency import ConsistencyError, check_consistency  # noqa: E402
 from pipeline.engines.vllm import VLLMEngine, full_length_experts  # noqa: E402
 from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from pipeline.stages import BuildPrompt, Generate  # noqa: E402

@@ -13,13 +13,13 @@ import pytest
 from _model_fixtures import torch
 
 from pipeline import ConfigError, EngineError, FinishReason, Pipeline, SamplingParams, Status
-from pipeline.engines.transformers import TransformersEngine
-from pipeline.engines.weight_sync import (
+from pipeline.engines._weight_sync import (
     PauseGate,
     WeightSync,
     WeightSyncedEngine,
     load_weights,
 )
+from pipeline.engines.transformers import TransformersEngine
 from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model
 from pipeline.stages import BuildPrompt, Generate
 
@@ -192,7 +192,7 @@ async def test_update_needs_exactly_one_source(engine):
 
 
 async def test_factory_builds_a_synced_transformers_engine_and_names_its_choice(tiny_model_dir):
-    from pipeline.engines.factory import make_engine, resolve_engine_name
+    from pipeline.engines._factory import make_engine, resolve_engine_name
 
     lines: list[str] = []
     engine, tokenizer = await make_engine("transformers", model_dir=tiny_model_dir,

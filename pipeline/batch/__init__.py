@@ -5,6 +5,8 @@ Importing this package needs numpy only; torch is imported when tensors are aske
 ``transformers`` extra (or any torch install) for those.
 """
 
+from pipeline._fill import minimal_sample
+from pipeline._stats import compute_stats
 from pipeline.batch._collate import check_alignment, collate, has_logprobs, has_rewards
 from pipeline.batch._experts import ExpertsLayout, check_routed_experts
 from pipeline.batch._groups import (
@@ -33,10 +35,12 @@ __all__ = [
     "check_alignment",
     "check_routed_experts",
     "collate",
+    "compute_stats",
     "group_advantages",
     "group_indices",
     "has_logprobs",
     "has_rewards",
+    "minimal_sample",
     "summarize_groups",
     "to_verl_batch",
     "to_verl_outputs",

@@ -1,8 +1,8 @@
-"""The snapshot's data: plain frozen records, rendered by :mod:`pipeline.diagnostics.render`.
+"""The snapshot's data: plain frozen records, rendered by :mod:`pipeline.diagnostics._render`.
 
 They are dataclasses rather than pydantic models on purpose: a snapshot is built from a
 signal-woken thread, possibly for 10,000 tasks, and must stay cheap; ``to_dict`` /
-:func:`~pipeline.diagnostics.render.snapshot_to_dict` give the JSON wire form.
+:func:`~pipeline.diagnostics._render.snapshot_to_dict` give the JSON wire form.
 """
 
 from __future__ import annotations

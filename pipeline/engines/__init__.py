@@ -1,23 +1,29 @@
 """Inference engines: the protocol and its implementations.
 
-Importing this package needs neither torch nor vLLM; ``TransformersEngine`` lives in
-:mod:`pipeline.engines.transformers` (imports torch) and ``RouterCapture`` in
-:mod:`pipeline.engines.moe`.
+Importing this package needs neither torch nor vLLM. ``TransformersEngine`` (from
+:mod:`pipeline.engines.transformers`) and ``RouterCapture`` (from :mod:`pipeline.engines.moe`)
+import torch, so they are loaded on first access: ``from pipeline.engines import
+TransformersEngine`` works and costs the torch import only then.
 """
 
-from pipeline.engines.base import Engine, Generation
-from pipeline.engines.consistency import ConsistencyError, ConsistencyReport, check_consistency
-from pipeline.engines.factory import ENGINE_NAMES, make_engine, resolve_engine_name
-from pipeline.engines.openai import OpenAIEngine, ServerError
-from pipeline.engines.simulated import SimulatedEngine
-from pipeline.engines.vllm import VLLMEngine, vllm_available
-from pipeline.engines.weight_sync import (
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pipeline.engines._base import Engine, Generation
+from pipeline.engines._consistency import ConsistencyError, ConsistencyReport, check_consistency
+from pipeline.engines._factory import ENGINE_NAMES, make_engine, resolve_engine_name
+from pipeline.engines._openai import OpenAIEngine, ServerError
+from pipeline.engines._simulated import Responder, SimulatedEngine
+from pipeline.engines._weight_sync import (
     PauseGate,
     PauseMode,
     WeightSync,
     WeightSyncedEngine,
     load_weights,
 )
+from pipeline.engines.vllm import VLLMEngine, vllm_available
 
 __all__ = [
     "ENGINE_NAMES",
@@ -28,8 +34,11 @@ __all__ = [
     "OpenAIEngine",
     "PauseGate",
     "PauseMode",
+    "Responder",
+    "RouterCapture",
     "ServerError",
     "SimulatedEngine",
+    "TransformersEngine",
     "VLLMEngine",
     "WeightSync",
     "WeightSyncedEngine",
@@ -39,3 +48,17 @@ __all__ = [
     "resolve_engine_name",
     "vllm_available",
 ]
+
+_LAZY = {
+    "TransformersEngine": "pipeline.engines.transformers",
+    "RouterCapture": "pipeline.engines.moe",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pipeline.engines' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

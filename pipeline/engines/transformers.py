@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from pipeline._config import SamplingParams
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline._models import FinishReason
-from pipeline.engines.base import Generation
+from pipeline.engines._base import Generation
 from pipeline.engines.moe import RouterCapture
 
 _T = TypeVar("_T")

@@ -31,9 +31,9 @@ import structlog
 from pipeline._config import SamplingParams
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline._models import FinishReason
-from pipeline.engines.base import RECENT_ABORTS, Generation
-from pipeline.engines.consistency import TokenizerProbe
-from pipeline.engines.weight_sync import (
+from pipeline.engines._base import RECENT_ABORTS, Generation
+from pipeline.engines._consistency import TokenizerProbe
+from pipeline.engines._weight_sync import (
     PauseMode,
     check_pause_mode,
     check_weight_source,
@@ -86,7 +86,7 @@ class VLLMEngine:
     cancelling the caller both abort the request inside vLLM. ``routed_experts`` is passed
     through when the engine was started with ``return_routed_experts=True`` (MoE models).
 
-    Weight sync (:mod:`pipeline.engines.weight_sync`): ``pause``/``resume`` use vLLM's
+    Weight sync (:mod:`pipeline.engines._weight_sync`): ``pause``/``resume`` use vLLM's
     scheduler pause; ``update_weights`` reloads in place on the workers (from a checkpoint
     directory, or from a state dict sent over vLLM's RPC, which suits small models and
     tests; large GPU models should use vLLM's NCCL weight-transfer API and then set

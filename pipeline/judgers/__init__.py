@@ -9,7 +9,7 @@ The registry in three lines::
 Built-ins: ``math``, ``exact_match``, ``regex``, ``code`` (sandboxed tests), ``llm``
 (LLM-as-judge through an engine), ``http`` (a remote reward service) and ``function`` (a
 synchronous reward function, run in a killable process pool). The ``Judge`` stage
-(:mod:`pipeline.stages.judge`) runs them on each sample and fills ``reward``.
+(:mod:`pipeline.stages._judge`) runs them on each sample and fills ``reward``.
 """
 
 from pipeline.judgers._base import (

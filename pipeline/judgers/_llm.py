@@ -16,11 +16,11 @@ from typing import Any
 from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams
 from pipeline._models import AgentRolloutItem, FinishReason
+from pipeline._render import render_prompt
 from pipeline._tokenizer import Tokenizer
-from pipeline.engines.base import Engine
+from pipeline.engines import Engine
 from pipeline.judgers._base import JudgeError, JudgeResult, question_text, response_text
 from pipeline.judgers._registry import register_judger
-from pipeline.stages.prompt import render_prompt
 
 DEFAULT_TEMPLATE = """\
 Grade the answer to the question below against the reference answer.

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline._exceptions import ConfigError
-from pipeline.models.tiny import TinyModelSpec, _build_tokenizer, build_atomically
+from pipeline.models.tiny import TinyModelSpec, build_atomically, build_tokenizer
 
 ENV_DIR = "ROLLOUT_TINY_MOE_MODEL_DIR"
 """Environment variable that overrides where :func:`ensure_tiny_moe_model` caches the model."""
@@ -115,7 +115,7 @@ def build_tiny_moe_model(directory: Path, spec: TinyMoeSpec | None = None) -> Pa
     spec = spec or TinyMoeSpec()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer(TinyModelSpec(
+    tokenizer = build_tokenizer(TinyModelSpec(
         vocab_size=spec.vocab_size, max_position_embeddings=spec.max_position_embeddings))
     tokenizer.save_pretrained(directory)
     build_moe_model(spec, tokenizer).save_pretrained(directory)

@@ -6,18 +6,20 @@
 - :func:`batch_metrics` and :class:`MetricsSink` (:class:`StructlogSink`,
   :class:`TensorBoardSink`): per-batch figures.
 - :func:`render_summary` / :func:`render_trajectory` / :func:`render_failures`: a dump as text.
-- :class:`BatchProgress`: live done/failed/timeout counts.
+- :class:`BatchProgress`: live done/failed/timeout counts; :class:`ProgressHeartbeat`: the
+  runner's periodic progress log line (``PipelineConfig.progress_log_s``).
 - :func:`trace_command` / :func:`inspect_command`: the ``rollout trace`` / ``rollout inspect``
   commands.
 """
 
-from pipeline.observability.inspection import (
+from pipeline.observability._heartbeat import ProgressHeartbeat
+from pipeline.observability._inspection import (
     inspect_command,
     render_failures,
     render_summary,
     render_trajectory,
 )
-from pipeline.observability.metrics import (
+from pipeline.observability._metrics import (
     ALWAYS_KEYS,
     MetricsSink,
     StructlogSink,
@@ -25,8 +27,8 @@ from pipeline.observability.metrics import (
     limiter_metrics,
     log_batch_metrics,
 )
-from pipeline.observability.progress import BatchProgress, chain_callbacks
-from pipeline.observability.reader import (
+from pipeline.observability._progress import BatchProgress, chain_callbacks
+from pipeline.observability._reader import (
     BadLine,
     TornTail,
     TrajectoryDump,
@@ -34,8 +36,8 @@ from pipeline.observability.reader import (
     TrajectoryReader,
     read_trajectories,
 )
-from pipeline.observability.records import trajectory_record
-from pipeline.observability.schema import (
+from pipeline.observability._records import trajectory_record
+from pipeline.observability._schema import (
     SCHEMA_VERSION,
     AgentTrace,
     BatchEnd,
@@ -44,15 +46,15 @@ from pipeline.observability.schema import (
     TokenData,
     TrajectoryRecord,
 )
-from pipeline.observability.tensorboard_sink import TensorBoardSink
-from pipeline.observability.trace import (
+from pipeline.observability._tensorboard import TensorBoardSink
+from pipeline.observability._trace import (
     build_trace,
     stage_category,
     trace_command,
     trace_events,
     write_trace,
 )
-from pipeline.observability.writer import TrajectoryWriter
+from pipeline.observability._writer import TrajectoryWriter
 
 __all__ = [
     "ALWAYS_KEYS",
@@ -63,6 +65,7 @@ __all__ = [
     "BatchProgress",
     "BatchSummary",
     "MetricsSink",
+    "ProgressHeartbeat",
     "StageTiming",
     "StructlogSink",
     "TensorBoardSink",

@@ -10,6 +10,7 @@ fills the standard artifacts from its session. See ``_history`` for the token ru
 ``_server`` for the routes.
 """
 
+from pipeline._exceptions import AddressInUseError
 from pipeline.proxy._agent import (
     AGENT_LOG,
     FINAL_ANSWER,
@@ -40,6 +41,7 @@ __all__ = [
     "PROXY_KEY",
     "SEGMENTS",
     "SPLIT_REASONS",
+    "AddressInUseError",
     "AgentEndpoint",
     "AgentFunction",
     "ChatCompletionRequest",

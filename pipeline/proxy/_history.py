@@ -6,7 +6,7 @@ no longer be the ones the model sampled. So a session keeps, per *segment*, the 
 it built (prompt ids, then response ids with a mask and logprobs) and the messages it stands
 for. A request whose messages start with a segment's messages *extends* it: only the new
 messages are rendered, as the chat template's delta after the model's last token
-(:func:`pipeline.stages.prompt.render_turn_delta`, mask 0), and the model's reply is appended
+(:func:`pipeline.stages._prompt.render_turn_delta`, mask 0), and the model's reply is appended
 with mask 1. A request that does not extend any segment (the agent summarised, dropped or
 edited turns, retried a request, or changed its tools) starts a new segment. The new segment's
 prompt reuses the recorded tokens of the longest matching prefix that ends on a model reply
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline._models import AgentMessage, FinishReason
+from pipeline._render import chat_form, render_prompt, render_turn_delta
 from pipeline._tokenizer import Tokenizer
 from pipeline.proxy._errors import ProxyRequestError
 from pipeline.proxy._wire import WireMessage, parse_message
-from pipeline.stages.prompt import chat_form, render_prompt, render_turn_delta
 
 SPLIT_START = "start"
 """The first segment of a session (not counted as a split)."""

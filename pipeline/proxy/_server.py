@@ -38,9 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams, describe_validation_error
 from pipeline._exceptions import ConfigError
+from pipeline._net import start_site
 from pipeline._tokenizer import Tokenizer
-from pipeline.diagnostics.net import start_site
-from pipeline.engines.base import Engine
+from pipeline.engines import Engine
 from pipeline.proxy._errors import ProxyAuthError, ProxyError, ProxyRequestError
 from pipeline.proxy._records import SessionRecord, session_record
 from pipeline.proxy._sessions import Session, SessionStore
@@ -52,7 +52,7 @@ from pipeline.proxy._wire import (
     stream_chunks,
     usage_body,
 )
-from pipeline.tools.parsers import HermesToolParser, ToolParser
+from pipeline.tools import HermesToolParser, ToolParser
 
 _logger = structlog.get_logger("pipeline.proxy")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -20,16 +20,15 @@ from typing import Any
 from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams
 from pipeline._exceptions import EngineError
-from pipeline._models import AgentMessage, FinishReason
+from pipeline._models import TOOL_CALL_ERRORS, AgentMessage, FinishReason
 from pipeline._tokenizer import Tokenizer
-from pipeline.engines.base import Engine, Generation
+from pipeline.engines import Engine, Generation
 from pipeline.proxy._errors import ProxyError, ProxyLimitError, ProxyRequestError
 from pipeline.proxy._history import TurnPlan
 from pipeline.proxy._records import Turn
 from pipeline.proxy._sessions import Session
 from pipeline.proxy._wire import ChatCompletionRequest
-from pipeline.stages.generate import TOOL_CALL_ERRORS
-from pipeline.tools.parsers import ToolParser
+from pipeline.tools import ToolParser
 
 
 @dataclass(slots=True)

@@ -1,12 +1,28 @@
-"""Stages: the protocol, ``Loop``, and the built-in stages."""
+"""Stages: the protocol, ``Loop``, the built-in stages, and the chat-template rendering they
+tokenize turns with."""
 
-from pipeline.stages.base import FunctionStage, Loop, Stage, as_stage, run_stage
-from pipeline.stages.generate import Generate
-from pipeline.stages.judge import Judge, JudgerSpec
-from pipeline.stages.prompt import BuildPrompt
-from pipeline.stages.tools import CallTools
+from pipeline._models import TOOL_CALL_ERRORS
+from pipeline._render import (
+    DRIFT_BOUNDARY,
+    DRIFT_CLOSING,
+    DRIFT_PREFIX,
+    TurnDelta,
+    chat_form,
+    render_prompt,
+    render_turn_delta,
+)
+from pipeline.stages._base import FunctionStage, Loop, Stage, as_stage, as_stages, run_stage
+from pipeline.stages._generate import LENGTH_LIMITS, Generate
+from pipeline.stages._judge import Judge, JudgerSpec
+from pipeline.stages._prompt import BuildPrompt
+from pipeline.stages._tools import CallTools
 
 __all__ = [
+    "DRIFT_BOUNDARY",
+    "DRIFT_CLOSING",
+    "DRIFT_PREFIX",
+    "LENGTH_LIMITS",
+    "TOOL_CALL_ERRORS",
     "BuildPrompt",
     "CallTools",
     "FunctionStage",
@@ -15,6 +31,11 @@ __all__ = [
     "JudgerSpec",
     "Loop",
     "Stage",
+    "TurnDelta",
     "as_stage",
+    "as_stages",
+    "chat_form",
+    "render_prompt",
+    "render_turn_delta",
     "run_stage",
 ]

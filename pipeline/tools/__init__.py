@@ -1,9 +1,9 @@
 """Tools for agent loops: the tool protocol and registry, call parsers, a calculator."""
 
+from pipeline.tools._calculator import CalculatorError, calculator_tool, evaluate_arithmetic
+from pipeline.tools._parsers import HermesToolParser, ParsedMessage, ParsedToolCall, ToolParser
 from pipeline.tools._registry import FunctionTool, Tool, make_registry, tool_schema
 from pipeline.tools._schema import validate_arguments
-from pipeline.tools.calculator import CalculatorError, calculator_tool, evaluate_arithmetic
-from pipeline.tools.parsers import HermesToolParser, ParsedMessage, ParsedToolCall, ToolParser
 
 __all__ = [
     "CalculatorError",

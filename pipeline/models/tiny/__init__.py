@@ -160,7 +160,7 @@ def build_tiny_model(directory: Path, spec: TinyModelSpec | None = None) -> Path
     spec = spec or TinyModelSpec()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer(spec)
+    tokenizer = build_tokenizer(spec)
     tokenizer.save_pretrained(directory)
     model = _build_model(spec, tokenizer)
     hf_logging: Any = importlib.import_module("transformers.utils.logging")
@@ -175,7 +175,9 @@ def build_tiny_model(directory: Path, spec: TinyModelSpec | None = None) -> Path
     return directory
 
 
-def _build_tokenizer(spec: TinyModelSpec) -> Any:
+def build_tokenizer(spec: TinyModelSpec) -> Any:
+    """The tiny models' byte-level BPE tokenizer (a ``tokenizers.Tokenizer``), trained on the
+    built-in corpus with the chat markup as single tokens; deterministic for a spec."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.trainers import BpeTrainer
 

@@ -3,7 +3,7 @@
 An engine is one ``generate`` method plus ``abort`` and ``aclose`` (httpx's transport idea).
 The pipeline never re-tokenizes model output; stops are token ids, never strings. Engines
 that trainers update between steps also implement
-:class:`pipeline.engines.weight_sync.WeightSync` (``pause``, ``update_weights``, ``resume``,
+:class:`pipeline.engines._weight_sync.WeightSync` (``pause``, ``update_weights``, ``resume``,
 ``reset_prefix_cache``, ``policy_version``).
 """
 
@@ -55,7 +55,7 @@ class Engine(Protocol):
 
         The built-in ``Generate`` stage uses ``f"{uid}-{turn}"`` as the request id, with
         ``uid = f"{group_id}-{k}"``, so engines may route by group (prefix-cache reuse) from
-        the id alone (``pipeline.engines.openai.pipeline_group_key``).
+        the id alone (``pipeline.engines._openai.pipeline_group_key``).
 
         Cancelling the awaiting task must stop the work (or the caller calls ``abort``).
         Raises :class:`pipeline.EngineError` on failure.

@@ -36,7 +36,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pipeline._config import SamplingParams
 from pipeline._exceptions import ConfigError, EngineError
-from pipeline.engines.base import Generation
+from pipeline.engines._base import Generation
 
 PauseMode = Literal["abort", "wait", "keep"]
 """What ``pause`` does with requests in flight (see the module doc)."""

@@ -3,7 +3,7 @@
 :func:`capture_snapshot` may be called from any thread, including a dumper or watchdog thread
 while the event loop's thread is blocked. It never raises: a section that cannot be read is
 recorded in :attr:`Snapshot.errors` and the rest is still returned. Rendering is separate
-(:mod:`pipeline.diagnostics.render`).
+(:mod:`pipeline.diagnostics._render`).
 
 Task ages are known for tasks created on a loop that :func:`track_task_ages` was installed on
 (``asyncio_run`` does it); other tasks report ``age_s=None``.

@@ -1,6 +1,6 @@
 """``rollout dump PID``: ask a running process for a task dump and print it.
 
-The process's locator file (see :mod:`pipeline.diagnostics.dumper`) says where it writes
+The process's locator file (see :mod:`pipeline.diagnostics._dumper`) says where it writes
 dumps and how to ask: by signal when it installed one, else through its dump socket. The
 command refuses to send a signal the process does not handle (SIGUSR1's default action
 would kill it). When no dump comes in time, it prints what ``faulthandler`` wrote for the

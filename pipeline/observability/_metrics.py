@@ -47,7 +47,7 @@ import numpy as np
 import structlog
 
 from pipeline._models import ExitReason, FinishReason, ProduceBatchResult, Status
-from pipeline.observability.records import counter_value
+from pipeline.observability._records import counter_value
 
 PREFIX = "rollout/"
 

@@ -32,7 +32,7 @@ import structlog
 
 from pipeline._exceptions import ConfigError
 from pipeline.diagnostics._frames import FrameInfo, iter_list_retrying, stack_of
-from pipeline.diagnostics.snapshot import note_loop_thread
+from pipeline.diagnostics._snapshot import note_loop_thread
 
 _logger = structlog.get_logger("pipeline.diagnostics")
 
@@ -283,7 +283,7 @@ class Watchdog:
         try:
             if self.dump is not None:
                 return self.dump(reason)
-            from pipeline.diagnostics.dumper import dump
+            from pipeline.diagnostics._dumper import dump
 
             return dump(reason=reason)
         except Exception as exc:

@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 
 import structlog
 
-from pipeline.diagnostics.dumper import TaskDumper, active_dumper
-from pipeline.diagnostics.snapshot import note_loop_thread, task_infos, track_task_ages
-from pipeline.diagnostics.watchdog import Watchdog
+from pipeline.diagnostics._dumper import TaskDumper, active_dumper
+from pipeline.diagnostics._snapshot import note_loop_thread, task_infos, track_task_ages
+from pipeline.diagnostics._watchdog import Watchdog
 
 T = TypeVar("T")
 _logger = structlog.get_logger("pipeline")

@@ -44,9 +44,9 @@ import structlog
 from pipeline._config import SamplingParams
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline._models import FinishReason
-from pipeline.engines.base import RECENT_ABORTS, Generation
-from pipeline.engines.consistency import TokenizerProbe
-from pipeline.engines.weight_sync import (
+from pipeline.engines._base import RECENT_ABORTS, Generation
+from pipeline.engines._consistency import TokenizerProbe
+from pipeline.engines._weight_sync import (
     PauseGate,
     PauseMode,
     check_pause_mode,
@@ -54,7 +54,7 @@ from pipeline.engines.weight_sync import (
     next_version,
 )
 
-_logger = structlog.get_logger("pipeline.engines.openai")
+_logger = structlog.get_logger("pipeline.engines._openai")
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
 
@@ -161,7 +161,9 @@ class OpenAIEngine:
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout_s), headers=headers)
         return self._session
 
-    async def _model_name(self) -> str:
+    async def model_name(self) -> str:
+        """The served model's id: the one given, else the first of the server's
+        ``/v1/models`` (asked once)."""
         if self.model is not None:
             return self.model
         if self._model_lock is None:
@@ -246,7 +248,7 @@ class OpenAIEngine:
                 logprobs (the server is not vLLM-compatible enough).
             asyncio.CancelledError: the caller was cancelled; the connection is closed.
         """
-        model = await self._model_name()
+        model = await self.model_name()
         async with self._gate.admit(request_id, self.policy_version):
             version = self._gate.in_flight.get(request_id)
             server = self.route(request_id)
@@ -388,7 +390,7 @@ class OpenAIEngine:
                               tools: Sequence[Mapping[str, Any]] | None = None
                               ) -> TokenizerProbe:
         """The first server's rendering of ``messages`` (its ``/tokenize`` endpoint)."""
-        body: dict[str, Any] = {"model": await self._model_name(),
+        body: dict[str, Any] = {"model": await self.model_name(),
                                 "messages": [dict(m) for m in messages],
                                 "add_generation_prompt": True, "add_special_tokens": False}
         if tools:
@@ -399,13 +401,13 @@ class OpenAIEngine:
 
     async def tokenize_text(self, text: str) -> list[int]:
         """The first server's token ids for ``text`` (no special tokens added)."""
-        body = {"model": await self._model_name(), "prompt": text, "add_special_tokens": False}
+        body = {"model": await self.model_name(), "prompt": text, "add_special_tokens": False}
         answer = await self._call(self.servers[0], "POST", "/tokenize", body)
         return [int(t) for t in answer["tokens"]]
 
     async def echo_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
         """The first server's ``prompt_token_ids`` for a one-token request."""
-        body = {"model": await self._model_name(), "prompt": [int(t) for t in prompt_ids],
+        body = {"model": await self.model_name(), "prompt": [int(t) for t in prompt_ids],
                 "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
         answer = await self._call(self.servers[0], "POST", "/v1/completions", body)
         return [int(t) for t in answer["choices"][0].get("prompt_token_ids") or ()]

@@ -17,7 +17,7 @@ socket), takes the snapshot and writes the file. So the dump never waits for the
 
 Task state is read from the dumper thread while the loop thread may be running: the task
 registry is copied with retries on a concurrent change, and await chains are read link by
-link (see :mod:`pipeline.diagnostics.snapshot`).
+link (see :mod:`pipeline.diagnostics._snapshot`).
 
 Where dumps go
 --------------
@@ -56,8 +56,8 @@ from pipeline.diagnostics._paths import (
     locator_path,
     write_atomic,
 )
-from pipeline.diagnostics.render import render_json, render_text
-from pipeline.diagnostics.snapshot import capture_snapshot, note_loop_thread, track_task_ages
+from pipeline.diagnostics._render import render_json, render_text
+from pipeline.diagnostics._snapshot import capture_snapshot, note_loop_thread, track_task_ages
 
 _MAX_UNIX_PATH = 100
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from pipeline.diagnostics._errors import AddressInUseError
+from pipeline._exceptions import AddressInUseError
 
 if TYPE_CHECKING:
     from aiohttp import web

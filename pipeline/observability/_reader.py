@@ -19,7 +19,7 @@ import structlog
 from pydantic import ValidationError
 
 from pipeline._exceptions import PipelineError
-from pipeline.observability.schema import (
+from pipeline.observability._schema import (
     DUMP_LINE,
     BatchEnd,
     BatchSummary,

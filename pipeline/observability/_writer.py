@@ -34,8 +34,8 @@ import structlog
 from pipeline._exceptions import ConfigError
 from pipeline._models import AgentRolloutItem, BatchStats, ProduceBatchResult, RolloutSample
 from pipeline._tokenizer import Tokenizer
-from pipeline.observability.records import dumps_line, minimal_record, trajectory_record
-from pipeline.observability.schema import SCHEMA_VERSION
+from pipeline.observability._records import dumps_line, minimal_record, trajectory_record
+from pipeline.observability._schema import SCHEMA_VERSION
 
 _logger = structlog.get_logger("pipeline.observability")
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.observability.reader import BadLine, TornTail, TrajectoryDump, TrajectoryReader
-from pipeline.observability.schema import BatchEnd, BatchSummary, TrajectoryRecord
+from pipeline.observability._reader import BadLine, TornTail, TrajectoryDump, TrajectoryReader
+from pipeline.observability._schema import BatchEnd, BatchSummary, TrajectoryRecord
 
 
 class _SummaryTally:

@@ -1,7 +1,7 @@
 """Building one dump line from a finished sample (its item and its trainer view).
 
 The line is built as plain dicts and lists (no model round trip) so writing keeps up with
-large batches; :class:`~pipeline.observability.schema.TrajectoryRecord` reads it back.
+large batches; :class:`~pipeline.observability._schema.TrajectoryRecord` reads it back.
 Building never fails on odd artifact values: anything JSON cannot hold is converted
 (numpy arrays to lists, unknown objects to their ``repr``).
 """

@@ -1,4 +1,4 @@
-"""Renderers of a :class:`~pipeline.diagnostics.snapshot.Snapshot`: text for humans, JSON for tools.
+"""Renderers of a diagnostics :class:`Snapshot`: text for humans, JSON for tools.
 
 The text form reads top-down the way one debugs a hang: which samples are stuck where, then
 the asyncio tasks grouped by identical await chain (one line per kind of stuck thing, with a

@@ -28,8 +28,8 @@ from typing import Any
 
 import pydantic_core
 
-from pipeline.observability.reader import TrajectoryDump, read_trajectories
-from pipeline.observability.schema import BatchSummary, StageTiming, TrajectoryRecord
+from pipeline.observability._reader import TrajectoryDump, read_trajectories
+from pipeline.observability._schema import BatchSummary, StageTiming, TrajectoryRecord
 
 StageCategory = Callable[[StageTiming], str]
 """Picks a stage slice's category from its timing (name, phase)."""

@@ -1,0 +1,126 @@
+"""Chat-template rendering the agent loop builds on (used by stages, judgers and the proxy).
+
+Token accounting across turns: the prompt is the template's rendering of the row's messages
+(with tool schemas) plus the generation prompt. Later, each tool/observation turn is tokenized
+as the *delta* between two small renderings: the last assistant turn alone (after the last user
+message) and the same plus the new messages plus the generation prompt. Only that delta is
+tokenized and appended; the model's own tokens are never re-tokenized. If the second rendering
+does not extend the first (the template rewrites history: not prefix-stable), or the delta does
+not tokenize the same on its own as after the model's last token, that is template drift: it is
+recorded, never an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline._models import AgentMessage
+from pipeline._tokenizer import Tokenizer
+
+DRIFT_PREFIX = "prefix"
+"""Rendering the conversation plus new messages rewrote what was rendered before."""
+DRIFT_CLOSING = "closing"
+"""The template's assistant turn does not contain the token the model stopped on."""
+DRIFT_BOUNDARY = "boundary"
+"""The delta tokenizes differently on its own than after the model's last token."""
+
+
+def render_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
+                  tools: Sequence[dict[str, Any]] | None) -> tuple[str, list[int]]:
+    """Render ``messages`` (with tool schemas) for generation and tokenize the text.
+
+    Returns:
+        ``(raw_prompt, prompt_ids)``.
+    """
+    text = render(tokenizer, messages, tools, add_generation_prompt=True)
+    return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
+           tools: Sequence[dict[str, Any]] | None, *, add_generation_prompt: bool) -> str:
+    """The chat template's text for ``messages`` (never token ids)."""
+    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    if tools:
+        kwargs["tools"] = list(tools)
+    text = tokenizer.apply_chat_template(list(messages), **kwargs)
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
+    return text
+
+
+def chat_form(message: AgentMessage) -> dict[str, Any]:
+    """A message as the chat template wants it: OpenAI fields only, no engine facts."""
+    data: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        data["tool_calls"] = [call.model_dump(mode="json") for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        data["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        data["name"] = message.name
+    return data
+
+
+@dataclass(frozen=True, slots=True)
+class TurnDelta:
+    """The template tokens between the model's last token and its next turn.
+
+    Attributes:
+        text: the rendered text: the rest of the assistant turn after its stop token (e.g.
+            ``"\\n"``), the new messages, and the generation prompt.
+        ids: ``text`` tokenized; appended with ``response_mask = 0``.
+        drift: the kinds of template drift noticed (empty when the template behaved).
+    """
+
+    text: str
+    ids: list[int]
+    drift: tuple[str, ...]
+
+
+def render_turn_delta(tokenizer: Tokenizer, conversation: Sequence[AgentMessage],
+                      new_messages: Sequence[AgentMessage],
+                      tools: Sequence[dict[str, Any]] | None, last_token: int) -> TurnDelta:
+    """Tokenize what follows the last assistant turn of ``conversation`` once
+    ``new_messages`` (tool results) are added, up to the next generation prompt.
+
+    Renders only the last user message (if any) and the last assistant turn as context, so
+    the cost does not grow with the conversation.
+
+    Args:
+        tokenizer: the tokenizer with the chat template.
+        conversation: the messages so far; the last one is the assistant turn that called.
+        new_messages: the messages to append.
+        tools: the tool schemas the prompt was rendered with.
+        last_token: the last token the model sampled (its stop token).
+    """
+    assistant = conversation[-1]
+    anchor = next((m for m in reversed(conversation[:-1]) if m.role == "user"), None)
+    context = [chat_form(m) for m in ([anchor] if anchor else []) + [assistant]]
+    before = render(tokenizer, context, tools, add_generation_prompt=False)
+    after = render(tokenizer, context + [chat_form(m) for m in new_messages], tools,
+                   add_generation_prompt=True)
+    drift: list[str] = []
+    if after.startswith(before):
+        added = after[len(before):]
+    else:
+        drift.append(DRIFT_PREFIX)
+        added = after[_common_prefix_length(before, after):]
+    stop_text = tokenizer.decode([last_token], skip_special_tokens=False)
+    at = before.rfind(stop_text) if stop_text else -1
+    if at < 0:
+        drift.append(DRIFT_CLOSING)
+        closing = ""
+    else:
+        closing = before[at + len(stop_text):]
+    text = closing + added
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if at >= 0 and list(tokenizer.encode(stop_text + text, add_special_tokens=False)) != [
+            last_token, *ids]:
+        drift.append(DRIFT_BOUNDARY)
+    return TurnDelta(text, ids, tuple(drift))
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

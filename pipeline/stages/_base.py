@@ -1,0 +1,207 @@
+"""What a stage is, how one runs (with its record), and ``Loop``.
+
+A stage is any object with a ``name`` and ``async def run(item, ctx)``; a bare
+``async def f(item, ctx)`` is accepted and named after itself. An optional
+``async def cleanup(item, ctx)`` runs once per sample for every stage that started, after the
+sample ends (however it ends), even when the stage ran many times inside a ``Loop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol, runtime_checkable
+
+from pipeline import artifacts as A
+from pipeline._cancel import cancel_requested
+from pipeline._context import Context
+from pipeline._exceptions import ContractError, SampleAborted, StageDefinitionError
+from pipeline._models import (
+    AgentMessage,
+    AgentRolloutItem,
+    ExitReason,
+    StageRecord,
+    Status,
+    is_finite_number,
+)
+
+StageFunction = Callable[[AgentRolloutItem, Context], Awaitable[None]]
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """One step of a rollout. Write artifacts on ``item``; raise to fail the sample."""
+
+    name: str
+
+    async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
+        """Do the stage's work on one sample."""
+        ...
+
+
+class FunctionStage:
+    """Adapts a bare ``async def f(item, ctx)`` to the :class:`Stage` protocol."""
+
+    def __init__(self, fn: StageFunction, name: str | None = None) -> None:
+        self.fn = fn
+        self.name: str = name or str(getattr(fn, "__name__", type(fn).__name__))
+
+    async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
+        await self.fn(item, ctx)
+
+    def __repr__(self) -> str:
+        return f"FunctionStage({self.name})"
+
+
+def as_stage(obj: Any, position: int | str = "?") -> Stage:
+    """Return ``obj`` as a stage, or raise a clear error naming the position and the object.
+
+    Raises:
+        StageDefinitionError: ``obj`` is neither a stage nor an async function.
+    """
+    run = getattr(obj, "run", None)
+    if run is not None and callable(run):
+        if not inspect.iscoroutinefunction(run):
+            raise StageDefinitionError(
+                f"stage {position} ({obj!r}): 'run' must be 'async def run(item, ctx)'"
+            )
+        if not isinstance(getattr(obj, "name", None), str):
+            raise StageDefinitionError(f"stage {position} ({obj!r}) has no string 'name'")
+        cleanup = getattr(obj, "cleanup", None)
+        if cleanup is not None and not inspect.iscoroutinefunction(cleanup):
+            raise StageDefinitionError(
+                f"stage {position} ({obj!r}): 'cleanup' must be 'async def cleanup(item, ctx)'"
+            )
+        return obj  # type: ignore[no-any-return]
+    if inspect.iscoroutinefunction(obj) or (
+        callable(obj) and inspect.iscoroutinefunction(type(obj).__call__)
+    ):
+        return FunctionStage(obj)
+    raise StageDefinitionError(
+        f"stage {position} ({obj!r}) is not a stage: pass an object with 'name' and "
+        f"'async def run(item, ctx)', or an 'async def f(item, ctx)' function"
+    )
+
+
+def as_stages(objs: Iterable[Any]) -> list[Stage]:
+    """Validate a stage list (see :func:`as_stage`)."""
+    if isinstance(objs, str | bytes) or not isinstance(objs, Iterable):
+        raise StageDefinitionError(f"stages must be a list, got {type(objs).__name__}")
+    stages = [as_stage(obj, i) for i, obj in enumerate(objs)]
+    if not stages:
+        raise StageDefinitionError("the stage list is empty")
+    return stages
+
+
+async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
+    """Run one stage on one sample and append its :class:`StageRecord`.
+
+    Exceptions propagate (the sample runner turns them into a status); the record says how the
+    stage ended: ``failed`` on an exception (a ``CancelledError`` nobody asked for included),
+    ``timeout`` when cancelled by the sample's deadline, ``aborted`` when cancelled otherwise.
+    A stage that leaves a reward that is not a finite number fails here, so the error names
+    the stage that wrote it.
+    """
+    ctx.mark_started(stage)
+    start = ctx.stage_started or time.monotonic()
+    record = StageRecord(
+        name=stage.name,
+        phase="run",
+        turn=ctx.turn,
+        start=start,
+        start_wall=time.time(),
+        end=None,
+        status=Status.COMPLETED,
+        error_type=None,
+        error_message=None,
+    )
+    item.records.append(record)
+    try:
+        await stage.run(item, ctx)
+        reward = item.artifacts.get(A.REWARD)
+        if reward is not None and not is_finite_number(reward):
+            raise ContractError(f"stage '{stage.name}' wrote a reward that is not a finite "
+                                f"number: {reward!r}")
+    except asyncio.CancelledError as exc:
+        if cancel_requested():
+            record.status = Status.TIMEOUT if ctx.deadline_passed() else Status.ABORTED
+        else:
+            record.status, record.error_type = Status.FAILED, type(exc).__name__
+            record.error_message = "CancelledError raised inside the stage; nobody cancelled it"
+        raise
+    except SampleAborted as exc:
+        record.status, record.error_type, record.error_message = (
+            Status.ABORTED,
+            type(exc).__name__,
+            str(exc),
+        )
+        raise
+    except BaseException as exc:
+        record.status = Status.FAILED
+        record.error_type = type(exc).__name__
+        record.error_message = str(exc)
+        raise
+    finally:
+        record.end = time.monotonic()
+
+
+def last_assistant_has_no_tool_calls(item: AgentRolloutItem) -> bool:
+    """Default ``Loop`` end condition: the model's last turn asked for no tool."""
+    for message in reversed(item.artifacts.get(A.MESSAGES, ())):
+        if isinstance(message, AgentMessage) and message.role == "assistant":
+            return not message.tool_calls
+    return True
+
+
+class Loop:
+    """Repeat a sub-list of stages until ``until(item)`` holds or a stage sets an exit reason.
+
+    Running out of ``max_turns`` ends the loop normally with ``exit_reason="max_turns"``;
+    ending through ``until`` records ``exit_reason="done"``; a stage inside may end the loop
+    early by setting ``item.artifacts[artifacts.EXIT_REASON]`` (e.g. ``"length"``).
+
+    Args:
+        stages: the stages of one turn, e.g. ``[Generate(), CallTools()]``.
+        until: checked after every turn; default: the last assistant message has no tool calls.
+        max_turns: the most turns to run (>= 1).
+        name: the loop's stage name.
+    """
+
+    def __init__(
+        self,
+        stages: Iterable[Any],
+        *,
+        max_turns: int,
+        until: Callable[[AgentRolloutItem], bool] = last_assistant_has_no_tool_calls,
+        name: str = "loop",
+    ) -> None:
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise StageDefinitionError(f"Loop: max_turns must be an int >= 1, got {max_turns!r}")
+        if not callable(until):
+            raise StageDefinitionError(f"Loop: until must be callable, got {until!r}")
+        self.stages = as_stages(stages)
+        self.until = until
+        self.max_turns = max_turns
+        self.name = name
+
+    async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
+        outer_turn = ctx.turn
+        item.artifacts.pop(A.EXIT_REASON, None)  # an earlier loop's verdict is not ours
+        try:
+            for turn in range(self.max_turns):
+                ctx.turn = turn
+                for stage in self.stages:
+                    await run_stage(stage, item, ctx)
+                    if A.EXIT_REASON in item.artifacts:
+                        return
+                if self.until(item):
+                    item.artifacts[A.EXIT_REASON] = ExitReason.DONE.value
+                    return
+            item.artifacts[A.EXIT_REASON] = ExitReason.MAX_TURNS.value
+        finally:
+            ctx.turn = outer_turn
+
+    def __repr__(self) -> str:
+        return f"Loop({[s.name for s in self.stages]}, max_turns={self.max_turns})"

@@ -1,0 +1,204 @@
+"""The package's shape: one dependency direction, one privacy rule, a deliberate public API.
+
+Read from the source with ``ast`` (no import side effects):
+- no module-level import cycle among ``pipeline``'s modules;
+- a module never imports another package's private module (``pipeline.x._y`` is for
+  ``pipeline.x`` only; the top-level ``pipeline._*`` modules are the shared core);
+- every private module lives in a subpackage or the core, every public module is on the list
+  of deliberate exceptions;
+- every public ``__all__`` equals its snapshot, so an API change is a deliberate edit here.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "pipeline"
+
+PUBLIC_MODULES = {
+    # package surfaces
+    "pipeline", "pipeline.batch", "pipeline.diagnostics", "pipeline.engines",
+    "pipeline.judgers", "pipeline.models", "pipeline.observability", "pipeline.proxy",
+    "pipeline.ratelimit", "pipeline.stages", "pipeline.tools",
+    # importing the module is the point: a heavy optional dependency, a command, test helpers
+    "pipeline.engines.vllm", "pipeline.engines.transformers", "pipeline.engines.moe",
+    "pipeline.cli", "pipeline.models.tiny", "pipeline.models.tiny.__main__",
+    "pipeline.testing", "pipeline.judgers.testing", "pipeline.artifacts",
+}
+DEPRECATED_PATHS = {
+    # kept for this release only (CHANGELOG.md): star re-exports of the private modules
+    "pipeline.engines.consistency", "pipeline.engines.factory", "pipeline.engines.simulated",
+    "pipeline.stages.base", "pipeline.stages.generate", "pipeline.stages.judge",
+    "pipeline.stages.prompt", "pipeline.stages.tools", "pipeline.tools.calculator",
+    "pipeline.models.tiny_moe",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def module_level_imports(name: str) -> set[str]:
+    """Modules of ``pipeline`` that ``name`` imports when it is imported (not in functions,
+    not under ``TYPE_CHECKING``)."""
+    tree = ast.parse(MODULES[name].read_text())
+    package = name if MODULES[name].name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If):
+                if not _is_type_checking(node):
+                    visit(node.body)
+                    visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("pipeline"))
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                    + ([node.module] if node.module else []))
+                if not base.startswith("pipeline"):
+                    continue
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if sub in MODULES else base)
+
+    visit(tree.body)
+    # Importing pipeline.a.b runs pipeline.a's __init__ first, unless the importer is inside
+    # pipeline.a (then that package is being initialised already, as the root always is).
+    for target in list(found):
+        parts = target.split(".")
+        found.update(".".join(parts[:i]) for i in range(2, len(parts)))
+    return {m for m in found if m in MODULES and m != name and not name.startswith(m + ".")}
+
+
+def test_no_module_level_import_cycle():
+    graph = {name: module_level_imports(name) for name in MODULES}
+    # Tarjan's strongly connected components: any component of more than one module is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in graph:
+        if name not in index:
+            connect(name)
+    assert cycles == []
+
+
+def test_no_module_imports_another_packages_private_module():
+    offenders = []
+    for name in MODULES:
+        for target in module_level_imports(name) | _function_imports(name):
+            owner, _, leaf = target.rpartition(".")
+            if not leaf.startswith("_") or owner == "pipeline" or leaf == "__main__":
+                continue
+            if name != owner and not name.startswith(owner + "."):
+                offenders.append(f"{name} -> {target}")
+    assert offenders == []
+
+
+def _function_imports(name: str) -> set[str]:
+    tree = ast.parse(MODULES[name].read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeline"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.add(sub if sub in MODULES else node.module)
+    return {m for m in out if m in MODULES}
+
+
+def test_every_module_follows_the_privacy_rule():
+    unexpected = []
+    for name in MODULES:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf.startswith("_") or name in PUBLIC_MODULES or name in DEPRECATED_PATHS:
+            continue
+        unexpected.append(name)
+    assert unexpected == []
+
+
+def test_deprecated_paths_still_import():
+    for name in DEPRECATED_PATHS:
+        importlib.import_module(name)
+
+
+def test_moved_top_level_names_warn_and_resolve():
+    import pipeline
+
+    for name, home in pipeline._MOVED.items():
+        with pytest.warns(DeprecationWarning, match=home):
+            value = getattr(pipeline, name)
+        assert value is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError):
+        pipeline.no_such_name  # noqa: B018
+
+
+SNAPSHOT = Path(__file__).with_name("public_api.txt")
+
+
+def current_api() -> str:
+    lines = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in sorted(PUBLIC_MODULES - {"pipeline.models.tiny.__main__"}):
+            module = importlib.import_module(name)
+            exported = getattr(module, "__all__", None)
+            if exported is None:
+                continue
+            assert list(exported) == sorted(exported, key=lambda n: (not n.isupper(), n)) or \
+                list(exported) == sorted(exported), f"{name}.__all__ is not sorted"
+            missing = [n for n in exported if not hasattr(module, n)]
+            assert missing == [], f"{name}.__all__ names missing attributes: {missing}"
+            lines.extend(f"{name}.{n}" for n in exported)
+    return "\n".join(lines) + "\n"
+
+
+def test_public_api_matches_snapshot():
+    """Regenerate after a deliberate API change:
+    python -c "from tests.test_structure import current_api as a; open('tests/public_api.txt','w').write(a())"
+    """  # noqa: E501
+    assert current_api() == SNAPSHOT.read_text()
