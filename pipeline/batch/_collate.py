@@ -172,13 +172,7 @@ def has_logprobs(samples: Sequence[RolloutSample]) -> bool:
     Raises:
         ContractError: an unmasked sample lacks them while others have them.
     """
-    have = sum(1 for s in samples if s.logprobs is not None)
-    for s in samples:
-        if have and s.logprobs is None and not s.masked:
-            raise ContractError(
-                f"sample {s.uid} ({s.status.value}) has no logprobs while {have} other "
-                f"sample(s) of the batch have them; only masked samples are zero-filled")
-    return have > 0
+    return _all_or_none(samples, "logprobs", "only masked samples are zero-filled")
 
 
 def has_rewards(samples: Sequence[RolloutSample]) -> bool:
@@ -187,12 +181,18 @@ def has_rewards(samples: Sequence[RolloutSample]) -> bool:
     Raises:
         ContractError: an unmasked sample lacks one while others have one.
     """
-    have = sum(1 for s in samples if s.reward is not None)
-    for s in samples:
-        if have and s.reward is None and not s.masked:
-            raise ContractError(
-                f"sample {s.uid} ({s.status.value}) has no reward while {have} other sample(s) "
-                f"of the batch have one; only masked samples get a zero score")
+    return _all_or_none(samples, "reward", "only masked samples get a zero score")
+
+
+def _all_or_none(samples: Sequence[RolloutSample], field: str, fill_rule: str) -> bool:
+    """DESIGN's rule for optional fields: present on every unmasked sample or on none."""
+    have = sum(1 for s in samples if getattr(s, field) is not None)
+    if have:
+        for s in samples:
+            if getattr(s, field) is None and not s.masked:
+                raise ContractError(
+                    f"sample {s.uid} ({s.status.value}) has no {field} while {have} other "
+                    f"sample(s) of the batch have it; {fill_rule}")
     return have > 0
 
 

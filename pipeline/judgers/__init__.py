@@ -21,6 +21,7 @@ from pipeline.judgers._base import (
     JudgerRegistryError,
     JudgerTimeout,
     WorkerError,
+    ground_truths,
     question_text,
     response_text,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "default_registry",
     "extract_answer",
     "get_judger",
+    "ground_truths",
     "known_judgers",
     "parse_score",
     "question_text",

@@ -173,3 +173,15 @@ def question_text(item: AgentRolloutItem) -> str:
                 return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
             return "" if content is None else str(content)
     return ""
+
+
+def ground_truths(ground_truth: Any) -> list[str]:
+    """The accepted answers of a row's ``ground_truth`` (one value or a list), as text.
+
+    Raises:
+        JudgeError: the row has no ground truth.
+    """
+    if ground_truth is None:
+        raise JudgeError("the row has no ground_truth to compare the answer with")
+    items = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
+    return [str(t) for t in items]

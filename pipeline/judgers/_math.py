@@ -18,7 +18,7 @@ from fractions import Fraction
 from typing import Any
 
 from pipeline._models import AgentRolloutItem
-from pipeline.judgers._base import JudgeError, JudgeResult, response_text
+from pipeline.judgers._base import JudgeResult, ground_truths, response_text
 from pipeline.judgers._registry import register_judger
 
 _GSM8K = re.compile(r"####\s*([^\n]+)")
@@ -156,13 +156,6 @@ def answers_equal(answer: str, truth: str, *, rel_tol: float = 1e-6) -> tuple[bo
     return a == b, "string"
 
 
-def _truths(ground_truth: Any) -> list[str]:
-    if ground_truth is None:
-        raise JudgeError("the row has no ground_truth to compare the answer with")
-    items = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
-    return [str(t) for t in items]
-
-
 @register_judger("math")
 class MathJudger:
     """Scores ``correct_score`` when the extracted final answer equals the ground truth.
@@ -192,7 +185,7 @@ class MathJudger:
         Raises:
             JudgeError: the row has no ground truth.
         """
-        truths = _truths(item.data.ground_truth)
+        truths = ground_truths(item.data.ground_truth)
         answer, method = extract_answer(response_text(item),
                                         fallback_last_number=self.fallback_last_number)
         payload: dict[str, Any] = {"extracted": answer, "extraction": method,

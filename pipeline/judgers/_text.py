@@ -11,16 +11,9 @@ import re
 from typing import Any, Literal
 
 from pipeline._models import AgentRolloutItem
-from pipeline.judgers._base import JudgeError, JudgeResult, response_text
+from pipeline.judgers._base import JudgeError, JudgeResult, ground_truths, response_text
 from pipeline.judgers._math import extract_boxed
 from pipeline.judgers._registry import register_judger
-
-
-def _accepted(ground_truth: Any) -> list[str]:
-    if ground_truth is None:
-        raise JudgeError("the row has no ground_truth to compare the answer with")
-    items = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
-    return [str(t) for t in items]
 
 
 @register_judger("exact_match")
@@ -55,7 +48,7 @@ class ExactMatchJudger:
         Raises:
             JudgeError: the row has no ground truth.
         """
-        accepted = _accepted(item.data.ground_truth)
+        accepted = ground_truths(item.data.ground_truth)
         text: str | None = response_text(item)
         if self.extract == "boxed":
             text = extract_boxed(text or "")
@@ -130,5 +123,5 @@ class RegexJudger:
         if item.data.ground_truth is None:
             return JudgeResult(score=1.0, payload=payload)
         ok = found is not None and found.strip() in [t.strip() for t in
-                                                     _accepted(item.data.ground_truth)]
+                                                     ground_truths(item.data.ground_truth)]
         return JudgeResult(score=1.0 if ok else 0.0, payload=payload)

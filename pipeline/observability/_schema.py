@@ -20,35 +20,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from pipeline._models import FinishReason, Status
+from pipeline._models import FinishReason, StageRecord, Status
 
 SCHEMA_VERSION = 1
 """Version of the line format, written in every batch summary."""
 
 
-class StageTiming(BaseModel):
-    """One stage run (or cleanup) of one sample, as dumped from its ``StageRecord``.
+class StageTiming(StageRecord):
+    """One stage run (or cleanup) of one sample, as dumped from its :class:`StageRecord`:
+    the same fields by construction, and fields a newer writer added are kept.
 
     ``start``/``end`` are the writer process's ``time.monotonic()`` seconds: comparable within
     a batch, not across processes; ``start_wall`` is the Unix time the stage started.
     """
 
     model_config = ConfigDict(extra="allow")
-
-    name: str
-    phase: Literal["run", "cleanup"] = "run"
-    turn: int | None = None
-    start: float
-    end: float | None = None
-    start_wall: float
-    status: str = Status.COMPLETED.value
-    error_type: str | None = None
-    error_message: str | None = None
-
-    @property
-    def duration(self) -> float | None:
-        """Seconds the stage ran, or None when it had not ended when dumped."""
-        return None if self.end is None else self.end - self.start
 
 
 class AgentTrace(BaseModel):
