@@ -198,7 +198,10 @@ def current_api() -> str:
 
 
 def test_public_api_matches_snapshot():
-    """Regenerate after a deliberate API change:
-    python -c "from tests.test_structure import current_api as a; open('tests/public_api.txt','w').write(a())"
-    """  # noqa: E501
+    """After a deliberate API change, regenerate with ``python tests/test_structure.py``."""
     assert current_api() == SNAPSHOT.read_text()
+
+
+if __name__ == "__main__":
+    SNAPSHOT.write_text(current_api())
+    print(f"wrote {SNAPSHOT}")
