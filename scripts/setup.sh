@@ -7,6 +7,7 @@
 # CPU-only machine, add PyTorch's CPU index so pip does not fetch the multi-GB CUDA build:
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu scripts/setup.sh
 # ROLLOUT_SKIP_VLLM=1 skips vLLM (`rollout run` then falls back to torch + transformers).
+# ROLLOUT_SKIP_VERL=1 skips verl (installed --no-deps for tests/test_verl_*.py; they then skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,3 +17,4 @@ python3 -m venv .venv
 if [ "${ROLLOUT_SKIP_VLLM:-0}" != "1" ]; then
   bash scripts/install_vllm.sh
 fi
+if [ "${ROLLOUT_SKIP_VERL:-0}" != "1" ]; then bash scripts/install_verl.sh; fi  # verl tests
