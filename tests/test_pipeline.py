@@ -386,13 +386,21 @@ async def test_response_budget_and_row_overrides():
 
 
 def test_sync_entry_point_and_a_loop_in_another_thread():
-    pipe = make([BuildPrompt(), Generate()])
-    assert asyncio_run(pipe.run_batch(ROWS[:2])).stats.by_status == {"completed": 2}
+    # Every sample of both batches must be in flight at once to pass the barrier: the two
+    # loops really run concurrently on one pipeline (run one after the other, it breaks).
+    barrier = threading.Barrier(4, timeout=20)
+
+    async def rendezvous(item, ctx):
+        await asyncio.to_thread(barrier.wait)
+
+    pipe = make([BuildPrompt(), rendezvous, Generate()])
     out = []
     thread = threading.Thread(target=lambda: out.append(asyncio.run(pipe.run_batch(ROWS[:2]))))
     thread.start()
+    assert asyncio_run(pipe.run_batch(ROWS[:2])).stats.by_status == {"completed": 2}
     thread.join(30)
     assert out and out[0].stats.by_status == {"completed": 2}
+    assert pipe.samples_done == 4
 
 
 async def test_engine_fault_is_a_failed_sample_with_a_readable_error():

@@ -136,11 +136,15 @@ def drain(bucket: FairAsyncTokenBucket) -> None:
 
 def assert_rate(times: list[float], rate: float, capacity: float) -> None:
     """Grants that resumed at ``times`` (seconds since a moment the bucket was at most full)
-    came no faster than the rate allows, and not much slower (resuming adds latency)."""
+    came no faster than the rate allows (exact: the limiter's guarantee), and not much slower.
+
+    The lower bound is loose on purpose: on a loaded 2-core machine the threads that resume
+    the grants are themselves late, which says nothing about the limiter (the exact rate under
+    late wake-ups is tested on the virtual-time loop)."""
     times = sorted(times)
     for n, t in enumerate(times, 1):
         assert n <= capacity + rate * t + 1e-6
-    assert len(times) >= 0.95 * (capacity + rate * times[-1])
+    assert len(times) >= 0.8 * (capacity + rate * times[-1]) - 2
 
 
 def join_all(threads: list[threading.Thread], timeout: float) -> None:
@@ -639,7 +643,7 @@ async def test_real_time_burst_is_immediate_then_paced() -> None:
         await bucket.acquire()
     assert time.monotonic() - start < 0.045  # fast path only: a wait would take >= 50 ms
     await bucket.acquire()
-    assert 0.05 - 1e-3 <= time.monotonic() - start < 0.15
+    assert 0.05 - 1e-3 <= time.monotonic() - start < 1.0  # upper bound: load-tolerant
     assert_balanced(bucket)
 
 
@@ -665,7 +669,8 @@ async def test_two_threads_with_their_own_loops_share_one_rate() -> None:
         thread.start()
     await asyncio.to_thread(join_all, threads, 10.0)
     assert_rate(counts["t1"] + counts["t2"], rate=100, capacity=5)
-    assert len(counts["t1"]) == pytest.approx(len(counts["t2"]), abs=6)  # fair across keys
+    total = len(counts["t1"]) + len(counts["t2"])
+    assert abs(len(counts["t1"]) - len(counts["t2"])) <= max(6, 0.1 * total)  # fair across keys
     assert_balanced(bucket)
 
 
@@ -688,8 +693,11 @@ async def test_waiter_is_woken_after_the_loop_that_queued_first_has_exited() -> 
     # "a" is granted on the first thread's loop, which then exits; the wake-up for "b" must be
     # set on the second thread's loop, not on the loop that happened to grant "a".
     await asyncio.to_thread(join_all, [first, second], 2.0)
-    assert 0.1 - 1e-3 <= done["a"] < 0.3
-    assert 0.2 - 1e-3 <= done["b"] < 0.4
+    # Lower bounds are the limiter's (rate 10/s); upper bounds only prove "b" was woken at
+    # all, with room for a loaded machine.
+    assert 0.1 - 1e-3 <= done["a"] < 1.5
+    assert 0.2 - 1e-3 <= done["b"] < 1.5
+    assert done["b"] >= done["a"]
     assert_balanced(bucket)
 
 
@@ -708,7 +716,7 @@ async def test_fifo_baseline_rate_timeout_and_cancel() -> None:
     bucket = FifoTokenBucket(rate=50, capacity=5)
     start = time.monotonic()
     await asyncio.gather(*(bucket.acquire(f"k{i}") for i in range(10)))
-    assert 0.1 - 1e-3 <= time.monotonic() - start < 0.25
+    assert 0.1 - 1e-3 <= time.monotonic() - start < 1.5  # upper bound: load-tolerant
     with pytest.raises(TimeoutError):
         await bucket.acquire("late", cost=5, timeout=0.01)
     waiter = asyncio.create_task(bucket.acquire("gone", cost=5))
