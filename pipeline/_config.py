@@ -6,6 +6,7 @@ naming the field instead of a silently ignored key.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -91,3 +92,25 @@ class PipelineConfig(BaseModel):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise ConfigError(describe_validation_error(exc)) from None
+
+
+def merge_config(
+    config: PipelineConfig | Mapping[str, Any] | None, options: dict[str, Any]
+) -> PipelineConfig:
+    """``config`` (a PipelineConfig, a dict or None) with ``options`` on top, validated.
+
+    Raises:
+        ConfigError: an invalid or unknown field, named.
+    """
+    if isinstance(config, PipelineConfig):
+        base = config.model_dump()
+    elif config is None:
+        base = {}
+    elif isinstance(config, Mapping):
+        base = dict(config)
+    else:
+        raise ConfigError(f"config must be a PipelineConfig or a dict, got {type(config).__name__}")
+    try:
+        return PipelineConfig.model_validate({**base, **options})
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None

@@ -4,35 +4,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import threading
 import time
-import uuid
 import weakref
-import zlib
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from pydantic import ValidationError
 
-from pipeline import artifacts as A
-from pipeline._cancel import cancel_requested, shielded, wait_through_cancellation
-from pipeline._config import PipelineConfig, describe_validation_error
+from pipeline._cancel import cancel_requested, wait_through_cancellation
+from pipeline._cleanup import run_cleanups
+from pipeline._config import PipelineConfig, merge_config
 from pipeline._context import Context, Resources
 from pipeline._exceptions import ConfigError, ContractError, SampleAborted
 from pipeline._fill import SampleBuilder, fill_sample, minimal_sample
+from pipeline._items import make_items
 from pipeline._models import (
     AgentRolloutItem,
     ExitReason,
-    FinishReason,
     ProduceBatchResult,
     RolloutSample,
-    StageRecord,
     Status,
 )
-from pipeline._rows import DatasetRow, parse_row
+from pipeline._outcome import (
+    BATCH_CANCELLED,
+    ENOUGH,
+    OUTSIDE_CANCEL,
+    as_text,
+    describe,
+    end,
+    failed_stage,
+    force_end,
+    uncancel,
+)
+from pipeline._rows import DatasetRow
 from pipeline._slots import FifoSlots
 from pipeline._stats import safe_stats
 from pipeline.observability import ProgressHeartbeat
@@ -130,7 +136,7 @@ class Pipeline:
             raise ConfigError(f"pass either resources= or {sorted(given)}, not both")
         self.stages: list[Stage] = as_stages(stages)
         self.resources = resources or Resources(**given)
-        self.config = _merge_config(config, options)
+        self.config = merge_config(config, options)
         if not callable(fill):
             raise ConfigError(f"fill must be callable, got {fill!r}")
         self.fill = fill
@@ -168,42 +174,7 @@ class Pipeline:
             RowError: a malformed row, naming the row and field.
             ConfigError: invalid ``n`` or sampling overrides.
         """
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise ConfigError(f"field 'n': must be an int >= 1, got {n!r}")
-        items: list[AgentRolloutItem] = []
-        for i, raw in enumerate(rows):
-            if isinstance(raw, AgentRolloutItem):
-                raw.index = len(items)
-                items.append(raw)
-                continue
-            row = parse_row(raw, i) if not isinstance(raw, DatasetRow) else raw
-            sampling = self.config.sampling.with_overrides(row.sampling, where=f"row {i}: sampling")
-            base_seed = self.config.seed if sampling.seed is None else sampling.seed
-            group_id = uuid.uuid4().hex[:16]
-            for k in range(n or sampling.n):
-                seed = zlib.crc32(f"{base_seed}:{i}:{k}".encode())
-                items.append(
-                    AgentRolloutItem(
-                        uid=f"{group_id}-{k}",
-                        group_id=group_id,
-                        index=len(items),
-                        sample_index=k,
-                        data=row,
-                        sampling=sampling.model_copy(update={"seed": seed}),
-                        artifacts={},
-                        records=[],
-                        status=None,
-                        finish_reason=None,
-                        raw_finish_reason=None,
-                        exit_reason=None,
-                        error=None,
-                        error_stage=None,
-                        queued_at=None,
-                        started_at=None,
-                        ended_at=None,
-                    )
-                )
-        return items
+        return make_items(rows, n, self.config)
 
     async def run(
         self, item_or_row: AgentRolloutItem | DatasetRow | Mapping[str, Any]
@@ -306,7 +277,7 @@ class Pipeline:
             error = f"the sample's task raised {type(exc).__name__}: {exc}"
         else:
             error = "the sample's task was cancelled from outside the pipeline"
-        _force_end(run.item, Status.FAILED, error)
+        force_end(run.item, Status.FAILED, error)
         return self._build(run.item, run.ctx)
 
     def inflight(self) -> list[InflightSample]:
@@ -344,12 +315,12 @@ class Pipeline:
             # _settle because the batch itself was cancelled.
             if batch.cancelled:
                 if item.status is None:
-                    _force_end(item, Status.ABORTED, _BATCH_CANCELLED)
+                    force_end(item, Status.ABORTED, BATCH_CANCELLED)
                 raise
-            _uncancel()
+            uncancel()
             if item.status is None:
-                _force_end(item, Status.ABORTED,
-                           _ENOUGH if run.abort_requested else _OUTSIDE_CANCEL)
+                force_end(item, Status.ABORTED,
+                           ENOUGH if run.abort_requested else OUTSIDE_CANCEL)
         sample = self._build(item, run.ctx)
         with self._lock:
             self.samples_done += 1
@@ -383,10 +354,10 @@ class Pipeline:
             except (Exception, asyncio.CancelledError) as exc:
                 self._settle(exc, run, batch, scope.expired() or ctx.deadline_passed())
             else:
-                _end(item, Status.COMPLETED, None)
+                end(item, Status.COMPLETED, None)
         finally:
             try:
-                await self._cleanup(item, ctx)
+                await run_cleanups(item, ctx, self.config.cleanup_timeout_s)
             finally:
                 item.ended_at = time.monotonic()
                 self._inflight.pop(item.uid, None)
@@ -407,74 +378,27 @@ class Pipeline:
         """
         item = run.item
         if batch.cancelled:
-            _force_end(item, Status.ABORTED, _BATCH_CANCELLED)
+            force_end(item, Status.ABORTED, BATCH_CANCELLED)
             raise asyncio.CancelledError from (
                 None if isinstance(exc, asyncio.CancelledError) else exc
             )
         if run.abort_requested:
-            _uncancel()
-            _end(item, Status.ABORTED, _ENOUGH)
+            uncancel()
+            end(item, Status.ABORTED, ENOUGH)
         elif deadline_expired:
-            _end(item, Status.TIMEOUT, f"sample timed out after {self.config.sample_timeout_s}s "
-                 f"in stage '{_failed_stage(item)}'")
+            end(item, Status.TIMEOUT, f"sample timed out after {self.config.sample_timeout_s}s "
+                 f"in stage '{failed_stage(item)}'")
         elif isinstance(exc, asyncio.CancelledError) and cancel_requested():
-            _uncancel()
-            _end(item, Status.ABORTED, _OUTSIDE_CANCEL)
+            uncancel()
+            end(item, Status.ABORTED, OUTSIDE_CANCEL)
         elif isinstance(exc, asyncio.CancelledError):
-            _end(item, Status.FAILED, f"stage '{_failed_stage(item)}' raised CancelledError "
+            end(item, Status.FAILED, f"stage '{failed_stage(item)}' raised CancelledError "
                  "from inside it: nobody cancelled the sample (a task or future it awaited "
                  "was cancelled)")
         elif isinstance(exc, SampleAborted):
-            _end(item, Status.ABORTED, f"aborted in stage '{_failed_stage(item)}': {exc}")
+            end(item, Status.ABORTED, f"aborted in stage '{failed_stage(item)}': {exc}")
         else:
-            _end(item, Status.FAILED, _describe(exc, item))
-
-    async def _cleanup(self, item: AgentRolloutItem, ctx: Context) -> None:
-        """Run each started stage's cleanup once, then the exit stack, shielded: whatever
-        cancels the sample meanwhile waits until they are done. Never raises for them."""
-        steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
-            (stage.name, functools.partial(stage.cleanup, item, ctx))
-            for stage in reversed(ctx.started_stages)
-            if hasattr(stage, "cleanup")
-        ]
-        if ctx.has_exit_stack:
-            steps.append(("exit_stack", ctx.exit_stack.aclose))
-        if steps:
-            await shielded(lambda: self._run_cleanups(steps, item, ctx), None)
-
-    async def _run_cleanups(
-        self, steps: list[tuple[str, Callable[[], Awaitable[Any]]]], item: AgentRolloutItem,
-        ctx: Context,
-    ) -> None:
-        limit = self.config.cleanup_timeout_s
-        for name, step in steps:
-            record = StageRecord(
-                name=name,
-                phase="cleanup",
-                turn=None,
-                start=time.monotonic(),
-                end=None,
-                start_wall=time.time(),
-                status=Status.COMPLETED,
-                error_type=None,
-                error_message=None,
-            )
-            with contextlib.suppress(Exception):  # a stage may have replaced the list
-                item.records.append(record)
-            try:
-                async with asyncio.timeout(limit):
-                    await step()
-            except TimeoutError:
-                record.status, record.error_type = Status.TIMEOUT, "TimeoutError"
-                record.error_message = f"cleanup exceeded {limit}s"
-            except (Exception, asyncio.CancelledError) as exc:
-                # Shielded: a CancelledError here came from inside the cleanup.
-                record.status, record.error_type = Status.FAILED, type(exc).__name__
-                record.error_message = str(exc) or repr(exc)
-            finally:
-                record.end = time.monotonic()
-            if record.status is not Status.COMPLETED:
-                ctx.log.warning("cleanup_failed", cleanup=name, error=record.error_message)
+            end(item, Status.FAILED, describe(exc, item))
 
     def _build(self, item: AgentRolloutItem, ctx: Context | None) -> RolloutSample:
         """The trainer view; falls back to a fully masked sample if the builder raises or
@@ -490,104 +414,10 @@ class Pipeline:
             error = f"building the sample failed: {type(exc).__name__}: {exc}"
             if isinstance(item.error, str) and item.error:
                 error = f"{item.error}; {error}"
-            _logger.error("sample_build_failed", uid=_text(item.uid), error=error)
-            _force_end(item, Status.FAILED, error, ExitReason.BUILD_FAILED)
+            _logger.error("sample_build_failed", uid=as_text(item.uid), error=error)
+            force_end(item, Status.FAILED, error, ExitReason.BUILD_FAILED)
             try:
                 pad = self.pad_token_id
             except Exception:  # a tokenizer whose pad/eos properties raise
                 pad = 0
             return minimal_sample(item, pad, error)
-
-
-_ENOUGH = "aborted: the batch had enough completed samples"
-_BATCH_CANCELLED = "aborted: run_batch was cancelled"
-_OUTSIDE_CANCEL = "aborted: the sample's task was cancelled from outside the pipeline"
-
-_FINISH = {
-    Status.FAILED: FinishReason.ERROR,
-    Status.TIMEOUT: FinishReason.TIMEOUT,
-    Status.ABORTED: FinishReason.ABORT,
-}
-_EXIT = {
-    Status.FAILED: ExitReason.ERROR,
-    Status.TIMEOUT: ExitReason.TIMEOUT,
-    Status.ABORTED: ExitReason.ABORT,
-}
-
-
-def _end(item: AgentRolloutItem, status: Status, error: str | None) -> None:
-    """Record how the sample ended; falls back to :func:`_force_end` when a stage left the
-    item in a state this cannot read (wrongly typed artifacts or records)."""
-    try:
-        item.status = status
-        item.error = error
-        if not isinstance(item.records, list) or not isinstance(item.artifacts, dict):
-            raise ContractError("a stage replaced item.records or item.artifacts")
-        if status is Status.COMPLETED:
-            item.finish_reason = item.finish_reason or FinishReason.STOP
-            item.exit_reason = item.artifacts.get(A.EXIT_REASON) or ExitReason.DONE.value
-        else:
-            item.finish_reason = _FINISH[status]
-            item.exit_reason = _EXIT[status].value
-            item.error_stage = _failed_stage(item)
-    except Exception as exc:
-        _force_end(item, Status.FAILED, f"{error or 'ending the sample'}; the item is "
-                   f"malformed: {type(exc).__name__}: {exc}")
-
-
-def _force_end(item: AgentRolloutItem, status: Status, error: str,
-               exit_reason: ExitReason | None = None) -> None:
-    """Set the end fields directly, reading nothing a stage could have broken; fields the
-    dump and the trainer view read are reset when a stage replaced them with something else."""
-    if not isinstance(item.records, list):
-        item.records = []
-    if not isinstance(item.artifacts, dict):
-        item.artifacts = {}
-    item.status = status
-    item.finish_reason = _FINISH[status]
-    item.exit_reason = (exit_reason or _EXIT[status]).value
-    item.error = error
-
-
-def _failed_stage(item: AgentRolloutItem) -> str | None:
-    """The innermost stage that did not complete (records are appended as stages start)."""
-    try:
-        for record in reversed(item.records):
-            if record.phase == "run" and record.status is not Status.COMPLETED:
-                return str(record.name)
-    except Exception:  # a stage replaced the records with something else
-        return None
-    return None
-
-
-def _describe(exc: BaseException, item: AgentRolloutItem) -> str:
-    return f"stage '{_failed_stage(item)}' raised {type(exc).__name__}: {exc}"
-
-
-def _text(value: Any) -> str:
-    return value if isinstance(value, str) else repr(value)
-
-
-def _uncancel() -> None:
-    """Take back a cancellation the pipeline asked for itself (an abort), keeping the
-    task's cancellation count straight."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
-
-
-def _merge_config(
-    config: PipelineConfig | Mapping[str, Any] | None, options: dict[str, Any]
-) -> PipelineConfig:
-    if isinstance(config, PipelineConfig):
-        base = config.model_dump()
-    elif config is None:
-        base = {}
-    elif isinstance(config, Mapping):
-        base = dict(config)
-    else:
-        raise ConfigError(f"config must be a PipelineConfig or a dict, got {type(config).__name__}")
-    try:
-        return PipelineConfig.model_validate({**base, **options})
-    except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc)) from None

@@ -1,0 +1,61 @@
+"""Stage cleanups and the sample's exit stack: run once each, shielded, never raising."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pipeline._cancel import shielded
+from pipeline._context import Context
+from pipeline._models import AgentRolloutItem, StageRecord, Status
+
+
+async def run_cleanups(item: AgentRolloutItem, ctx: Context, limit: float | None) -> None:
+    """Run each started stage's cleanup once, then the exit stack, shielded: whatever
+    cancels the sample meanwhile waits until they are done. Never raises for them."""
+    steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+        (stage.name, functools.partial(stage.cleanup, item, ctx))
+        for stage in reversed(ctx.started_stages)
+        if hasattr(stage, "cleanup")
+    ]
+    if ctx.has_exit_stack:
+        steps.append(("exit_stack", ctx.exit_stack.aclose))
+    if steps:
+        await shielded(lambda: _run_steps(steps, item, ctx, limit), None)
+
+async def _run_steps(
+    steps: list[tuple[str, Callable[[], Awaitable[Any]]]], item: AgentRolloutItem, ctx: Context,
+    limit: float | None,
+) -> None:
+    for name, step in steps:
+        record = StageRecord(
+            name=name,
+            phase="cleanup",
+            turn=None,
+            start=time.monotonic(),
+            end=None,
+            start_wall=time.time(),
+            status=Status.COMPLETED,
+            error_type=None,
+            error_message=None,
+        )
+        with contextlib.suppress(Exception):  # a stage may have replaced the list
+            item.records.append(record)
+        try:
+            async with asyncio.timeout(limit):
+                await step()
+        except TimeoutError:
+            record.status, record.error_type = Status.TIMEOUT, "TimeoutError"
+            record.error_message = f"cleanup exceeded {limit}s"
+        except (Exception, asyncio.CancelledError) as exc:
+            # Shielded: a CancelledError here came from inside the cleanup.
+            record.status, record.error_type = Status.FAILED, type(exc).__name__
+            record.error_message = str(exc) or repr(exc)
+        finally:
+            record.end = time.monotonic()
+        if record.status is not Status.COMPLETED:
+            ctx.log.warning("cleanup_failed", cleanup=name, error=record.error_message)

@@ -1,0 +1,54 @@
+"""Rows to items: validated, expanded ``n`` times per prompt, each with its own seed."""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+from pipeline._config import PipelineConfig
+from pipeline._exceptions import ConfigError
+from pipeline._models import AgentRolloutItem
+from pipeline._rows import DatasetRow, parse_row
+
+
+def make_items(rows: Iterable[Any], n: int | None,
+               config: PipelineConfig) -> list[AgentRolloutItem]:
+    """See :meth:`pipeline.Pipeline.make_items`."""
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ConfigError(f"field 'n': must be an int >= 1, got {n!r}")
+    items: list[AgentRolloutItem] = []
+    for i, raw in enumerate(rows):
+        if isinstance(raw, AgentRolloutItem):
+            raw.index = len(items)
+            items.append(raw)
+            continue
+        row = parse_row(raw, i) if not isinstance(raw, DatasetRow) else raw
+        sampling = config.sampling.with_overrides(row.sampling, where=f"row {i}: sampling")
+        base_seed = config.seed if sampling.seed is None else sampling.seed
+        group_id = uuid.uuid4().hex[:16]
+        for k in range(n or sampling.n):
+            seed = zlib.crc32(f"{base_seed}:{i}:{k}".encode())
+            items.append(
+                AgentRolloutItem(
+                    uid=f"{group_id}-{k}",
+                    group_id=group_id,
+                    index=len(items),
+                    sample_index=k,
+                    data=row,
+                    sampling=sampling.model_copy(update={"seed": seed}),
+                    artifacts={},
+                    records=[],
+                    status=None,
+                    finish_reason=None,
+                    raw_finish_reason=None,
+                    exit_reason=None,
+                    error=None,
+                    error_stage=None,
+                    queued_at=None,
+                    started_at=None,
+                    ended_at=None,
+                )
+            )
+    return items

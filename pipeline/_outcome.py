@@ -1,0 +1,90 @@
+"""How a sample ends: the status, finish and exit reasons and error, set in one place.
+
+The runner decides *which* ending applies; these helpers write it onto the item without ever
+raising, whatever a stage left on the item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pipeline import artifacts as A
+from pipeline._exceptions import ContractError
+from pipeline._models import AgentRolloutItem, ExitReason, FinishReason, Status
+
+ENOUGH = "aborted: the batch had enough completed samples"
+BATCH_CANCELLED = "aborted: run_batch was cancelled"
+OUTSIDE_CANCEL = "aborted: the sample's task was cancelled from outside the pipeline"
+
+_FINISH = {
+    Status.FAILED: FinishReason.ERROR,
+    Status.TIMEOUT: FinishReason.TIMEOUT,
+    Status.ABORTED: FinishReason.ABORT,
+}
+_EXIT = {
+    Status.FAILED: ExitReason.ERROR,
+    Status.TIMEOUT: ExitReason.TIMEOUT,
+    Status.ABORTED: ExitReason.ABORT,
+}
+
+
+def end(item: AgentRolloutItem, status: Status, error: str | None) -> None:
+    """Record how the sample ended; falls back to :func:`_force_end` when a stage left the
+    item in a state this cannot read (wrongly typed artifacts or records)."""
+    try:
+        item.status = status
+        item.error = error
+        if not isinstance(item.records, list) or not isinstance(item.artifacts, dict):
+            raise ContractError("a stage replaced item.records or item.artifacts")
+        if status is Status.COMPLETED:
+            item.finish_reason = item.finish_reason or FinishReason.STOP
+            item.exit_reason = item.artifacts.get(A.EXIT_REASON) or ExitReason.DONE.value
+        else:
+            item.finish_reason = _FINISH[status]
+            item.exit_reason = _EXIT[status].value
+            item.error_stage = failed_stage(item)
+    except Exception as exc:
+        force_end(item, Status.FAILED, f"{error or 'ending the sample'}; the item is "
+                   f"malformed: {type(exc).__name__}: {exc}")
+
+
+def force_end(item: AgentRolloutItem, status: Status, error: str,
+               exit_reason: ExitReason | None = None) -> None:
+    """Set the end fields directly, reading nothing a stage could have broken; fields the
+    dump and the trainer view read are reset when a stage replaced them with something else."""
+    if not isinstance(item.records, list):
+        item.records = []
+    if not isinstance(item.artifacts, dict):
+        item.artifacts = {}
+    item.status = status
+    item.finish_reason = _FINISH[status]
+    item.exit_reason = (exit_reason or _EXIT[status]).value
+    item.error = error
+
+
+def failed_stage(item: AgentRolloutItem) -> str | None:
+    """The innermost stage that did not complete (records are appended as stages start)."""
+    try:
+        for record in reversed(item.records):
+            if record.phase == "run" and record.status is not Status.COMPLETED:
+                return str(record.name)
+    except Exception:  # a stage replaced the records with something else
+        return None
+    return None
+
+
+def describe(exc: BaseException, item: AgentRolloutItem) -> str:
+    return f"stage '{failed_stage(item)}' raised {type(exc).__name__}: {exc}"
+
+
+def as_text(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def uncancel() -> None:
+    """Take back a cancellation the pipeline asked for itself (an abort), keeping the
+    task's cancellation count straight."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
