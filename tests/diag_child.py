@@ -16,6 +16,10 @@ installed on SIGUSR1). Once every sample is stuck it writes ``ready-<pid>`` into
   dumps come through the dump socket);
 - ``hardlimit``: the loop blocks in ``block_in_sleep`` under a watchdog with a 1 s hard
   limit, which writes a dump and exits the process with status 70.
+- ``limits``: no stuck samples and no ready file; under ``Watchdog(**json(--watchdog))`` one
+  healthy sample sleeps ``--slow`` seconds (a stall, not a block), then the loop thread
+  blocks for each of ``--blocks`` seconds in turn; it prints ``phase_done <name>`` after
+  each phase and exits 0 if the watchdog let it live.
 
 The parent always kills this process; every wait here is bounded anyway (60 s).
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import threading
 import time
@@ -98,10 +103,42 @@ async def main(mode: str, samples: int) -> None:
     batch.cancel()
 
 
+class SleepStage:
+    """A healthy but slow stage: awaits (the loop stays free) for ``seconds``."""
+
+    name = "slow_stage"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def run(self, item, ctx) -> None:  # type: ignore[no-untyped-def]
+        await asyncio.sleep(self.seconds)
+
+
+def phase_done(name: str) -> None:
+    print(f"phase_done {name}", flush=True)
+
+
+async def limits(slow: float, blocks: list[float]) -> None:
+    pipeline = Pipeline([BuildPrompt(offload=False), SleepStage(slow)],
+                        engine=SimulatedEngine(), tokenizer=ByteTokenizer())
+    [sample] = (await pipeline.run_batch([{"prompt": "slow"}], n=1)).samples
+    assert sample.status == "completed", sample
+    phase_done("slow")
+    for seconds in blocks:
+        time.sleep(seconds)  # noqa: ASYNC251  (the point: block the loop thread)
+        await asyncio.sleep(0.1)  # let the heartbeat through
+        phase_done(f"block {seconds:g}")
+
+
 def run(args: argparse.Namespace) -> None:
     watchdog: Watchdog | bool = False
     if args.mode == "hardlimit":
         watchdog = Watchdog(0.2, hard_limit_s=1.0)
+    if args.mode == "limits":
+        blocks = [float(b) for b in args.blocks.split(",") if b]
+        asyncio_run(limits(args.slow, blocks), watchdog=Watchdog(**json.loads(args.watchdog)))
+        return
     asyncio_run(main(args.mode, args.samples), use_uvloop=args.loop == "uvloop",
                 watchdog=watchdog)
 
@@ -109,9 +146,12 @@ def run(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["idle", "sleep", "spin", "lock", "cgil", "thread",
-                                         "hardlimit"])
+                                         "hardlimit", "limits"])
     parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     parser.add_argument("--samples", type=int, default=3)
+    parser.add_argument("--watchdog", default="{}", help="Watchdog keywords as JSON (limits)")
+    parser.add_argument("--slow", type=float, default=0.0, help="the slow sample's seconds")
+    parser.add_argument("--blocks", default="", help="comma-separated block seconds")
     parsed = parser.parse_args()
     if parsed.mode == "thread":
         worker = threading.Thread(target=run, args=(parsed,), name="rollout-worker")

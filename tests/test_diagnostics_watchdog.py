@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -66,13 +72,18 @@ async def test_no_false_alarm_on_a_busy_but_healthy_loop():
 
     try:
         steps = await asyncio.gather(*(worker() for _ in range(20)))
+        stats = dog.stats()
+        # Positive control: the same watchdog, still running, does see a real block.
+        hold_the_loop(1.4)
+        await asyncio.sleep(0.1)
     finally:
         dog.stop()
     assert sum(steps) > 100
-    stats = dog.stats()
-    assert stats.blocks == 0 and dog.blocks == []
+    assert stats.blocks == 0
     assert stats.beats >= 3  # heartbeats kept being answered all along
     assert 0 < stats.max_s < 1.0
+    [block] = dog.blocks
+    assert block.blocking is not None and block.blocking.name == "hold_the_loop"
 
 
 async def test_stall_detector_writes_a_snapshot_naming_the_stuck_samples(tmp_path):
@@ -134,8 +145,11 @@ class _Sleep:
         await asyncio.sleep(self.seconds)
 
 
-@pytest.mark.parametrize("kwargs", [{"threshold_s": 0}, {"stall_after_s": -1.0},
-                                    {"threshold_s": 2.0, "hard_limit_s": 1.0}])
+@pytest.mark.parametrize("kwargs", [
+    {"threshold_s": 0}, {"stall_after_s": -1.0}, {"threshold_s": 2.0, "hard_limit_s": 1.0},
+    {"threshold_s": 1.0, "hard_limit_s": 1.0}, {"stall_limit_s": 5.0},
+    {"stall_after_s": 5.0, "stall_limit_s": 4.0}, {"threshold_s": 0.1, "interval_s": 0.2},
+    {"stall_after_s": 1.0, "stall_limit_s": 0.0}])
 def test_invalid_settings_are_config_errors(kwargs):
     with pytest.raises(ConfigError, match="Watchdog"):
         Watchdog(**kwargs)
@@ -148,10 +162,107 @@ def test_start_needs_a_loop():
 
 def test_a_stopped_loop_is_not_reported_as_blocked():
     loop = asyncio.new_event_loop()
+
+    async def block_once() -> None:
+        await asyncio.sleep(0.05)
+        hold_the_loop(0.5)
+        await asyncio.sleep(0.05)
+
     try:
         dog = Watchdog(0.1, interval_s=0.02).start(loop)  # the loop never runs
-        time.sleep(0.4)
-        dog.stop()
-        assert dog.blocks == []
+        try:
+            time.sleep(0.4)
+            quiet = list(dog.blocks)
+            # Positive control: once the loop runs, the same thread reports its block.
+            loop.run_until_complete(block_once())
+        finally:
+            dog.stop()
+        assert quiet == []
+        [block] = dog.blocks
+        assert block.blocking is not None and block.blocking.name == "hold_the_loop"
     finally:
         loop.close()
+
+
+CHILD = Path(__file__).with_name("diag_child.py")
+T, S, H = "threshold_s", "stall_after_s", "hard_limit_s"
+
+
+def _start_limits_child(tmp: Path, name: str, watchdog: dict[str, float], slow: float,
+                        blocks: list[float]) -> subprocess.Popen[bytes]:
+    base = tmp / name
+    base.mkdir()
+    log = open(base / "child.log", "wb")  # closed below
+    try:
+        return subprocess.Popen(
+            [sys.executable, str(CHILD), "limits", "--watchdog", json.dumps(watchdog),
+             "--slow", str(slow), "--blocks", ",".join(map(str, blocks))],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ROLLOUT_DUMP_DIR": str(base)})
+    finally:
+        log.close()
+
+
+def _finish(proc: subprocess.Popen[bytes], tmp: Path, name: str) -> tuple[int, str]:
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return code, (tmp / name / "child.log").read_text(errors="replace")
+
+
+def test_every_ordering_of_block_threshold_stall_and_hard_limit(tmp_path):
+    """Each ordering of the three limits either is refused at construction or behaves as
+    documented: a healthy stall longer than every limit is reported and never kills, a block
+    between the threshold and the hard limit is reported and survived, a block past the hard
+    limit kills with status 70."""
+    values = (0.2, 0.6, 1.2)
+    children: dict[str, tuple[dict[str, float], subprocess.Popen[bytes]]] = {}
+    refused = []
+    for order in itertools.permutations((T, S, H)):
+        limits = dict(zip(order, values, strict=True))
+        name = "<".join(order)
+        if limits[H] <= limits[T]:
+            with pytest.raises(ConfigError, match="hard_limit_s"):
+                Watchdog(**limits)
+            refused.append(name)
+            continue
+        Watchdog(**limits)  # accepted in process too
+        short = (limits[T] + limits[H]) / 2  # past the threshold, short of the hard limit
+        children[name] = (limits, _start_limits_child(
+            tmp_path, name, {**limits, "stall_check_s": 0.05}, slow=max(values) + 0.6,
+            blocks=[short, limits[H] + 1.0]))
+    assert len(refused) == 3 and len(children) == 3  # H<=T is half of the orderings
+    for name, (limits, proc) in children.items():
+        code, log = _finish(proc, tmp_path, name)
+        assert code == 70, (name, log)
+        slow_done = log.index("phase_done slow")
+        assert log.index("pipeline_stalled") < slow_done, (name, log)  # reported, survived
+        short_done = log.index(f"phase_done block {(limits[T] + limits[H]) / 2:g}")
+        assert log.count("event_loop_blocked") >= 2, (name, log)
+        exit_at = log.index("watchdog_exit")
+        assert slow_done < short_done < exit_at, (name, log)
+        assert "event loop blocked" in log[exit_at:], (name, log)
+        assert "phase_done block" not in log[exit_at:], (name, log)
+
+
+def test_stall_kill_limit_is_separate_from_the_block_limit(tmp_path):
+    """A stall ends the process only through ``stall_limit_s`` (never ``hard_limit_s``), and
+    only once it has lasted that long; equal stall and stall-kill limits are allowed."""
+    cases = {
+        "equal": {T: 0.2, H: 0.4, S: 0.6, "stall_limit_s": 0.6},
+        "above": {T: 0.2, H: 0.4, S: 0.5, "stall_limit_s": 1.0},
+        "slower_than_the_stall": {T: 0.2, H: 0.4, S: 0.5, "stall_limit_s": 3.0},
+    }
+    procs = {name: _start_limits_child(tmp_path, name, {**kw, "stall_check_s": 0.05},
+                                       slow=1.8, blocks=[])
+             for name, kw in cases.items()}
+    for name in ("equal", "above"):
+        code, log = _finish(procs[name], tmp_path, name)
+        assert code == 70, (name, log)
+        assert log.index("pipeline_stalled") < log.index("watchdog_exit"), (name, log)
+        assert "no sample finished" in log and "phase_done slow" not in log, (name, log)
+    code, log = _finish(procs["slower_than_the_stall"], tmp_path, "slower_than_the_stall")
+    assert code == 0, log  # the sample finished before the stall limit: it lives
+    assert "pipeline_stalled" in log and "watchdog_exit" not in log

@@ -9,11 +9,22 @@ been blocked at least that long: the watchdog reads the loop thread's current Py
 most ``threshold_s + interval_s`` after it starts (plus a GIL switch interval when the loop
 thread spins in Python).
 
-The stall detector reads the running pipelines' ``samples_done`` every ``stall_check_s``:
-when a batch is in progress and no sample finished for ``stall_after_s``, it logs
-``pipeline_stalled`` and writes a snapshot. With ``hard_limit_s``, a block or stall that
-lasts that long writes a snapshot and ends the process with ``exit_code``
-(``os._exit``: the only exit that works when the loop thread is stuck).
+The limits, all in seconds and measured by the watchdog thread:
+
+- ``threshold_s`` (*block threshold*): a heartbeat unanswered this long is reported once as
+  a block of the event loop; nothing is killed.
+- ``stall_after_s`` (*stall*): while a pipeline batch is in progress and no sample finished
+  for this long, ``pipeline_stalled`` is logged and a snapshot written, once per stall. The
+  loop may be perfectly healthy (samples are just slow): a stall is a report, not a fault.
+- ``hard_limit_s`` (*block kill*): a block lasting this long writes a snapshot and ends the
+  process with ``exit_code`` (``os._exit``: the only exit that works when the loop thread is
+  stuck). It applies to blocks only; it must exceed ``threshold_s``.
+- ``stall_limit_s`` (*stall kill*): a stall lasting this long does the same. It needs
+  ``stall_after_s`` and may not be below it (a stall is reported before it kills).
+
+Blocks and stalls are killed by separate limits, so a tight block limit never ends a
+process whose samples are merely slow. Inconsistent values raise :class:`ConfigError` at
+construction.
 """
 
 from __future__ import annotations
@@ -75,35 +86,53 @@ class Watchdog:
         stall_after_s: report a stall when a pipeline batch is in progress and no sample
             finished for this long; None disables the stall detector.
         stall_check_s: how often the stall detector looks (default ``min(1, stall_after_s/10)``).
-        hard_limit_s: a block or stall lasting this long writes a snapshot and exits the
-            process with ``exit_code``; None (default) never exits.
-        exit_code: the exit status for the hard limit.
+        hard_limit_s: a block of the loop lasting this long writes a snapshot and exits the
+            process with ``exit_code``; None (default) never exits on a block.
+        stall_limit_s: a stall lasting this long writes a snapshot and exits the process;
+            None (default) never exits on a stall.
+        exit_code: the exit status for either kill limit.
         dump: writes a snapshot and returns its path (default: :func:`pipeline.diagnostics.dump`).
         on_block: called (from the watchdog thread) with each :class:`BlockReport`.
 
     Raises:
-        ConfigError: a non-positive limit, or ``hard_limit_s`` not above ``threshold_s``.
+        ConfigError: a non-positive limit, ``hard_limit_s`` not above ``threshold_s``,
+            ``stall_limit_s`` without ``stall_after_s`` or below it, or ``interval_s`` above
+            ``threshold_s`` (a block could end unseen between two heartbeats).
     """
 
     def __init__(self, threshold_s: float = 1.0, *, interval_s: float | None = None,
                  stall_after_s: float | None = None, stall_check_s: float | None = None,
-                 hard_limit_s: float | None = None, exit_code: int = 70,
+                 hard_limit_s: float | None = None, stall_limit_s: float | None = None,
+                 exit_code: int = 70,
                  dump: Callable[[str], Path] | None = None,
                  on_block: Callable[[BlockReport], None] | None = None) -> None:
         for name, value in (("threshold_s", threshold_s), ("interval_s", interval_s),
                             ("stall_after_s", stall_after_s), ("stall_check_s", stall_check_s),
-                            ("hard_limit_s", hard_limit_s)):
+                            ("hard_limit_s", hard_limit_s), ("stall_limit_s", stall_limit_s)):
             if value is not None and not value > 0:
                 raise ConfigError(f"Watchdog: {name} must be > 0, got {value!r}")
         if hard_limit_s is not None and hard_limit_s <= threshold_s:
             raise ConfigError(f"Watchdog: hard_limit_s ({hard_limit_s}) must exceed "
+                              f"threshold_s ({threshold_s}): a block is reported before it "
+                              f"kills")
+        if interval_s is not None and interval_s > threshold_s:
+            raise ConfigError(f"Watchdog: interval_s ({interval_s}) must not exceed "
                               f"threshold_s ({threshold_s})")
+        if stall_limit_s is not None:
+            if stall_after_s is None:
+                raise ConfigError("Watchdog: stall_limit_s needs stall_after_s (the stall "
+                                  "detector is off without it)")
+            if stall_limit_s < stall_after_s:
+                raise ConfigError(f"Watchdog: stall_limit_s ({stall_limit_s}) must not be "
+                                  f"below stall_after_s ({stall_after_s}): a stall is "
+                                  f"reported before it kills")
         self.threshold_s = threshold_s
         self.interval_s = interval_s or min(0.05, threshold_s / 4)
         self.stall_after_s = stall_after_s
         self.stall_check_s = stall_check_s or (
             None if stall_after_s is None else min(1.0, stall_after_s / 10))
         self.hard_limit_s = hard_limit_s
+        self.stall_limit_s = stall_limit_s
         self.exit_code = exit_code
         self.dump = dump
         self.on_block = on_block
@@ -210,7 +239,7 @@ class Watchdog:
                 if (not escalated and self.hard_limit_s is not None
                         and lag >= self.hard_limit_s):
                     escalated = True
-                    self._escalate(f"event loop blocked for {lag:.1f}s")
+                    self._escalate(f"event loop blocked for {lag:.1f}s", self.hard_limit_s)
                 if self.stall_after_s is not None and now >= next_stall_check:
                     next_stall_check = now + (self.stall_check_s or 1.0)
                     self._check_stall(stall, now)
@@ -275,9 +304,10 @@ class Watchdog:
             _logger.error("pipeline_stalled", no_sample_done_s=round(quiet, 1),
                           inflight=len(inflight), by_stage=stages,
                           dump=None if path is None else str(path))
-        if self.hard_limit_s is not None and not stall.escalated and quiet >= self.hard_limit_s:
+        if (self.stall_limit_s is not None and not stall.escalated
+                and quiet >= self.stall_limit_s):
             stall.escalated = True
-            self._escalate(f"no sample finished for {quiet:.0f}s")
+            self._escalate(f"no sample finished for {quiet:.0f}s", self.stall_limit_s)
 
     def _write_dump(self, reason: str) -> Path | None:
         try:
@@ -290,9 +320,9 @@ class Watchdog:
             _logger.error("watchdog_dump_failed", error=f"{type(exc).__name__}: {exc}")
             return None
 
-    def _escalate(self, why: str) -> None:
+    def _escalate(self, why: str, limit_s: float) -> None:
         path = self._write_dump(f"hard limit: {why}")
-        _logger.critical("watchdog_exit", reason=why, hard_limit_s=self.hard_limit_s,
+        _logger.critical("watchdog_exit", reason=why, limit_s=limit_s,
                          exit_code=self.exit_code, dump=None if path is None else str(path))
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
