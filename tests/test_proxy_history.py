@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from pipeline import SamplingParams
+from pipeline import FinishReason, SamplingParams
 from pipeline.proxy import ProxyError, ProxyRequestError, SessionStore
+from pipeline.proxy._errors import FinalError
 from pipeline.proxy._turns import TurnOutcome, TurnRunner
-from pipeline.proxy._wire import parse_request
+from pipeline.proxy._wire import parse_request, refuse_unsupported
 from pipeline.testing import ByteTokenizer, SimulatedEngine
 from pipeline.tools import HermesToolParser
 
@@ -247,15 +248,21 @@ async def test_a_length_cut_turn_gets_the_end_of_turn_token_before_the_next():
     assert session.turns[1].merged
 
 
-async def test_a_spent_response_budget_answers_length_and_records_nothing():
+async def test_a_spent_response_budget_ends_the_segment_on_length_with_a_final_error():
     runner, session, script, _ = setup(max_response_tokens=40)
     script.push(CALL)
     first = await ask(runner, session, BASE, tools=TOOLS)
     assert len(first.reply.token_ids) == 40 and first.finish_reason == "length"
+    seg = session.history.segments[0]
+    # the turn was cut by the budget, not by its own max_tokens
+    assert (seg.finish_reason, seg.raw_finish_reason) == (FinishReason.LENGTH, "response_budget")
     later = [*BASE, reply_dict(first), {"role": "user", "content": "go on"}]
-    second = await ask(runner, session, later, tools=TOOLS)
-    assert (second.finish_reason, second.reply.content, second.turn) == ("length", "", None)
+    with pytest.raises(FinalError) as refused:
+        await ask(runner, session, later, tools=TOOLS)
+    assert (refused.value.status, refused.value.code) == (403, "response_budget_exhausted")
+    assert refused.value.final and session.ended == "response_budget"
     assert len(session.turns) == 1 and session.requests == 2
+    assert (seg.finish_reason, seg.raw_finish_reason) == (FinishReason.LENGTH, "response_budget")
 
 
 async def test_locked_sampling_ignores_the_agents_temperature_and_caps_max_tokens():
@@ -311,5 +318,15 @@ async def test_invalid_messages_are_request_errors_naming_the_message():
         with pytest.raises(ProxyRequestError) as info:
             await ask(runner, session, [bad])
         assert info.value.param == "messages.0" and info.value.status == 400
-    with pytest.raises(ProxyRequestError):
-        parse_request({"messages": BASE, "n": 2})
+    for refused in ({"n": 2}, {"top_logprobs": 3}):
+        with pytest.raises(FinalError) as final:
+            refuse_unsupported(parse_request({"messages": BASE, **refused}))
+        assert final.value.param == next(iter(refused)) and final.value.status == 403
+    # JSON nulls where OpenAI's spec allows them (the SDK forwards unset options as null)
+    nulls = dict.fromkeys(("n", "stream", "logprobs", "top_logprobs", "temperature", "top_p",
+                           "max_tokens", "seed", "stop", "tools", "tool_choice",
+                           "stream_options", "parallel_tool_calls"))
+    accepted = parse_request({"messages": BASE, **nulls})
+    refuse_unsupported(accepted)
+    outcome = await runner.run(session, accepted)
+    assert outcome.turn is not None and outcome.logprobs is None

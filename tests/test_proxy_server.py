@@ -100,6 +100,16 @@ async def test_openai_bodies_and_the_sessions_api(proxy, http):
     async with http.get(f"{url}/models", headers=auth(key)) as r:
         assert (await r.json())["data"][0]["id"] == "pipeline-proxy"
     async with http.get(f"{proxy.url}/sessions/{created['id']}", headers=auth(key)) as r:
+        light = await r.json()  # the agent's own key: no token payloads
+    assert [t["prompt_len"] for t in light["turns"]] == [t["prompt_len"] for t in (
+        proxy.record(created["id"]).model_dump()["turns"])]
+    assert not {"prompt_ids", "response_ids", "logprobs"} & set(light["turns"][0])
+    assert not {"prompt_ids", "response_ids", "response_mask"} & set(light["segments"][0])
+    async with http.get(f"{proxy.url}/sessions/{created['id']}", headers=auth(ADMIN)) as r:
+        compact = await r.json()  # the server's key: segment tokens, turn lengths
+    assert compact["segments"][0]["response_ids"] and compact["turns"][1]["prompt_ids"] is None
+    async with http.get(f"{proxy.url}/sessions/{created['id']}?turn_tokens=true",
+                        headers=auth(ADMIN)) as r:
         record = await r.json()
     assert record["metadata"] == {"run": "a"} and record["state"] == "active"
     assert [t["merged"] for t in record["turns"]] == [False, True]
@@ -112,7 +122,7 @@ async def test_openai_bodies_and_the_sessions_api(proxy, http):
                          headers=auth(key)) as r:
         assert r.status == 200 and (await r.json())["state"] == "completed"
     status, body = await chat(http, url, key, messages)
-    assert status == 409 and body["error"]["code"] == "session_completed"
+    assert status == 403 and body["error"]["code"] == "session_completed"
     async with http.delete(f"{proxy.url}/sessions/{created['id']}", headers=auth(ADMIN)) as r:
         assert (await r.json()) == {"id": created["id"], "deleted": True}
     async with http.get(f"{proxy.url}/sessions/{created['id']}", headers=auth(ADMIN)) as r:
@@ -262,8 +272,12 @@ async def test_limits_answer_4xx_with_openai_error_bodies(http):
         hello = [{"role": "user", "content": "hi"}]
         for _ in range(2):
             assert (await chat(http, a["base_url"], a["api_key"], hello))[0] == 200
-        status, body = await chat(http, a["base_url"], a["api_key"], hello)
-        assert status == 429 and body["error"]["code"] == "too_many_turns"
+        async with http.post(f"{a['base_url']}/chat/completions", headers=auth(a["api_key"]),
+                             json={"model": "m", "messages": hello}) as r:
+            # final: a status no supported client retries, and the SDK's no-retry header
+            assert (r.status, r.headers["x-should-retry"]) == (403, "false")
+            assert (await r.json())["error"]["code"] == "too_many_turns"
+        assert proxy.sessions.get(a["id"]).ended == "max_turns"
         status, body = await chat(http, a["base_url"], a["api_key"],
                                   [{"role": "user", "content": "x" * 8000}])
         assert status == 413 and body["error"]["type"] == "invalid_request_error"
@@ -280,7 +294,7 @@ async def test_limits_answer_4xx_with_openai_error_bodies(http):
                            b'{"messages": [{"role": "user"}], "n": 3}'):
             async with http.post(f"{proxy.url}/v1/chat/completions", data=body_bytes,
                                  headers=auth(a["api_key"])) as r:
-                assert r.status in (400, 429), body_bytes
+                assert r.status in (400, 403), body_bytes
 
 
 async def test_unexpected_errors_are_500s_without_internals(http):

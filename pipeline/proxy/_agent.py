@@ -9,17 +9,29 @@ The agent is either
 
 * a command (argv, or a function of the item returning argv): run as a subprocess in its own
   process group with ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` (the session's endpoint and key),
-  ``OPENAI_MODEL`` and ``PIPELINE_SESSION_ID`` set, the task as one JSON object on stdin
-  (``messages``, ``tools``, ``extra``, ``uid``, ``group_id``), its stdout (stripped) taken as
-  the final answer. Non-zero exit fails the sample with the end of its stderr. When the
-  sample's deadline or ``timeout_s`` passes, the group gets SIGTERM, then SIGKILL after
-  ``kill_grace_s``; leftover processes of the group are killed when the agent exits; or
+  ``OPENAI_MODEL``, ``PIPELINE_SESSION_ID`` and ``PIPELINE_ANSWER_FILE`` set, the task as one
+  JSON object on stdin (``messages``, ``tools``, ``extra``, ``uid``, ``group_id``). Its final
+  answer is what it wrote to ``PIPELINE_ANSWER_FILE`` if it wrote anything, else its last
+  non-empty stdout line (agent libraries print to stdout; ``answer_from="stdout"`` takes all of
+  it). The agent is done when its process exits, not when its pipes close: then the rest of
+  its group is killed and the pipes are drained for at most ``drain_s`` (a helper it left
+  holding stdout cannot stall the sample); at most ``max_output_bytes`` of each pipe are kept
+  (the end). Non-zero exit fails the sample with the end of its stderr, unless the session
+  ended on a limit (see below). When the sample's deadline or ``timeout_s`` passes, the group
+  gets SIGTERM, then SIGKILL after ``kill_grace_s``; or
 * an ``async def agent(endpoint) -> str | None`` taking an :class:`AgentEndpoint`.
 
+The session is *held* while the agent runs (it never expires, however long the agent spends in
+a tool). When it ends on a limit the sample ends like ``Generate`` ends one: a spent response
+budget gives ``finish_reason=length``, ``exit_reason=length``, ``raw_finish_reason=
+response_budget``; the proxy's request limit gives ``exit_reason=max_turns``; the agent is
+told with a final error, and its exit status then does not fail the sample.
+
 Segments: the sample is the segment of the agent's last turn. When the agent rewrote its
-history, earlier segments are kept in ``extra_fields["proxy_segments"]`` (token fields of
-each: ``prompt_ids``, ``response_ids``, ``response_mask``, ``logprobs``, ``reason``, ...) and
-in full under the :data:`SEGMENTS` artifact; they share the sample's group and reward.
+history or ran a second conversation (a sub-agent), earlier segments are kept in
+``extra_fields["proxy_segments"]`` (token fields of each: ``prompt_ids``, ``response_ids``,
+``response_mask``, ``logprobs``, ``reason``, ``conversation``, ...) and in full under the
+:data:`SEGMENTS` artifact; they share the sample's group and reward.
 """
 
 from __future__ import annotations
@@ -30,13 +42,14 @@ import inspect
 import json
 import os
 import signal
+import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from pipeline import artifacts as A
 from pipeline._context import Context
-from pipeline._models import AgentMessage, AgentRolloutItem
+from pipeline._models import AgentMessage, AgentRolloutItem, ExitReason, FinishReason
 from pipeline.proxy._errors import RemoteAgentError
 from pipeline.proxy._history import content_text
 from pipeline.proxy._records import SessionRecord, session_record
@@ -51,6 +64,8 @@ AGENT_LOG = "proxy.agent_log"
 """Artifact: the end of the agent process's stderr (commands only)."""
 PROXY_KEY = "proxy"
 """``ctx.resources.extras`` key where :class:`RemoteAgent` finds the proxy if not given one."""
+ANSWER_FILE_ENV = "PIPELINE_ANSWER_FILE"
+"""Environment variable naming the file a command agent may write its final answer to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +114,10 @@ class RemoteAgent:
             ``source="agent"``, no token ids) when it differs from the model's last reply, so
             judgers that read the last assistant message judge the answer.
         max_answer_chars: longer answers are cut.
+        answer_from: ``last_line`` (default) or ``stdout``: where a command's answer comes
+            from when it wrote no answer file.
+        max_output_bytes: the most of each of a command's pipes that is kept (the end).
+        drain_s: bound on reading a command's pipes after it exited.
         name: the stage name.
     """
 
@@ -106,7 +125,10 @@ class RemoteAgent:
                  timeout_s: float | None = None, kill_grace_s: float = 2.0,
                  env: Mapping[str, str] | None = None, cwd: str | None = None,
                  lock_sampling: bool = True, answer_message: bool = True,
-                 max_answer_chars: int = 65536, name: str = "remote_agent") -> None:
+                 max_answer_chars: int = 65536,
+                 answer_from: Literal["last_line", "stdout"] = "last_line",
+                 max_output_bytes: int = 1 << 20, drain_s: float = 2.0,
+                 name: str = "remote_agent") -> None:
         is_function = inspect.iscoroutinefunction(agent) or (
             callable(agent) and inspect.iscoroutinefunction(type(agent).__call__))
         if not is_function and not callable(agent) and (
@@ -123,6 +145,9 @@ class RemoteAgent:
         self.lock_sampling = lock_sampling
         self.answer_message = answer_message
         self.max_answer_chars = max_answer_chars
+        self.answer_from = answer_from
+        self.max_output_bytes = max_output_bytes
+        self.drain_s = drain_s
         self.name = name
 
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
@@ -131,7 +156,8 @@ class RemoteAgent:
             raise RemoteAgentError(f"RemoteAgent needs a started ProxyServer: pass proxy= or "
                                    f"put one in extras[{PROXY_KEY!r}]")
         session = proxy.create_session(sampling=item.sampling, lock_sampling=self.lock_sampling,
-                                       metadata={"uid": item.uid, "group_id": item.group_id})
+                                       metadata={"uid": item.uid, "group_id": item.group_id},
+                                       held=True)
         ctx.exit_stack.push_async_callback(proxy.delete_session, session.id)
         row = item.data
         endpoint = AgentEndpoint(
@@ -144,8 +170,10 @@ class RemoteAgent:
         try:
             answer = await self._run_agent(endpoint, item)
         except RemoteAgentError as exc:
-            failure = exc
+            if session.ended is None:  # after a limit the agent was told to stop: not a failure
+                failure = exc
         finally:  # also on cancellation: the partial trajectory is kept for the dump
+            session.held = False
             if proxy.sessions.find(session.id) is not None:
                 proxy.sessions.complete(session.id)
             self._fill(item, proxy, session, session_record(session, with_turns=False), answer)
@@ -168,21 +196,47 @@ class RemoteAgent:
         command = self.command
         assert command is not None
         argv = [str(a) for a in (command(item) if callable(command) else command)]
-        env = {**os.environ, **self.env, **endpoint.env()}
+        with tempfile.TemporaryDirectory(prefix="pipeline-agent-") as tmp:
+            answer_file = os.path.join(tmp, "answer")
+            env = {**os.environ, **self.env, **endpoint.env(), ANSWER_FILE_ENV: answer_file}
+            out, err, code = await self._run_process(argv, env, json.dumps(endpoint.task))
+            written = await asyncio.to_thread(_read_answer, answer_file,
+                                              self.max_answer_chars + 1)
+        log = err.decode(errors="replace")[-4000:]
+        item.artifacts[AGENT_LOG] = log
+        if code != 0:
+            raise RemoteAgentError(f"the agent {argv[0]!r} exited with status "
+                                   f"{code}: {log[-1000:].strip()}")
+        text = out.decode(errors="replace").strip()
+        if written:
+            answer = written
+        elif self.answer_from == "last_line":
+            answer = next((line.strip() for line in reversed(text.splitlines())
+                           if line.strip()), "")
+        else:
+            answer = text
+        return answer[:self.max_answer_chars] or None
+
+    async def _run_process(self, argv: list[str], env: dict[str, str],
+                           task: str) -> tuple[bytes, bytes, int]:
+        """Run the agent until its process exits; ``(stdout tail, stderr tail, status)``."""
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True)
+        out, err = bytearray(), bytearray()
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        tasks = [asyncio.create_task(_feed(proc.stdin, task.encode()), name="agent-stdin"),
+                 asyncio.create_task(_pump(proc.stdout, out, self.max_output_bytes),
+                                     name="agent-stdout"),
+                 asyncio.create_task(_pump(proc.stderr, err, self.max_output_bytes),
+                                     name="agent-stderr")]
         try:
-            out, err = await proc.communicate(json.dumps(endpoint.task).encode())
+            await proc.wait()
         finally:
             await self._stop(proc)
-        log = err.decode(errors="replace")[-4000:]
-        item.artifacts[AGENT_LOG] = log
-        if proc.returncode != 0:
-            raise RemoteAgentError(f"the agent {argv[0]!r} exited with status "
-                                   f"{proc.returncode}: {log[-1000:].strip()}")
-        answer = out.decode(errors="replace").strip()
-        return answer[:self.max_answer_chars] or None
+            await _drain(proc, tasks, self.drain_s)
+        assert proc.returncode is not None
+        return bytes(out), bytes(err), proc.returncode
 
     async def _stop(self, proc: asyncio.subprocess.Process) -> None:
         """SIGTERM the group, SIGKILL it after the grace time, and kill any leftovers."""
@@ -226,6 +280,10 @@ class RemoteAgent:
         if current.routed_experts is not None:
             art[A.ROUTED_EXPERTS] = current.routed_experts
         item.finish_reason, item.raw_finish_reason = main.finish_reason, current.raw_finish_reason
+        if session.ended == "max_turns":
+            art[A.EXIT_REASON] = ExitReason.MAX_TURNS.value
+        elif main.finish_reason is FinishReason.LENGTH:
+            art[A.EXIT_REASON] = ExitReason.LENGTH.value
         extra: dict[str, Any] = art.setdefault(A.EXTRA_FIELDS, {})
         extra["proxy_segments"] = [s.trainer_fields() for s in record.segments
                                    if s.index != main.index]
@@ -233,6 +291,48 @@ class RemoteAgent:
         extra["proxy_splits"] = record.num_splits
         extra["proxy_split_reasons"] = dict(record.splits)
         extra[A.TEMPLATE_DRIFT] = main.drift
+
+
+def _read_answer(path: str, limit: int) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read(limit).strip()
+    except FileNotFoundError:
+        return None
+
+
+async def _feed(pipe: asyncio.StreamWriter, data: bytes) -> None:
+    """Write the task to the agent's stdin and close it (an agent may never read it)."""
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        pipe.write(data)
+        await pipe.drain()
+        pipe.close()
+
+
+async def _pump(pipe: asyncio.StreamReader, into: bytearray, limit: int) -> None:
+    """Read a pipe to its end, keeping the last ``limit`` bytes."""
+    while chunk := await pipe.read(65536):
+        into += chunk
+        if len(into) > 2 * limit:
+            del into[:-limit]
+    del into[:-limit]
+
+
+async def _drain(proc: asyncio.subprocess.Process, tasks: list[asyncio.Task[None]],
+                 bound_s: float) -> None:
+    """Let the pipe readers finish for at most ``bound_s``; then close the pipes."""
+    _, pending = await asyncio.wait(tasks, timeout=bound_s)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved: a broken pipe of a gone agent is no news
+    # a process outside the group may still hold the pipes: close our ends
+    transport = getattr(proc, "_transport", None)
+    if transport is not None:
+        transport.close()
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

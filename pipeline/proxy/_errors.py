@@ -6,10 +6,19 @@
     ├── ProxyError               anything the proxy reports as an OpenAI-style error body
     │   ├── ProxyRequestError    a request that cannot be served as sent (4xx)
     │   │   ├── ProxyAuthError   missing or wrong bearer token (401)
-    │   │   ├── SessionNotFound  no such session (404)
-    │   │   └── ProxyLimitError  a limit was reached: sessions, turns, context (429 / 400)
+    │   │   ├── SessionNotFound  no such session, or it expired (404, final)
+    │   │   ├── ProxyLimitError  a limit was reached: sessions, body size (429 / 413)
+    │   │   └── FinalError       the session cannot go on: turns or response budget spent,
+    │   │                        completed, a refused field (403, final)
     │   └── ...                  engine failures (502 / 503)
     └── RemoteAgentError         the black-box agent failed (exit status, timeout, no turns)
+
+*Final* errors are the answers an agent must not retry. Clients disagree on what they retry:
+the OpenAI SDK (and openai-agents, litellm over it) retries 408, 409, 429 and 5xx unless the
+answer carries ``x-should-retry: false``; mini-swe-agent retries every error except 401, 403,
+404, context-window and unsupported-parameter errors, for minutes, with back-off. So a final
+error is a 403 (or a 404 for a session that is gone) with ``x-should-retry: false``: the only
+answers all of them give up on at once.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ class ProxyError(PipelineError):
 
     status = 500
     type = "server_error"
+    final = False
+    """Sent with ``x-should-retry: false`` (see the module doc)."""
 
     def __init__(self, message: str, *, status: int | None = None, type: str | None = None,
                  param: str | None = None, code: str | None = None) -> None:
@@ -68,10 +79,18 @@ class SessionNotFound(ProxyRequestError):
 
     status = 404
     type = "not_found_error"
+    final = True
+
+
+class FinalError(ProxyRequestError):
+    """The session cannot serve this request and never will: retrying is pointless."""
+
+    status = 403
+    final = True
 
 
 class ProxyLimitError(ProxyRequestError):
-    """A configured limit was reached (sessions, turns per session, body size, context)."""
+    """A configured limit was reached (sessions held, body size)."""
 
     status = 429
     type = "limit_error"

@@ -11,7 +11,11 @@ with mask 1. A request that does not extend any segment (the agent summarised, d
 edited turns, retried a request, or changed its tools) starts a new segment. The new segment's
 prompt reuses the recorded tokens of the longest matching prefix that ends on a model reply
 (so earlier model output is still never re-tokenized, only moved into the prompt), and renders
-the rest. Every new segment after the first is a *split*, counted with its reason.
+the rest. Every new segment after the first is a *split*, counted with its reason, except
+a *second conversation*: a request whose first message no segment starts with (an agent that
+runs a sub-agent in the same session, e.g. openai-agents' agent-as-tool, whose instructions
+differ) starts a segment of a new ``conversation`` (reason ``conversation``, not a split);
+every segment is labelled with the conversation it belongs to, so both trajectories are kept.
 
 Messages are compared in a normalised form (``developer`` = ``system``, ``None`` content = ``""``,
 assistant text stripped, tool-call arguments compared as parsed JSON, call ids ignored), and
@@ -44,6 +48,8 @@ SPLIT_EDITED = "edited"
 """A recorded message was changed, dropped or replaced (e.g. a summary); ``at_message`` says
 where the request first differs."""
 SPLIT_REASONS = (SPLIT_TOOLS, SPLIT_RETRY, SPLIT_TRUNCATED, SPLIT_EDITED)
+NEW_CONVERSATION = "conversation"
+"""A segment that starts a second conversation in the session (not counted as a split)."""
 
 
 @dataclass(slots=True)
@@ -103,6 +109,7 @@ class Segment:
     raw_finish_reason: str | None = None
     policy_version: int | None = None
     routed_experts: Any = None
+    conversation: int = 0
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -128,6 +135,7 @@ class Match:
     base: Segment | None = None
     keep: int = 0
     new: list[tuple[WireMessage, dict[str, Any]]] = field(default_factory=list)
+    conversation: int = 0
 
     def render_chars(self) -> int:
         """Rough size of the text to render (to decide whether to render off the loop)."""
@@ -197,12 +205,22 @@ class History:
             count = len(segment.entries)
             shared = self._common(messages, segment.entries, min(len(messages), count))
             if shared == count:
-                return Match(messages, tools, segment, new=_validated(messages, count))
+                return Match(messages, tools, segment, new=_validated(messages, count),
+                             conversation=segment.conversation)
             if shared > common:
                 base, common = segment, shared
-        if base is None:
-            reason = SPLIT_TOOLS if self.segments else SPLIT_START
-            return Match(messages, tools, None, reason, new=_validated(messages, 0))
+        if base is None or common == 0:
+            if not self.segments:
+                return Match(messages, tools, None, SPLIT_START, new=_validated(messages, 0))
+            sibling = next((s for s in order if self._common(messages, s.entries, 1) == 1),
+                           None)
+            if sibling is None:  # no segment starts like this: another conversation
+                return Match(messages, tools, None, NEW_CONVERSATION,
+                             new=_validated(messages, 0),
+                             conversation=max(s.conversation for s in self.segments) + 1)
+            if base is None:
+                return Match(messages, tools, None, SPLIT_TOOLS, new=_validated(messages, 0),
+                             conversation=sibling.conversation)
         at: int | None = None
         if common < len(messages):
             reason, at = SPLIT_EDITED, common
@@ -213,7 +231,7 @@ class History:
         keep = next((i + 1 for i in range(common - 1, -1, -1)
                      if base.entries[i].end is not None), 0)
         return Match(messages, tools, None, reason, at, base if keep else None, keep,
-                     _validated(messages, keep))
+                     _validated(messages, keep), base.conversation)
 
     @staticmethod
     def _common(messages: list[dict[str, Any]], entries: list[Entry], limit: int) -> int:
@@ -294,9 +312,10 @@ class History:
             seg = Segment(index=len(self.segments), reason=match.reason or SPLIT_START,
                           at_message=match.at_message, tools=match.tools,
                           prompt_ids=list(plan.prompt_ids), reused_tokens=plan.reused_tokens,
-                          raw_prompt=plan.raw_prompt, entries=list(plan.new_entries))
+                          raw_prompt=plan.raw_prompt, entries=list(plan.new_entries),
+                          conversation=match.conversation)
             self.segments.append(seg)
-            if seg.reason != SPLIT_START:
+            if seg.reason in SPLIT_REASONS:
                 self.splits[seg.reason] = self.splits.get(seg.reason, 0) + 1
             anchors = plan.new_entries
         else:

@@ -59,7 +59,9 @@ class TurnRecord(BaseModel):
         merged: the turn extended its segment (False: it started one).
         split_reason: why its segment started, for the first turn of a segment.
         messages: the request's messages as the segment recorded them.
-        prompt_ids: exactly what the engine was sent.
+        prompt_len: the length of the engine prompt.
+        prompt_ids: exactly what the engine was sent (None where the record was asked for
+            without per-turn prompts: each one repeats the conversation so far).
         response_ids / logprobs: exactly what the engine returned (cut after a stop string).
         finish_reason: what the agent was told (``stop``, ``length``, ``tool_calls``).
         engine_finish_reason / raw_finish_reason: the engine's view.
@@ -75,7 +77,8 @@ class TurnRecord(BaseModel):
     merged: bool
     split_reason: str | None
     messages: list[dict[str, Any]]
-    prompt_ids: list[int]
+    prompt_len: int
+    prompt_ids: list[int] | None
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str
@@ -96,7 +99,8 @@ class SegmentRecord(BaseModel):
     """One token sequence of a session: what a trainer sample is built from.
 
     ``response_mask`` is 1 on model tokens and 0 on template/tool tokens; ``logprobs`` is
-    aligned with ``response_ids`` (0.0 where the mask is 0).
+    aligned with ``response_ids`` (0.0 where the mask is 0). ``conversation`` tells apart the
+    conversations of one session (0: the first; see ``_history``).
     """
 
     index: int
@@ -115,6 +119,8 @@ class SegmentRecord(BaseModel):
     raw_prompt: str | None
     finish_reason: FinishReason | None
     policy_version: int | None
+    conversation: int = 0
+    raw_finish_reason: str | None = None
 
     def agent_messages(self) -> list[AgentMessage]:
         """The conversation as :class:`AgentMessage` objects (model turns carry token ids)."""
@@ -122,7 +128,8 @@ class SegmentRecord(BaseModel):
 
     def trainer_fields(self) -> dict[str, Any]:
         """The token fields a trainer sample needs (``extra_fields["proxy_segments"]``)."""
-        return {"index": self.index, "reason": self.reason, "prompt_ids": self.prompt_ids,
+        return {"index": self.index, "reason": self.reason, "conversation": self.conversation,
+                "prompt_ids": self.prompt_ids,
                 "response_ids": self.response_ids, "response_mask": self.response_mask,
                 "logprobs": self.logprobs, "tool_turns": self.tool_turns,
                 "turns": len(self.turns),
@@ -135,6 +142,8 @@ class SessionRecord(BaseModel):
 
     Attributes:
         state: ``active`` or ``completed``.
+        ended: the limit that ended the session (``response_budget``, ``max_turns``), if one
+            did.
         splits: split count by reason (see :data:`pipeline.proxy.SPLIT_REASONS`).
         requests: chat completions served, including ones that recorded no turn (a spent
             response budget).
@@ -149,10 +158,27 @@ class SessionRecord(BaseModel):
     splits: dict[str, int]
     num_splits: int
     requests: int
+    ended: str | None = None
+    conversations: int = 1
 
 
-def session_record(session: Session, *, with_turns: bool = True) -> SessionRecord:
-    """Build the record of ``session`` (full per-turn views unless ``with_turns`` is False)."""
+TOKEN_PAYLOADS: dict[str, Any] = {
+    "segments": {"__all__": {"prompt_ids", "response_ids", "response_mask", "logprobs",
+                             "raw_prompt"}},
+    "turns": {"__all__": {"prompt_ids", "response_ids", "logprobs"}},
+}
+"""``model_dump(exclude=...)`` of a record without token payloads (what an agent may read)."""
+
+
+def session_record(session: Session, *, with_turns: bool = True,
+                   turn_tokens: bool = True) -> SessionRecord:
+    """Build the record of ``session``.
+
+    Args:
+        with_turns: include the per-turn views.
+        turn_tokens: include each turn's prompt ids (its prompt is a prefix of its segment's
+            sequence, so these repeat the conversation once per turn).
+    """
     history = session.history
     segments = [segment_record(s) for s in history.segments]
     turns: list[TurnRecord] = []
@@ -168,7 +194,8 @@ def session_record(session: Session, *, with_turns: bool = True) -> SessionRecor
                 split_reason=turn.split_reason,
                 messages=[_wire(e.message, tokens=False)
                           for e in seg.entries[:turn.message_count]],
-                prompt_ids=sequence[:start], response_ids=list(tokens),
+                prompt_len=start, prompt_ids=sequence[:start] if turn_tokens else None,
+                response_ids=list(tokens),
                 logprobs=list(turn.reply.logprobs or []), finish_reason=turn.finish_reason,
                 engine_finish_reason=turn.reply.finish_reason,
                 raw_finish_reason=turn.raw_finish_reason,
@@ -180,7 +207,8 @@ def session_record(session: Session, *, with_turns: bool = True) -> SessionRecor
         id=session.id, state=session.state, created_at=session.created_at,
         metadata=dict(session.metadata), turns=turns, segments=segments,
         splits=dict(history.splits), num_splits=sum(history.splits.values()),
-        requests=session.requests)
+        requests=session.requests, ended=session.ended,
+        conversations=1 + max((s.conversation for s in history.segments), default=0))
 
 
 def segment_record(seg: Segment) -> SegmentRecord:
@@ -192,7 +220,8 @@ def segment_record(seg: Segment) -> SegmentRecord:
         messages=[_wire(e.message, tokens=True) for e in seg.entries],
         tools=seg.tools, tool_turns=seg.tool_turns, drift=seg.drift,
         reused_tokens=seg.reused_tokens, raw_prompt=seg.raw_prompt,
-        finish_reason=seg.finish_reason, policy_version=seg.policy_version)
+        finish_reason=seg.finish_reason, policy_version=seg.policy_version,
+        conversation=seg.conversation, raw_finish_reason=seg.raw_finish_reason)
 
 
 def _wire(message: AgentMessage, *, tokens: bool) -> dict[str, Any]:

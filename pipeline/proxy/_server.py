@@ -9,7 +9,7 @@ Routes (``{sid}`` is a session id)::
     GET    /health
     POST   /sessions                             create (server-generated id)
     POST   /sessions/{sid}                       create with a chosen id
-    GET    /sessions/{sid}                       the record (turns, segments, splits)
+    GET    /sessions/{sid}                       the record (see below)
     POST   /sessions/{sid}/complete              mark completed; returns the record
     DELETE /sessions/{sid}                       forget it; aborts its engine requests
 
@@ -17,7 +17,17 @@ Auth: every session has its own key; a session's routes take that key or the ser
 ``api_key``, never another session's key. ``/health``, ``/v1/models`` and creating sessions
 need the server's ``api_key`` when one is configured (``/v1/models`` also takes any session
 key). Every error is an OpenAI-style JSON body with a 4xx/5xx status; an unexpected error is
-logged with its traceback and answered 500 without one.
+logged with its traceback and answered 500 without one; errors an agent must not retry are
+*final* (403/404 with ``x-should-retry: false``, see ``_errors``). A client that goes away
+mid-answer is logged as such, not as an error.
+
+The record: with the server's key, segments with their token ids and turns with their
+lengths (``?turn_tokens=true`` adds each turn's prompt ids: large, the prompt repeats per turn);
+with the session's own key, the same without any token payload (an agent can afford to read it).
+
+Hostile or buggy agents: a reply is capped at ``max_tokens`` (default 16384), a request body
+must arrive within ``read_timeout_s`` (408), bodies over ``offload_bytes`` are decoded,
+validated and matched off the event loop.
 """
 
 from __future__ import annotations
@@ -42,13 +52,14 @@ from pipeline._net import start_site
 from pipeline._tokenizer import Tokenizer
 from pipeline.engines import Engine
 from pipeline.proxy._errors import ProxyAuthError, ProxyError, ProxyRequestError
-from pipeline.proxy._records import SessionRecord, session_record
+from pipeline.proxy._records import TOKEN_PAYLOADS, SessionRecord, session_record
 from pipeline.proxy._sessions import Session, SessionStore
 from pipeline.proxy._turns import TurnOutcome, TurnRunner
 from pipeline.proxy._wire import (
     completion_body,
     models_body,
     parse_request,
+    refuse_unsupported,
     stream_chunks,
     usage_body,
 )
@@ -70,11 +81,14 @@ class ProxyConfig(BaseModel):
         max_turns: chat completions per session.
         max_body_bytes: largest request body (413 above it).
         idle_timeout_s: sessions idle this long expire.
-        max_tokens: cap on one reply (None: no cap beyond the session's sampling).
+        max_tokens: cap on one reply, whatever the agent asks (None: no cap beyond the
+            session's sampling; the engine's context applies anyway).
         sampling: sampling of sessions created over HTTP without their own.
         offload_chars: render in a worker thread when a request's new messages hold more text.
         abort_timeout_s: bound on one engine abort (a client gone, a session deleted); a
             failed or slow abort is logged, never an error of the request.
+        read_timeout_s: a request body must arrive within this (408 after it).
+        offload_bytes: decode, validate and match larger bodies in a worker thread.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -87,10 +101,12 @@ class ProxyConfig(BaseModel):
     max_turns: int = Field(512, ge=1)
     max_body_bytes: int = Field(16 * 2**20, ge=1024)
     idle_timeout_s: float = Field(900.0, gt=0)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(16384, ge=1)
     sampling: SamplingParams = SamplingParams()
     offload_chars: int = Field(32768, ge=0)
     abort_timeout_s: float = Field(10.0, gt=0)
+    read_timeout_s: float = Field(60.0, gt=0)
+    offload_bytes: int = Field(256 * 1024, ge=0)
 
 
 class SessionCreate(BaseModel):
@@ -205,15 +221,19 @@ class ProxyServer:
 
     def create_session(self, session_id: str | None = None, *,
                        sampling: SamplingParams | None = None, lock_sampling: bool = False,
-                       metadata: Mapping[str, Any] | None = None) -> Session:
+                       metadata: Mapping[str, Any] | None = None,
+                       held: bool = False) -> Session:
         """Create a session in-process (what ``POST /sessions`` does).
+
+        ``held=True``: the session never expires while ``session.held`` stays True (its owner
+        releases it by setting it False or deleting the session).
 
         Raises:
             ProxyRequestError: a malformed or taken ``session_id``.
             ProxyLimitError: too many sessions.
         """
         return self.sessions.create(session_id, sampling=sampling, lock_sampling=lock_sampling,
-                                    metadata=metadata)
+                                    metadata=metadata, held=held)
 
     def record(self, session_id: str) -> SessionRecord:
         """The session's record (``GET /sessions/{sid}``)."""
@@ -244,8 +264,10 @@ class ProxyServer:
         while True:
             await asyncio.sleep(interval)
             for session in self.sessions.idle():
-                await self.delete_session(session.id)
-                self.sessions.expired_count += 1
+                if self.sessions.find(session.id) is not session:
+                    continue
+                self.sessions.expire(session.id)
+                await self._abort(session)
                 _logger.info("session_expired", session=session.id, turns=len(session.turns))
 
     # ----- HTTP --------------------------------------------------------------------------
@@ -273,6 +295,9 @@ class ProxyServer:
             return await handler(request)
         except ProxyError as exc:
             return _error(exc)
+        except ConnectionResetError:  # the client went away while we wrote the answer
+            _logger.info("proxy_client_gone", path=request.path)
+            raise
         except web.HTTPException as exc:  # routing (404, 405) and body size (413)
             if exc.status < 400:
                 raise
@@ -297,6 +322,8 @@ class ProxyServer:
         if name == "chat":
             session = self.sessions.by_key(token) if token else None
             if session is None:
+                if token:
+                    self.sessions.raise_expired(token)
                 raise ProxyAuthError("a session key is required (Authorization: Bearer ...)",
                                      code="invalid_api_key")
         elif name.startswith("session_"):
@@ -304,6 +331,8 @@ class ProxyServer:
             session = self.sessions.find(sid)
             own = session is not None and token is not None and hmac.compare_digest(
                 token.encode(), session.api_key.encode())
+            if session is None and token is not None:
+                self.sessions.raise_expired(token)  # its own key: tell it the session expired
             if not own and not is_admin:
                 raise ProxyAuthError("this route needs the session's key or the server's key",
                                      code="invalid_api_key")
@@ -328,7 +357,7 @@ class ProxyServer:
         return _json(models_body(self.config.model_name))
 
     async def _create(self, request: web.Request) -> web.Response:
-        body = await request.read()
+        body = await self._read(request)
         data = _decode(body) if body.strip() else {}
         try:
             spec = SessionCreate.model_validate(data)
@@ -342,7 +371,17 @@ class ProxyServer:
 
     async def _get(self, request: web.Request) -> web.Response:
         session = self._session_of(request)
-        return _json(session_record(session).model_dump(mode="json"))
+        if not self._is_admin(request):  # the agent's own key: no token payloads
+            record = session_record(session, turn_tokens=False)
+            return _json(record.model_dump(mode="json", exclude=TOKEN_PAYLOADS))
+        turn_tokens = request.query.get("turn_tokens", "").lower() in ("1", "true")
+        return _json(session_record(session, turn_tokens=turn_tokens).model_dump(mode="json"))
+
+    def _is_admin(self, request: web.Request) -> bool:
+        token, admin = _bearer(request), self.config.api_key
+        if admin is None:
+            return False
+        return token is not None and hmac.compare_digest(token.encode(), admin.encode())
 
     async def _complete(self, request: web.Request) -> web.Response:
         session = self._session_of(request)
@@ -354,14 +393,29 @@ class ProxyServer:
         await self.delete_session(session.id)
         return _json({"id": session.id, "deleted": True})
 
+    async def _read(self, request: web.Request) -> bytes:
+        try:
+            async with asyncio.timeout(self.config.read_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise ProxyRequestError(f"the request body did not arrive within read_timeout_s="
+                                    f"{self.config.read_timeout_s:g} s", status=408,
+                                    code="request_timeout") from None
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session = self._session_of(request)
-        chat = parse_request(_decode(await request.read()))
-        outcome = await self.turns.run(session, chat)
+        body = await self._read(request)
+        large = len(body) > self.config.offload_bytes
+        if large:  # decoding and validating many messages would block the loop
+            chat = await asyncio.to_thread(lambda: parse_request(_decode(body)))
+        else:
+            chat = parse_request(_decode(body))
+        refuse_unsupported(chat)
+        outcome = await self.turns.run(session, chat, offload=large)
         if outcome.turn is not None and not outcome.turn.merged and outcome.turn.segment > 0:
             _logger.info("session_split", session=session.id, reason=outcome.turn.split_reason,
                          segment=outcome.turn.segment)
-        return await self._answer(request, chat.stream, chat.stream_options is not None
+        return await self._answer(request, bool(chat.stream), chat.stream_options is not None
                                   and chat.stream_options.include_usage, outcome)
 
     async def _answer(self, request: web.Request, stream: bool, stream_usage: bool,
@@ -376,7 +430,16 @@ class ProxyServer:
                                          logprobs=outcome.logprobs))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+            await self._write_stream(response, cid, model, outcome, usage, stream_usage)
+        except ConnectionResetError:
+            _logger.info("proxy_client_gone", path=request.path, streamed=True)
+        return response
+
+    async def _write_stream(self, response: web.StreamResponse, cid: str, model: str,
+                            outcome: TurnOutcome, usage: dict[str, Any],
+                            stream_usage: bool) -> None:
         for chunk in stream_chunks(completion_id=cid, model=model, message=outcome.reply,
                                    finish_reason=outcome.finish_reason,
                                    usage=usage if stream_usage else None,
@@ -384,7 +447,6 @@ class ProxyServer:
             await response.write(b"data: " + pydantic_core.to_json(chunk) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        return response
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -410,4 +472,6 @@ def _error(exc: ProxyError) -> web.Response:
     response = _json(exc.body(), status=exc.status)
     if exc.status == 401:
         response.headers["WWW-Authenticate"] = "Bearer"
+    if exc.final:
+        response.headers["x-should-retry"] = "false"
     return response

@@ -3,7 +3,10 @@
 A session id and its key are unguessable (``secrets``); the key opens only that session's
 routes. A session's turns run one at a time (its lock), so a turn always sees the history the
 previous one committed. Idle sessions (no request for ``idle_timeout_s``, nothing in flight)
-expire, completed ones included.
+expire, completed ones included, except sessions *held* by their owner (a running
+``RemoteAgent``: its agent may spend a long time in a tool or a test suite between requests).
+The ids and keys of the latest expired sessions are remembered, so a late request is told its
+session expired (404 ``session_expired``, final) instead of getting a puzzling 401.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -20,6 +24,9 @@ from pipeline._tokenizer import Tokenizer
 from pipeline.proxy._errors import ProxyLimitError, ProxyRequestError, SessionNotFound
 from pipeline.proxy._history import History
 from pipeline.proxy._records import Turn
+
+EXPIRED_MEMORY = 4096
+"""How many expired sessions are remembered (to answer their late requests)."""
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 """Session ids a client may choose (``POST /sessions/{sid}``)."""
@@ -41,11 +48,15 @@ class Session:
             (recorded only) and its ``max_tokens`` is capped by ``sampling.max_tokens``: the
             trainer, not the agent, decides how the policy samples.
         metadata: anything the creator attached (the sample's uid, ...).
+        held: never expires while True (its owner, e.g. a running agent, still needs it).
+        ended: why the session cannot go on (``response_budget``, ``max_turns``), once a
+            request hit that limit; None while it can.
     """
 
     def __init__(self, session_id: str, api_key: str, tokenizer: Tokenizer, *,
                  sampling: SamplingParams, lock_sampling: bool,
-                 metadata: Mapping[str, Any] | None, eos_token_id: int | None) -> None:
+                 metadata: Mapping[str, Any] | None, eos_token_id: int | None,
+                 held: bool = False) -> None:
         self.id = session_id
         self.api_key = api_key
         self.history = History(tokenizer, eos_token_id)
@@ -60,6 +71,8 @@ class Session:
         self.lock = asyncio.Lock()
         self.inflight: set[str] = set()
         """Engine request ids running for this session (aborted when it is deleted)."""
+        self.held = held
+        self.ended: str | None = None
 
     @property
     def busy(self) -> bool:
@@ -95,6 +108,8 @@ class SessionStore:
         self.eos_token_id = eos_token_id
         self._by_id: dict[str, Session] = {}
         self._by_key: dict[str, Session] = {}
+        self._expired: OrderedDict[str, str] = OrderedDict()
+        """Expired session ids and keys -> the session id (bounded: EXPIRED_MEMORY each)."""
         self.expired_count = 0
 
     def __len__(self) -> int:
@@ -106,7 +121,7 @@ class SessionStore:
 
     def create(self, session_id: str | None = None, *, sampling: SamplingParams | None = None,
                lock_sampling: bool = False,
-               metadata: Mapping[str, Any] | None = None) -> Session:
+               metadata: Mapping[str, Any] | None = None, held: bool = False) -> Session:
         """Create a session (a server-generated id unless ``session_id`` is given).
 
         Raises:
@@ -125,7 +140,7 @@ class SessionStore:
         sid = session_id or "sess_" + secrets.token_urlsafe(18)
         session = Session(sid, "sk-proxy-" + secrets.token_urlsafe(24), self.tokenizer,
                           sampling=sampling or self.sampling, lock_sampling=lock_sampling,
-                          metadata=metadata, eos_token_id=self.eos_token_id)
+                          metadata=metadata, eos_token_id=self.eos_token_id, held=held)
         self._by_id[sid] = session
         self._by_key[session.api_key] = session
         return session
@@ -142,8 +157,26 @@ class SessionStore:
         """
         session = self._by_id.get(session_id)
         if session is None:
-            raise SessionNotFound(f"no session {session_id!r} (it may have expired)",
-                                  code="session_not_found")
+            self.raise_expired(session_id)
+            raise SessionNotFound(f"no session {session_id!r}", code="session_not_found")
+        return session
+
+    def raise_expired(self, id_or_key: str) -> None:
+        """Raise :class:`SessionNotFound` (``session_expired``) if this id or key expired."""
+        sid = self._expired.get(id_or_key)
+        if sid is not None:
+            raise SessionNotFound(
+                f"session {sid!r} expired: no request for idle_timeout_s="
+                f"{self.idle_timeout_s:g} s; start a new session", code="session_expired")
+
+    def expire(self, session_id: str) -> Session:
+        """Remove an idle session and remember its id and key as expired."""
+        session = self.remove(session_id)
+        for name in (session.id, session.api_key):
+            self._expired[name] = session.id
+        while len(self._expired) > 2 * EXPIRED_MEMORY:
+            self._expired.popitem(last=False)
+        self.expired_count += 1
         return session
 
     def by_key(self, api_key: str) -> Session | None:
@@ -173,8 +206,8 @@ class SessionStore:
         return session
 
     def idle(self, now: float | None = None) -> list[Session]:
-        """Sessions idle for longer than ``idle_timeout_s`` and not busy."""
+        """Sessions idle for longer than ``idle_timeout_s``, not busy and not held."""
         now = time.monotonic() if now is None else now
         limit = self.idle_timeout_s
         return [s for s in self._by_id.values()
-                if now - s.last_active > limit and not s.busy]
+                if now - s.last_active > limit and not s.busy and not s.held]

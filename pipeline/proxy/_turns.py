@@ -4,6 +4,13 @@ The session's history is changed only after the engine answered (``History.commi
 request that fails, is cancelled (the client went away) or is aborted leaves the session as it
 was, so the agent may simply retry.
 
+Limits that end a session: the per-session request limit (``max_turns``) and the sampling's
+``max_response_tokens`` (the response budget, counted like ``Generate`` counts it: model and
+template tokens of the segment). The request that finds one spent gets a final error (403),
+``session.ended`` names the limit, and the segment it would have extended ends with
+``finish_reason=length`` and ``raw_finish_reason="response_budget"`` (a turn cut short by the
+budget gets the same raw reason), so the sample ends the way ``Generate`` ends one.
+
 ``stop`` strings: the engine stops on token ids only. A stop string that is one token is also
 passed as a stop id (to end early); after generation the reply is cut at the first stop
 string: the agent gets the text before it, the record keeps the sampled tokens up to the one
@@ -13,9 +20,10 @@ that completed it (a prefix of what the engine produced, never re-tokenized).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams
@@ -23,7 +31,7 @@ from pipeline._exceptions import EngineError
 from pipeline._models import TOOL_CALL_ERRORS, AgentMessage, FinishReason
 from pipeline._tokenizer import Tokenizer
 from pipeline.engines import Engine, Generation
-from pipeline.proxy._errors import ProxyError, ProxyLimitError, ProxyRequestError
+from pipeline.proxy._errors import FinalError, ProxyError, ProxyRequestError
 from pipeline.proxy._history import TurnPlan
 from pipeline.proxy._records import Turn
 from pipeline.proxy._sessions import Session
@@ -68,42 +76,54 @@ class TurnRunner:
         self.max_turns = max_turns
         self.offload_chars = offload_chars
         self.max_model_len: int | None = getattr(engine, "max_model_len", None)
+        self._bytes: dict[int, bytes | None] = {}
 
-    async def run(self, session: Session, request: ChatCompletionRequest) -> TurnOutcome:
+    async def run(self, session: Session, request: ChatCompletionRequest, *,
+                  offload: bool = False) -> TurnOutcome:
         """Serve ``request`` in ``session`` (see the module doc).
 
+        ``offload``: match the messages in a worker thread (a large request).
+
         Raises:
-            ProxyRequestError: the session is completed (409), a message is invalid, or the
-                prompt does not fit the context.
-            ProxyLimitError: the session used up its turns.
+            FinalError: the session is completed, or used up its requests or its response
+                budget (403, final).
+            ProxyRequestError: a message is invalid, or the prompt does not fit the context.
             ProxyError: the engine failed (502) or aborted the request (503).
         """
         received, start = time.time(), time.perf_counter()
         async with session.lock:
             queued = time.perf_counter()
             if session.state != "active":
-                raise ProxyRequestError(f"session {session.id!r} is completed", status=409,
-                                        code="session_completed")
+                raise FinalError(f"session {session.id!r} is completed",
+                                 code="session_completed")
             if session.requests >= self.max_turns:
-                raise ProxyLimitError(f"session {session.id!r} reached its limit of "
-                                      f"{self.max_turns} requests", code="too_many_turns")
+                session.ended = session.ended or "max_turns"
+                raise FinalError(f"session {session.id!r} reached its limit of "
+                                 f"{self.max_turns} requests", code="too_many_turns")
             session.requests += 1
             session.touch()
             history = session.history
-            match = history.match(request.messages, request.tool_schemas)
-            if match.render_chars() > self.offload_chars:
+            if offload:
+                match = await asyncio.to_thread(history.match, request.messages,
+                                                request.tool_schemas)
+            else:
+                match = history.match(request.messages, request.tool_schemas)
+            if offload or match.render_chars() > self.offload_chars:
                 plan = await asyncio.to_thread(history.render, match)
             else:
                 plan = history.render(match)
             rendered = time.perf_counter()
-            sampling = self._sampling(session, request, plan)
-            if sampling is None:  # the response budget is spent: nothing to generate
-                return TurnOutcome(AgentMessage(role="assistant", content=""), "length",
-                                   len(plan.prompt_ids), plan.reused_tokens, None, None)
+            sampling, binding = self._sampling(session, request, plan)
+            if sampling is None:
+                self._end_on_budget(session, plan)
             request_id = f"{session.id}-{session.requests}"
             gen = await self._generate(session, request_id, plan.prompt_ids, sampling)
             generated = time.perf_counter()
             outcome = self._commit(session, request, plan, gen, sampling, request_id)
+            if binding == "response_budget" and gen.finish_reason is FinishReason.LENGTH:
+                seg = session.history.segments[outcome.turn.segment] if outcome.turn else None
+                if seg is not None:
+                    seg.raw_finish_reason = "response_budget"
             assert outcome.turn is not None
             outcome.turn.timings = {
                 "received_at": received, "queued_s": queued - start,
@@ -112,8 +132,21 @@ class TurnRunner:
             session.touch()
             return outcome
 
+    @staticmethod
+    def _end_on_budget(session: Session, plan: TurnPlan) -> NoReturn:
+        """The response budget is spent before this turn: end the segment, refuse finally."""
+        session.ended = "response_budget"
+        seg = plan.match.segment
+        if seg is not None:
+            seg.finish_reason, seg.raw_finish_reason = FinishReason.LENGTH, "response_budget"
+        raise FinalError(f"session {session.id!r} spent its response budget of "
+                         f"{session.sampling.max_response_tokens} tokens",
+                         code="response_budget_exhausted")
+
     def _sampling(self, session: Session, request: ChatCompletionRequest,
-                  plan: TurnPlan) -> SamplingParams | None:
+                  plan: TurnPlan) -> tuple[SamplingParams, str | None] | tuple[None, None]:
+        """The turn's sampling, and the limit that bound its ``max_tokens`` (None: the
+        per-turn cap); ``(None, None)`` when the response budget is spent."""
         base = session.sampling
         asked = request.max_completion_tokens or request.max_tokens
         if asked is None:
@@ -122,21 +155,25 @@ class TurnRunner:
             max_tokens = min(asked, base.max_tokens) if session.lock_sampling else asked
         if self.max_tokens is not None:
             max_tokens = min(max_tokens, self.max_tokens)
+        binding: str | None = None
         prompt_len = len(plan.prompt_ids)
         if self.max_model_len is not None:
             room = self.max_model_len - prompt_len
-            if room <= 0:
+            if room <= 0:  # OpenAI's wording, which clients recognise as a context error
                 raise ProxyRequestError(
-                    f"the prompt has {prompt_len} tokens; the model's context is "
-                    f"{self.max_model_len}", param="messages", code="context_length_exceeded")
-            max_tokens = min(max_tokens, room)
+                    f"This model's maximum context length is {self.max_model_len} tokens; "
+                    f"the prompt has {prompt_len} tokens", param="messages",
+                    code="context_length_exceeded")
+            if room < max_tokens:
+                max_tokens, binding = room, "context"
         if base.max_response_tokens is not None:
             seg = plan.match.segment
             used = 0 if seg is None else len(seg.response_ids) + len(plan.template_ids)
             left = base.max_response_tokens - used
             if left <= 0:
-                return None
-            max_tokens = min(max_tokens, left)
+                return None, None
+            if left <= max_tokens:
+                max_tokens, binding = left, "response_budget"
         update: dict[str, Any] = {"max_tokens": max_tokens}
         if not session.lock_sampling:
             for name in ("temperature", "top_p", "seed"):
@@ -147,7 +184,7 @@ class TurnRunner:
                                        for s in request.stops) if len(ids) == 1]
         if stop_ids:
             update["stop_token_ids"] = tuple(dict.fromkeys([*base.stop_token_ids, *stop_ids]))
-        return base.model_copy(update=update)
+        return base.model_copy(update=update), binding
 
     async def _generate(self, session: Session, request_id: str, prompt: list[int],
                         sampling: SamplingParams) -> Generation:
@@ -199,7 +236,8 @@ class TurnRunner:
             request={"model": request.model, "temperature": request.temperature,
                      "top_p": request.top_p,
                      "max_tokens": request.max_completion_tokens or request.max_tokens,
-                     "seed": request.seed, "stop": request.stops, "stream": request.stream,
+                     "seed": request.seed, "stop": request.stops,
+                     "stream": bool(request.stream),
                      "tool_choice": request.choice},
             sampling=sampling.model_dump(mode="json"), policy_version=gen.policy_version)
         session.turns.append(turn)
@@ -249,6 +287,59 @@ class TurnRunner:
         out = []
         for token, logprob in zip(tokens, logprobs, strict=True):
             piece = self.tokenizer.decode([token], skip_special_tokens=False)
-            out.append({"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
-                        "top_logprobs": []})
+            raw = self._token_bytes(token, piece)
+            out.append({"token": piece, "logprob": logprob,
+                        "bytes": None if raw is None else list(raw), "top_logprobs": []})
         return out
+
+    def _token_bytes(self, token: int, piece: str) -> bytes | None:
+        """The token's own bytes, so that concatenating them gives the reply's UTF-8 even
+        where a token holds part of a character (its decoded piece is then U+FFFD). None
+        for special tokens, which are not part of the text."""
+        cached = self._bytes.get(token)
+        if cached is not None or token in self._bytes:
+            return cached
+        raw: bytes | None
+        if not self.tokenizer.decode([token], skip_special_tokens=True) and piece:
+            raw = None  # a special token (end of turn, ...)
+        else:
+            raw = _raw_token_bytes(self.tokenizer, token, piece)
+        if len(self._bytes) < 1 << 20:
+            self._bytes[token] = raw
+        return raw
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte is written as -> the byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _raw_token_bytes(tokenizer: Tokenizer, token: int, piece: str) -> bytes:
+    """A token's bytes: byte-level BPE and SentencePiece byte-fallback vocabularies are read
+    from the token's vocabulary string; otherwise the decoded piece stands for it."""
+    if "\ufffd" not in piece:
+        return piece.encode()
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    name = convert(token) if convert is not None else None
+    if isinstance(name, str):
+        if all(c in _BYTE_DECODER for c in name):
+            return bytes(_BYTE_DECODER[c] for c in name)
+        fallback = _BYTE_FALLBACK.fullmatch(name)
+        if fallback is not None:
+            return bytes([int(fallback.group(1), 16)])
+    byte_of = getattr(tokenizer, "token_bytes", None)  # a tokenizer that can tell directly
+    if callable(byte_of):
+        return bytes(byte_of(token))
+    return piece.encode()

@@ -1,7 +1,12 @@
 """OpenAI chat-completions wire formats: the request we accept and the bodies we send.
 
 Requests are validated with pydantic (unknown OpenAI fields such as ``presence_penalty`` or
-``user`` are accepted and ignored). Messages are kept as plain dicts at first: the proxy
+``user`` are accepted and ignored); ``null`` is accepted wherever OpenAI's spec allows it (the
+official SDK sends it for options agent code forwards unset). A field that is valid but cannot be
+honoured (``n`` > 1, ``top_logprobs`` > 0: the engine protocol returns one choice and the
+sampled token's logprob only) is refused with a final error (:func:`refuse_unsupported`).
+
+Messages are kept as plain dicts at first: the proxy
 compares most of them with what it recorded before and validates (:class:`WireMessage`) only
 the ones it has to render. Response bodies are plain dicts in OpenAI's shapes, serialised with
 ``pydantic_core.to_json``.
@@ -17,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline._config import describe_validation_error
 from pipeline._models import AgentMessage, ToolCall, ToolFunction
-from pipeline.proxy._errors import ProxyRequestError
+from pipeline.proxy._errors import FinalError, ProxyRequestError
 
 
 class _Lenient(BaseModel):
@@ -119,19 +124,13 @@ class ChatCompletionRequest(_Lenient):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = Field(None, ge=1, le=128)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported: each choice is one recorded turn")
-        return n
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    parallel_tool_calls: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -157,6 +156,21 @@ class ChatCompletionRequest(_Lenient):
         if self.tool_choice is None:
             return "auto"
         return self.tool_choice if isinstance(self.tool_choice, str) else "function"
+
+
+def refuse_unsupported(request: ChatCompletionRequest) -> None:
+    """Refuse, with a final error, a valid request the proxy cannot serve as asked.
+
+    Raises:
+        FinalError: naming the field (403, ``unsupported_parameter``).
+    """
+    if request.n not in (None, 1):
+        raise FinalError("n > 1 is not supported: each choice would be one recorded turn",
+                         param="n", code="unsupported_parameter")
+    if request.top_logprobs:
+        raise FinalError("top_logprobs > 0 is not supported: the engine returns the sampled "
+                         "token's logprob only", param="top_logprobs",
+                         code="unsupported_parameter")
 
 
 def parse_request(data: Any) -> ChatCompletionRequest:
