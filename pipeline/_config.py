@@ -7,9 +7,9 @@ naming the field instead of a silently ignored key.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline._exceptions import ConfigError
 
@@ -24,7 +24,37 @@ def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
     return "; ".join(parts)
 
 
-class SamplingParams(BaseModel):
+def config_error(exc: ValidationError, prefix: str = "") -> ConfigError:
+    """A :class:`ConfigError` for ``exc``, its ``field`` the first invalid one."""
+    errors = exc.errors(include_url=False)
+    loc = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+    field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or None)
+    return ConfigError(describe_validation_error(exc, prefix), field=field)
+
+
+class _RaisesConfigError(BaseModel):
+    """Constructing from keywords raises :class:`ConfigError` (a ``PipelineError``), not
+    pydantic's ``ValidationError``, as every other entry point does."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise config_error(exc) from None
+
+    # Nested fields (``PipelineConfig.sampling``) keep pydantic's own validation path.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bools(cls, value: Any) -> Any:
+        # pydantic reads True as 1: ``max_concurrency=True`` is a mistake, not a choice.
+        if isinstance(value, bool):
+            raise ValueError("must be a number, not a bool")
+        return value
+
+
+class SamplingParams(_RaisesConfigError):
     """How the engine samples, per turn and across the whole trajectory.
 
     ``max_tokens`` caps one generation (one assistant turn); ``max_response_tokens`` caps the
@@ -40,7 +70,7 @@ class SamplingParams(BaseModel):
     top_k: int = Field(-1, ge=-1)
     max_tokens: int = Field(512, gt=0)
     max_response_tokens: int | None = Field(None, gt=0)
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()
     seed: int | None = None
     n: int = Field(1, ge=1)
 
@@ -57,10 +87,10 @@ class SamplingParams(BaseModel):
         try:
             return SamplingParams.model_validate({**self.model_dump(), **overrides})
         except ValidationError as exc:
-            raise ConfigError(describe_validation_error(exc, where)) from None
+            raise config_error(exc, where) from None
 
 
-class PipelineConfig(BaseModel):
+class PipelineConfig(_RaisesConfigError):
     """Options of a :class:`pipeline.Pipeline`; build from Python or from a plain dict.
 
     Attributes:
@@ -91,7 +121,7 @@ class PipelineConfig(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(describe_validation_error(exc)) from None
+            raise config_error(exc) from None
 
 
 def merge_config(
@@ -109,8 +139,9 @@ def merge_config(
     elif isinstance(config, Mapping):
         base = dict(config)
     else:
-        raise ConfigError(f"config must be a PipelineConfig or a dict, got {type(config).__name__}")
+        raise ConfigError(f"config must be a PipelineConfig or a dict, got {type(config).__name__}",
+                          field="config")
     try:
         return PipelineConfig.model_validate({**base, **options})
     except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc)) from None
+        raise config_error(exc) from None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,10 +15,12 @@ import structlog
 
 from pipeline._cancel import abort_request
 from pipeline._config import PipelineConfig, SamplingParams
+from pipeline._exceptions import ConfigError
 from pipeline._models import AgentRolloutItem, StageRecord, Status
 from pipeline._tokenizer import Tokenizer
-from pipeline.engines import Engine
+from pipeline.engines import Engine, SimulatedEngine
 from pipeline.ratelimit import LimiterRegistry
+from pipeline.tools import Tool, make_registry
 
 if TYPE_CHECKING:
     from pipeline.stages import Stage
@@ -44,6 +48,111 @@ class Resources:
     judgers: Sequence[Any] = ()
     limiters: LimiterRegistry = field(default_factory=LimiterRegistry)
     extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Refuse wrong resources now, not in every sample later (see :func:`check_resources`).
+
+        ``tools`` may be given as a list of tools: the registry is built from it.
+        """
+        if not isinstance(self.tools, Mapping) and isinstance(self.tools, Iterable):
+            self.tools = make_registry(_as_tools(self.tools))
+        check_resources(self)
+
+
+def _refuse_class(name: str, value: Any) -> None:
+    if isinstance(value, type):
+        raise ConfigError(f"{name}={value.__name__} is a class, not an instance: write "
+                          f"{name}={value.__name__}(...)", field=name)
+
+
+def _as_tools(tools: Iterable[Any]) -> list[Any]:
+    tools = list(tools)
+    for i, tool in enumerate(tools):
+        _check_tool(f"tools[{i}]", tool)
+    return tools
+
+
+def _check_tool(where: str, tool: Any) -> None:
+    _refuse_class(where, tool)
+    if isinstance(tool, Tool):
+        return
+    if callable(tool) and not hasattr(tool, "name"):
+        name = getattr(tool, "__name__", type(tool).__name__)
+        raise ConfigError(f"{where} is {name}, a function, not a tool (a function that makes "
+                          f"one? call it: {name}())", field=where)
+    raise ConfigError(f"{where}={tool!r:.60} is not a tool: it needs name, description, "
+                      "parameters, timeout_s and 'async __call__(arguments)'", field=where)
+
+
+def check_resources(resources: Resources) -> None:
+    """Check each resource's type and protocol, so a wrong one fails at construction.
+
+    A :class:`SimulatedEngine` built without ``eos_token_id`` takes the tokenizer's eos here;
+    one whose eos differs from the tokenizer's is refused (its replies would never stop).
+
+    Raises:
+        ConfigError: naming the resource (``engine``, ``tokenizer``, ``tools[...]``, ...)
+            and what to write instead.
+    """
+    engine, tokenizer = resources.engine, resources.tokenizer
+    if engine is not None:
+        _refuse_class("engine", engine)
+        if isinstance(engine, str):
+            raise ConfigError(f"engine={engine!r} is a name, not an engine: build one with "
+                              f"'engine, tokenizer = await make_engine({engine!r}, "
+                              "model_dir=...)'", field="engine")
+        if inspect.iscoroutine(engine):
+            engine.close()
+            raise ConfigError("engine is a coroutine: make_engine(...) must be awaited "
+                              "('await make_engine(...)')", field="engine")
+        if not inspect.iscoroutinefunction(getattr(engine, "generate", None)):
+            raise ConfigError(f"engine={type(engine).__name__} is not an engine: it needs "
+                              "'async def generate(prompt_ids, sampling, request_id)'",
+                              field="engine")
+    if tokenizer is not None:
+        _refuse_class("tokenizer", tokenizer)
+        if isinstance(tokenizer, str | os.PathLike):
+            raise ConfigError(f"tokenizer={str(tokenizer)!r} is a name or path, not a "
+                              "tokenizer: load it, e.g. AutoTokenizer.from_pretrained(...)",
+                              field="tokenizer")
+        missing = [m for m in ("encode", "decode", "apply_chat_template")
+                   if not callable(getattr(tokenizer, m, None))]
+        if missing:
+            raise ConfigError(f"tokenizer={type(tokenizer).__name__} is not a tokenizer: it "
+                              f"lacks {', '.join(missing)}", field="tokenizer")
+    if not isinstance(resources.tools, Mapping):
+        hint = " (one tool? wrap it in a list)" if isinstance(resources.tools, Tool) else ""
+        raise ConfigError(f"tools must be a list of tools or a dict name -> tool, got "
+                          f"{type(resources.tools).__name__}{hint}", field="tools")
+    for name, tool in resources.tools.items():
+        _check_tool(f"tools[{name!r}]", tool)
+    if isinstance(resources.judgers, str | bytes | Mapping) or not isinstance(
+            resources.judgers, Sequence):
+        raise ConfigError(f"judgers must be a list, got {type(resources.judgers).__name__}",
+                          field="judgers")
+    for i, judger in enumerate(resources.judgers):
+        _refuse_class(f"judgers[{i}]", judger)
+    if not isinstance(resources.limiters, LimiterRegistry):
+        raise ConfigError(f"limiters must be a LimiterRegistry, got "
+                          f"{type(resources.limiters).__name__}", field="limiters")
+    if not isinstance(resources.extras, dict):
+        raise ConfigError(f"extras must be a dict, got {type(resources.extras).__name__}",
+                          field="extras")
+    if isinstance(engine, SimulatedEngine) and tokenizer is not None:
+        _match_eos(engine, tokenizer)
+
+
+def _match_eos(engine: SimulatedEngine, tokenizer: Any) -> None:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if not isinstance(eos, int):
+        return
+    if engine.eos_token_id is None:
+        engine.eos_token_id = eos
+    elif engine.eos_token_id != eos:
+        raise ConfigError(f"SimulatedEngine(eos_token_id={engine.eos_token_id}) differs from "
+                          f"the tokenizer's eos ({eos}): generations would not stop where the "
+                          f"tokenizer ends a turn; leave eos_token_id out (it then takes the "
+                          f"tokenizer's) or pass {eos}", field="engine.eos_token_id")
 
 
 class Context:

@@ -4,6 +4,7 @@ Every error the library raises on purpose derives from :class:`PipelineError`::
 
     PipelineError
     ├── ConfigError          invalid PipelineConfig / SamplingParams / Pipeline argument
+    │                        (also a ValueError; ``.field`` names the field)
     ├── RowError             a dataset row that does not fit the row schema
     ├── StageDefinitionError something in a stage list that is not a stage
     ├── EngineError          an engine failed to generate (foreign errors translated here)
@@ -28,7 +29,16 @@ class PipelineError(Exception):
 
 
 class ConfigError(PipelineError, ValueError):
-    """An invalid configuration value; the message names the field."""
+    """An invalid configuration value or argument; the message names the field.
+
+    Attributes:
+        field: dotted name of the offending field or argument (``"sample_timeout_s"``,
+            ``"sampling.top_p"``, ``"engine"``), if known.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class RowError(PipelineError, ValueError):

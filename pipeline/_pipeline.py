@@ -134,6 +134,9 @@ class Pipeline:
         given = {k: options.pop(k) for k in list(options) if k in resource_keys}
         if resources is not None and given:
             raise ConfigError(f"pass either resources= or {sorted(given)}, not both")
+        if resources is not None and not isinstance(resources, Resources):
+            raise ConfigError(f"resources must be a Resources, got {type(resources).__name__}",
+                              field="resources")
         self.stages: list[Stage] = as_stages(stages)
         self.resources = resources or Resources(**given)
         self.config = merge_config(config, options)

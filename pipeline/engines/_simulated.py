@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Callable, Sequence
 
 from pipeline._config import SamplingParams
-from pipeline._exceptions import EngineError
+from pipeline._exceptions import ConfigError, EngineError
 from pipeline._models import FinishReason
 from pipeline.engines._base import RECENT_ABORTS, Generation
 
@@ -37,7 +37,9 @@ class SimulatedEngine:
         error_rate: probability that a request raises :class:`EngineError`.
         hang_rate: probability that a request never returns (until aborted or cancelled).
         vocab_size: random tokens are drawn from ``[0, vocab_size)``, eos excluded.
-        eos_token_id: appended when a random reply stops.
+        eos_token_id: appended when a random reply stops, and the id it stops on. Left out
+            (None), a :class:`pipeline.Pipeline` sets it to its tokenizer's eos (a different
+            one is refused there, since replies would never stop); used alone it is 0.
         responder: makes the reply tokens instead of random ones.
         seed: base seed.
     """
@@ -52,19 +54,33 @@ class SimulatedEngine:
         error_rate: float = 0.0,
         hang_rate: float = 0.0,
         vocab_size: int = 256,
-        eos_token_id: int = 0,
+        eos_token_id: int | None = None,
         responder: Responder | None = None,
         seed: int = 0,
     ) -> None:
-        for name, rate in (
-            ("error_rate", error_rate),
-            ("hang_rate", hang_rate),
-            ("tail_prob", tail_prob),
-        ):
+        _check_numbers(latency_s=latency_s, latency_sigma=latency_sigma, tail_prob=tail_prob,
+                       tail_factor=tail_factor, error_rate=error_rate, hang_rate=hang_rate)
+        for name, rate in (("error_rate", error_rate), ("hang_rate", hang_rate),
+                           ("tail_prob", tail_prob)):
             if not 0.0 <= rate <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {rate}")
+                raise ConfigError(f"SimulatedEngine: {name} must be in [0, 1], got {rate}",
+                                  field=name)
         if latency_s < 0 or latency_sigma < 0 or tail_factor < 1:
-            raise ValueError("latency_s and latency_sigma must be >= 0 and tail_factor >= 1")
+            raise ConfigError("SimulatedEngine: latency_s and latency_sigma must be >= 0 and "
+                              "tail_factor >= 1", field="latency_s")
+        for name, value, low in (("vocab_size", vocab_size, 1), ("eos_token_id", eos_token_id, 0),
+                                 ("seed", seed, None)):
+            if value is None and name == "eos_token_id":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or (
+                    low is not None and value < low):
+                raise ConfigError(f"SimulatedEngine: {name} must be an int"
+                                  f"{'' if low is None else f' >= {low}'}, got {value!r}",
+                                  field=name)
+        if responder is not None and not callable(responder):
+            raise ConfigError(f"SimulatedEngine: responder must be callable "
+                              f"(prompt_ids, rng) -> token_ids, got {responder!r}",
+                              field="responder")
         self.latency_s = latency_s
         self.latency_sigma = latency_sigma
         self.tail_prob = tail_prob
@@ -72,7 +88,7 @@ class SimulatedEngine:
         self.error_rate = error_rate
         self.hang_rate = hang_rate
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_id: int | None = eos_token_id
         self.responder = responder
         self.seed = seed
         self.in_flight: dict[str, asyncio.Future[bool]] = {}
@@ -101,9 +117,10 @@ class SimulatedEngine:
         if self.responder is not None:
             return self.responder(prompt_ids, rng)
         length = rng.randint(1, max_tokens + max_tokens // 4 + 1)
+        eos = self.eos_token_id or 0
         tokens = [rng.randrange(self.vocab_size) for _ in range(length)]
-        tokens = [t if t != self.eos_token_id else (t + 1) % self.vocab_size for t in tokens]
-        return [*tokens, self.eos_token_id]
+        tokens = [t if t != eos else (t + 1) % self.vocab_size for t in tokens]
+        return [*tokens, eos]
 
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str
@@ -133,7 +150,7 @@ class SimulatedEngine:
         if fault < self.hang_rate + self.error_rate:
             raise EngineError(f"simulated engine fault on request {request_id}")
         reply = self._reply(list(prompt_ids), rng, sampling.max_tokens)
-        stop_ids = {self.eos_token_id, *sampling.stop_token_ids}
+        stop_ids = {self.eos_token_id or 0, *sampling.stop_token_ids}
         for i, tok in enumerate(reply[: sampling.max_tokens]):
             if tok in stop_ids:
                 tokens, reason = reply[: i + 1], FinishReason.STOP
@@ -154,6 +171,13 @@ class SimulatedEngine:
         """Abort everything still in flight."""
         for request_id in list(self.in_flight):
             await self.abort(request_id)
+
+
+def _check_numbers(**values: object) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise ConfigError(f"SimulatedEngine: {name} must be a number, got {value!r}",
+                              field=name)
 
 
 def _finish(outcome: asyncio.Future[bool]) -> None:

@@ -59,8 +59,14 @@ def as_stage(obj: Any, position: int | str = "?") -> Stage:
     """Return ``obj`` as a stage, or raise a clear error naming the position and the object.
 
     Raises:
-        StageDefinitionError: ``obj`` is neither a stage nor an async function.
+        StageDefinitionError: ``obj`` is neither a stage nor an async function (a stage
+            class instead of an instance included: the message says what to write).
     """
+    if isinstance(obj, type):
+        raise StageDefinitionError(
+            f"stage {position} is the class {obj.__name__}, not a stage: write "
+            f"{obj.__name__}() (an instance) in the stage list"
+        )
     run = getattr(obj, "run", None)
     if run is not None and callable(run):
         if not inspect.iscoroutinefunction(run):
@@ -85,13 +91,17 @@ def as_stage(obj: Any, position: int | str = "?") -> Stage:
     )
 
 
-def as_stages(objs: Iterable[Any]) -> list[Stage]:
-    """Validate a stage list (see :func:`as_stage`)."""
-    if isinstance(objs, str | bytes) or not isinstance(objs, Iterable):
-        raise StageDefinitionError(f"stages must be a list, got {type(objs).__name__}")
-    stages = [as_stage(obj, i) for i, obj in enumerate(objs)]
+def as_stages(objs: Iterable[Any], where: str = "") -> list[Stage]:
+    """Validate a stage list (see :func:`as_stage`); ``where`` names a nested list in errors
+    (``" of Loop 'loop'"``)."""
+    if isinstance(objs, str | bytes | type) or not isinstance(objs, Iterable):
+        hint = " (one stage? wrap it in a list)" if hasattr(objs, "run") else ""
+        raise StageDefinitionError(
+            f"stages{where} must be a list of stages, got {type(objs).__name__} "
+            f"{objs!r:.80}{hint}")
+    stages = [as_stage(obj, f"{i}{where}") for i, obj in enumerate(objs)]
     if not stages:
-        raise StageDefinitionError("the stage list is empty")
+        raise StageDefinitionError(f"the stage list{where} is empty")
     return stages
 
 
@@ -177,11 +187,13 @@ class Loop:
         until: Callable[[AgentRolloutItem], bool] = last_assistant_has_no_tool_calls,
         name: str = "loop",
     ) -> None:
-        if not isinstance(max_turns, int) or max_turns < 1:
+        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
             raise StageDefinitionError(f"Loop: max_turns must be an int >= 1, got {max_turns!r}")
         if not callable(until):
             raise StageDefinitionError(f"Loop: until must be callable, got {until!r}")
-        self.stages = as_stages(stages)
+        if not isinstance(name, str) or not name:
+            raise StageDefinitionError(f"Loop: name must be a non-empty string, got {name!r}")
+        self.stages = as_stages(stages, where=f" of Loop {name!r}")
         self.until = until
         self.max_turns = max_turns
         self.name = name
