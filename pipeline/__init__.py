@@ -49,6 +49,14 @@ from pipeline._models import (
 )
 from pipeline._pipeline import Pipeline
 from pipeline._rows import DatasetRow, iter_rows, load_rows, parse_row
+from pipeline._stream import (
+    DynamicSampling,
+    GroupResult,
+    RolloutStream,
+    SampleResult,
+    StreamReport,
+    has_reward_variance,
+)
 from pipeline._tokenizer import Tokenizer
 from pipeline.batch import collate, group_advantages, summarize_groups, to_verl_batch, to_xtuner
 from pipeline.diagnostics import Watchdog, asyncio_run, capture_snapshot, install_task_dumper
@@ -88,6 +96,7 @@ __all__ = [
     "Context",
     "ContractError",
     "DatasetRow",
+    "DynamicSampling",
     "Engine",
     "EngineError",
     "ExitReason",
@@ -96,6 +105,7 @@ __all__ = [
     "FunctionTool",
     "Generate",
     "Generation",
+    "GroupResult",
     "Judge",
     "JudgeError",
     "JudgeResult",
@@ -112,15 +122,18 @@ __all__ = [
     "RemoteAgent",
     "Resources",
     "RolloutSample",
+    "RolloutStream",
     "RowError",
     "SampleAborted",
     "SampleBuilder",
+    "SampleResult",
     "SamplingParams",
     "SimulatedEngine",
     "Stage",
     "StageDefinitionError",
     "StageRecord",
     "Status",
+    "StreamReport",
     "StructlogSink",
     "Tokenizer",
     "Tool",
@@ -140,6 +153,7 @@ __all__ = [
     "fill_sample",
     "get_judger",
     "group_advantages",
+    "has_reward_variance",
     "install_task_dumper",
     "iter_rows",
     "load_rows",

@@ -13,13 +13,14 @@ from pipeline._models import AgentRolloutItem
 from pipeline._rows import DatasetRow, parse_row
 
 
-def make_items(rows: Iterable[Any], n: int | None,
-               config: PipelineConfig) -> list[AgentRolloutItem]:
-    """See :meth:`pipeline.Pipeline.make_items`."""
+def make_items(rows: Iterable[Any], n: int | None, config: PipelineConfig,
+               start: int = 0) -> list[AgentRolloutItem]:
+    """See :meth:`pipeline.Pipeline.make_items`; ``start`` is the index of the first row
+    (rows drawn in waves keep distinct seeds and error positions)."""
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise ConfigError(f"field 'n': must be an int >= 1, got {n!r}")
     items: list[AgentRolloutItem] = []
-    for i, raw in enumerate(rows):
+    for i, raw in enumerate(rows, start):
         if isinstance(raw, AgentRolloutItem):
             raw.index = len(items)
             items.append(raw)

@@ -7,13 +7,13 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
-from pipeline._cancel import cancel_requested, wait_through_cancellation
+from pipeline._cancel import cancel_requested
 from pipeline._cleanup import run_cleanups
 from pipeline._config import PipelineConfig, merge_config
 from pipeline._context import Context, Resources
@@ -38,15 +38,26 @@ from pipeline._outcome import (
     force_end,
     uncancel,
 )
+from pipeline._producer import Batch, Producer, SampleCallback, SampleRun
 from pipeline._rows import DatasetRow
 from pipeline._slots import FifoSlots
 from pipeline._stats import safe_stats
+from pipeline._stream import (
+    DynamicSampling,
+    GroupResult,
+    RolloutStream,
+    RowSource,
+    SampleResult,
+    StreamReport,
+    check_num_needed,
+    stream_groups,
+    stream_samples,
+)
 from pipeline.observability import ProgressHeartbeat
 from pipeline.stages import Stage, as_stages, run_stage
 
 _logger = structlog.get_logger("pipeline")
 
-SampleCallback = Callable[[AgentRolloutItem, RolloutSample], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,41 +78,6 @@ _RUNNING: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 def running_pipelines() -> list[Pipeline]:
     """Pipelines with a batch in progress in this process (read by diagnostics only)."""
     return [p for p in list(_RUNNING) if p._active_batches]
-
-
-class _Batch:
-    """Book-keeping of one ``run_batch`` call (over-sampling, cancellation)."""
-
-    __slots__ = ("cancelled", "completed", "num_needed", "runs")
-
-    def __init__(self, num_needed: int | None) -> None:
-        self.num_needed = num_needed
-        self.completed = 0
-        self.cancelled = False
-        self.runs: list[_SampleRun] = []
-
-    def abort_rest(self) -> None:
-        for run in self.runs:
-            if (
-                run.task is not None
-                and not run.task.done()
-                and not run.abort_requested
-                and run.item.status is None
-            ):
-                run.abort_requested = True
-                if run.ctx is not None:
-                    run.ctx.abort_requested = True
-                run.task.cancel()
-
-
-class _SampleRun:
-    __slots__ = ("abort_requested", "ctx", "item", "task")
-
-    def __init__(self, item: AgentRolloutItem) -> None:
-        self.item = item
-        self.ctx: Context | None = None
-        self.task: asyncio.Task[RolloutSample] | None = None
-        self.abort_requested = False
 
 
 class Pipeline:
@@ -209,26 +185,18 @@ class Pipeline:
                 and awaited first (stage cleanups run), none is left behind.
         """
         items = self.make_items(rows, n)
-        if num_needed is not None and not 1 <= num_needed <= len(items):
-            raise ConfigError(f"field 'num_needed': must be in [1, {len(items)}], got {num_needed}")
+        check_num_needed(num_needed, len(items))
         started = time.monotonic()
-        batch = _Batch(num_needed)
-        batch.runs = [_SampleRun(item) for item in items]
-        _RUNNING.add(self)
-        with self._lock:
-            self._active_batches += 1
-        heartbeat: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
-        if self.config.progress_log_s is not None:
-            heartbeat = ProgressHeartbeat(
-                self, interval_s=self.config.progress_log_s, total=len(items)
-            )
-        try:
-            async with heartbeat:
-                await self._run_all(batch, on_sample_done)
-        finally:
-            with self._lock:
-                self._active_batches -= 1
-        samples = [self._sample_of(run) for run in batch.runs]
+        producer = self.producer(num_needed, on_sample_done)
+        runs = producer.start(items)
+        async with self.batch_scope(len(items)):
+            try:
+                while producer.unfinished:
+                    await producer.next_finished()
+            except BaseException:
+                await producer.cancel()
+                raise
+        samples = [self.sample_of(run) for run in runs]
         stats = safe_stats(samples, items, time.monotonic() - started)
         _logger.info(
             "batch_done",
@@ -238,39 +206,82 @@ class Pipeline:
         )
         return ProduceBatchResult(samples=samples, items=items, stats=stats)
 
-    async def _run_all(self, batch: _Batch, on_done: SampleCallback | None) -> None:
-        """Run every sample in a task owned here; on cancellation, cancel them all and wait.
+    def stream(
+        self,
+        rows: Iterable[Any],
+        *,
+        n: int | None = None,
+        num_needed: int | None = None,
+        on_sample_done: SampleCallback | None = None,
+    ) -> RolloutStream[SampleResult]:
+        """Yield each sample as it finishes, as ``(sample, item)``; same guarantees as
+        :meth:`run_batch` (every sample exactly once, statuses, cleanups).
 
-        Not a TaskGroup: a sample task never raises for a stage's error (its outcome is a
-        status), and a task group would cancel the caller's task for a child's error and, on
-        Python 3.11, could leave that cancellation pending on the caller. A ``BaseException``
-        that is not ours to stop (a stage raising ``SystemExit``, say) cancels the batch and
-        is raised in a ``BaseExceptionGroup``, as a task group would.
+        Use it as ``async with pipeline.stream(rows, n=4) as samples: async for sample, item
+        in samples: ...``: leaving the block early (``break``, an error, a cancellation)
+        cancels the samples still running, runs their cleanups and waits for them.
+
+        Raises:
+            RowError, ConfigError: bad input, before any work starts.
         """
-        loop = asyncio.get_running_loop()
-        tasks = []
-        for run in batch.runs:
-            run.task = loop.create_task(
-                self._run_sample(run, batch, on_done), name=f"sample:{run.item.uid}"
-            )
-            tasks.append(run.task)
-        pending: set[asyncio.Task[RolloutSample]] = set(tasks)
-        try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-                fatal = [exc for task in done if not task.cancelled()
-                         and not isinstance(exc := task.exception(), Exception | None)]
-                if fatal:
-                    raise BaseExceptionGroup("a sample raised a BaseException", fatal)
-        except BaseException:
-            batch.cancelled = True
-            for task in tasks:
-                task.cancel()
-            await wait_through_cancellation(tasks)
-            raise
+        items = self.make_items(rows, n)
+        check_num_needed(num_needed, len(items))
+        return RolloutStream(stream_samples(self, items, num_needed, on_sample_done))
 
-    def _sample_of(self, run: _SampleRun) -> RolloutSample:
-        """The sample a finished task produced; a task that ended without one (cancelled
+    def stream_groups(
+        self,
+        rows: Iterable[Any],
+        *,
+        n: int | None = None,
+        num_needed: int | None = None,
+        dynamic: DynamicSampling | None = None,
+        on_sample_done: SampleCallback | None = None,
+    ) -> RolloutStream[GroupResult]:
+        """Yield each prompt's group once all ``n`` of its samples have finished.
+
+        With ``dynamic`` (:class:`DynamicSampling`), groups its ``keep`` rule rejects (by
+        default: every reward equal, no learning signal for GRPO) are not yielded but
+        reported in the stream's ``report``, and new prompts are drawn from ``rows`` (any
+        iterable, read lazily) until ``target_groups`` groups were kept or a cap is hit.
+
+        Raises:
+            RowError, ConfigError: bad input (rows drawn later are checked when drawn).
+        """
+        if dynamic is not None and not isinstance(dynamic, DynamicSampling):
+            raise ConfigError(f"field 'dynamic': must be a DynamicSampling, got {dynamic!r}")
+        if dynamic is not None and num_needed is not None:
+            raise ConfigError("pass either num_needed= (over-sampling by samples) or dynamic= "
+                              "(by informative groups), not both")
+        source = RowSource(rows, n, self)
+        first = source.draw(None if dynamic is None else dynamic.target_groups)
+        check_num_needed(num_needed, len(first))
+        report = StreamReport()
+        return RolloutStream(stream_groups(self, source, first, num_needed, dynamic,
+                                           on_sample_done, report), report)
+
+    def producer(self, num_needed: int | None, on_done: SampleCallback | None) -> Producer:
+        """A :class:`Producer` whose tasks run this pipeline's samples (for streams)."""
+        return Producer(lambda run, batch: self._run_sample(run, batch, on_done), num_needed)
+
+    @contextlib.asynccontextmanager
+    async def batch_scope(self, total: int | None) -> AsyncIterator[None]:
+        """Marks a batch in progress (diagnostics) and logs its heartbeat, if configured."""
+        _RUNNING.add(self)
+        with self._lock:
+            self._active_batches += 1
+        try:
+            if self.config.progress_log_s is None:
+                yield
+            else:
+                async with ProgressHeartbeat(self, interval_s=self.config.progress_log_s,
+                                             total=total):
+                    yield
+        finally:
+            with self._lock:
+                self._active_batches -= 1
+
+    def sample_of(self, run: SampleRun) -> RolloutSample:
+        """The sample a finished run produced; a task that ended without one (cancelled
         from outside, or raised through every guard) still yields a masked sample."""
         task = run.task
         if task is not None and task.done() and not task.cancelled():
@@ -299,7 +310,7 @@ class Pipeline:
         ]
 
     async def _run_sample(
-        self, run: _SampleRun, batch: _Batch, on_done: SampleCallback | None
+        self, run: SampleRun, batch: Batch, on_done: SampleCallback | None
     ) -> RolloutSample:
         """Run one sample to a status and build its trainer view. Raises only
         ``CancelledError`` when the batch itself is cancelled (and ``BaseException``s that
@@ -339,7 +350,7 @@ class Pipeline:
                 _logger.error("on_sample_done_failed", uid=item.uid, error=repr(exc))
         return sample
 
-    async def _execute(self, run: _SampleRun, batch: _Batch) -> None:
+    async def _execute(self, run: SampleRun, batch: Batch) -> None:
         item = run.item
         loop = asyncio.get_running_loop()
         timeout = self.config.sample_timeout_s
@@ -368,7 +379,7 @@ class Pipeline:
             ctx.log.warning("sample_ended", status=item.status.value, error=item.error)
 
     def _settle(
-        self, exc: BaseException, run: _SampleRun, batch: _Batch, deadline_expired: bool
+        self, exc: BaseException, run: SampleRun, batch: Batch, deadline_expired: bool
     ) -> None:
         """Turn how the stages ended into a status; re-raise only a cancelled batch.
 

@@ -1,0 +1,118 @@
+"""The sample tasks of one ``run_batch`` or stream: owned, handed over as they finish.
+
+Not a TaskGroup: a sample task never raises for a stage's error (its outcome is a status), and
+a task group would cancel its owner's task for a child's error and, on Python 3.11, could leave
+that cancellation pending on the owner. A ``BaseException`` that is not ours to stop (a stage
+raising ``SystemExit``, say) cancels the batch and is raised in a ``BaseExceptionGroup``, as a
+task group would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
+
+from pipeline._cancel import wait_through_cancellation
+from pipeline._context import Context
+from pipeline._models import AgentRolloutItem, RolloutSample
+
+
+class SampleRun:
+    """One sample's task and what the runner knows of it."""
+
+    __slots__ = ("abort_requested", "ctx", "item", "task")
+
+    def __init__(self, item: AgentRolloutItem) -> None:
+        self.item = item
+        self.ctx: Context | None = None
+        self.task: asyncio.Task[RolloutSample] | None = None
+        self.abort_requested = False
+
+
+class Batch:
+    """Book-keeping shared by the samples of one call (over-sampling, cancellation)."""
+
+    __slots__ = ("cancelled", "completed", "num_needed", "runs")
+
+    def __init__(self, num_needed: int | None) -> None:
+        self.num_needed = num_needed
+        self.completed = 0
+        self.cancelled = False
+        self.runs: list[SampleRun] = []
+
+    def abort_rest(self) -> None:
+        """Abort every sample still running or queued (over-sampling had enough)."""
+        for run in self.runs:
+            if (
+                run.task is not None
+                and not run.task.done()
+                and not run.abort_requested
+                and run.item.status is None
+            ):
+                run.abort_requested = True
+                if run.ctx is not None:
+                    run.ctx.abort_requested = True
+                run.task.cancel()
+
+
+RunSample = Callable[[SampleRun, Batch], Coroutine[Any, Any, RolloutSample]]
+
+SampleCallback = Callable[[AgentRolloutItem, RolloutSample], None]
+"""Called with ``(item, sample)`` as each sample ends (``run_batch(on_sample_done=...)``)."""
+
+
+class Producer:
+    """Starts sample tasks and hands each back once it has finished, in finishing order."""
+
+    def __init__(self, run_sample: RunSample, num_needed: int | None) -> None:
+        self.run_sample = run_sample
+        self.batch = Batch(num_needed)
+        self.unfinished = 0
+        self._finished: asyncio.Queue[SampleRun] = asyncio.Queue()
+
+    def start(self, items: Iterable[AgentRolloutItem]) -> list[SampleRun]:
+        """Start one task per item; they run until done, aborted, or :meth:`cancel`."""
+        loop = asyncio.get_running_loop()
+        started = []
+        for item in items:
+            run = SampleRun(item)
+            run.task = loop.create_task(self.run_sample(run, self.batch),
+                                        name=f"sample:{item.uid}")
+            run.task.add_done_callback(functools.partial(self._hand_over, run))
+            self.batch.runs.append(run)
+            started.append(run)
+        self.unfinished += len(started)
+        return started
+
+    def _hand_over(self, run: SampleRun, _: object) -> None:
+        self._finished.put_nowait(run)
+
+    async def next_finished(self) -> SampleRun:
+        """The next run whose task has ended.
+
+        Raises:
+            BaseExceptionGroup: a sample raised a ``BaseException`` that is not ours to stop.
+        """
+        run = await self._finished.get()
+        self.unfinished -= 1
+        task = run.task
+        assert task is not None
+        if not task.cancelled() and not isinstance(exc := task.exception(), Exception | None):
+            raise BaseExceptionGroup("a sample raised a BaseException", [exc])
+        return run
+
+    async def cancel(self) -> None:
+        """Cancel every unfinished sample and wait for all of them (cleanups run), even if
+        the caller is cancelled meanwhile; re-raises that cancellation afterwards."""
+        self.batch.cancelled = True
+        tasks = [run.task for run in self.batch.runs if run.task is not None]
+        for task in tasks:
+            task.cancel()
+        cancelled = await wait_through_cancellation(tasks)
+        for task in tasks:
+            if not task.cancelled():
+                task.exception()  # retrieved: the cancellation is what the caller sees
+        if cancelled:
+            raise asyncio.CancelledError
