@@ -10,7 +10,7 @@ from typing import Any
 from pipeline._config import PipelineConfig
 from pipeline._exceptions import ConfigError
 from pipeline._models import AgentRolloutItem
-from pipeline._rows import DatasetRow, parse_row
+from pipeline._rows import DatasetRow, check_rows_argument, parse_row
 
 
 def make_items(rows: Iterable[Any], n: int | None, config: PipelineConfig,
@@ -18,7 +18,8 @@ def make_items(rows: Iterable[Any], n: int | None, config: PipelineConfig,
     """See :meth:`pipeline.Pipeline.make_items`; ``start`` is the index of the first row
     (rows drawn in waves keep distinct seeds and error positions)."""
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise ConfigError(f"field 'n': must be an int >= 1, got {n!r}")
+        raise ConfigError(f"field 'n': must be an int >= 1, got {n!r}", field="n")
+    check_rows_argument(rows)
     items: list[AgentRolloutItem] = []
     for i, raw in enumerate(rows, start):
         if isinstance(raw, AgentRolloutItem):

@@ -56,8 +56,12 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
         return raw
     where = f"row {index}" if index is not None else "row"
     if not isinstance(raw, Mapping):
-        raise RowError(f"{where}: expected a mapping, got {type(raw).__name__}", row_index=index)
+        hint = ("; rows are dicts: a single row or a path? pass [row] or load_rows(path)"
+                if isinstance(raw, str | bytes) else "")
+        raise RowError(f"{where}: expected a mapping, got {type(raw).__name__} {raw!r:.40}{hint}",
+                       row_index=index)
     data = dict(raw)
+    source = "messages"
     if "messages" not in data:
         if "prompt" not in data:
             raise RowError(
@@ -66,6 +70,7 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
                 row_index=index,
                 field="messages",
             )
+        source = "prompt"
         prompt = data.pop("prompt")
         data["messages"] = (
             [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -86,7 +91,8 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
     for key in [k for k in data if k not in DatasetRow.model_fields]:
         extra[key] = data.pop(key)
     data["extra"] = extra
-    _check_messages(data["messages"], where, index)
+    _check_messages(data["messages"], where, index, source)
+    _check_fields(data, where, index)
     try:
         return DatasetRow.model_validate(data)
     except ValidationError as exc:
@@ -97,15 +103,18 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
         ) from None
 
 
-def _check_messages(messages: Any, where: str, index: int | None) -> None:
+def _check_messages(messages: Any, where: str, index: int | None,
+                    source: str = "messages") -> None:
     if not isinstance(messages, list) or not messages:
+        what = "a non-empty string or " if source == "prompt" else ""
         raise RowError(
-            f"{where}: field 'messages' must be a non-empty list of chat messages",
+            f"{where}: field '{source}' must be {what}a non-empty list of chat messages, "
+            f"got {messages!r:.60}",
             row_index=index,
-            field="messages",
+            field=source,
         )
     for i, msg in enumerate(messages):
-        field = f"messages.{i}"
+        field = f"{source}.{i}"
         if not isinstance(msg, Mapping):
             raise RowError(
                 f"{where}: field '{field}' must be a mapping with 'role' and 'content'",
@@ -126,6 +135,63 @@ def _check_messages(messages: Any, where: str, index: int | None) -> None:
                 row_index=index,
                 field=f"{field}.content",
             )
+    if not any(m.get("role") == "user" and _has_text(m.get("content")) for m in messages):
+        raise RowError(
+            f"{where}: field '{source}' has no user message with content: the model would "
+            "see the chat template alone",
+            row_index=index,
+            field=source,
+        )
+
+
+def _has_text(content: Any) -> bool:
+    """Whether message content holds anything: non-blank text, or a non-text part."""
+    if isinstance(content, str):
+        return bool(content.strip())
+    if isinstance(content, list):
+        return any(not isinstance(p, Mapping) or p.get("type", "text") != "text"
+                   or _has_text(p.get("text")) for p in content)
+    return False
+
+
+def _check_fields(data: dict[str, Any], where: str, index: int | None) -> None:
+    """The optional fields' shapes, beyond their types (which the model checks)."""
+    tools = data.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise RowError(f"{where}: field 'tools' must be a list of OpenAI tool schemas, "
+                           f"got {type(tools).__name__}", row_index=index, field="tools")
+        for i, schema in enumerate(tools):
+            function = schema.get("function") if isinstance(schema, Mapping) else None
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) \
+                    or not function["name"]:
+                raise RowError(
+                    f"{where}: field 'tools.{i}' must be an OpenAI tool schema "
+                    "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, "
+                    f"got {schema!r:.80}", row_index=index, field=f"tools.{i}")
+    source = data.get("data_source", "default")
+    if not isinstance(source, str) or not source:
+        raise RowError(f"{where}: field 'data_source' must be a non-empty string, got "
+                       f"{source!r:.40}", row_index=index, field="data_source")
+
+
+def check_rows_argument(rows: Any) -> None:
+    """Refuse a ``rows`` argument that is not a collection of rows (before any is read).
+
+    A single row dict, a path, a string or ``None`` would otherwise iterate into nonsense
+    (a dict's keys, a string's characters).
+
+    Raises:
+        RowError: naming what was passed and what to pass instead.
+    """
+    if isinstance(rows, Mapping | DatasetRow):
+        raise RowError("rows must be a list of rows, got a single row: pass [row]",
+                       field="rows")
+    if isinstance(rows, str | bytes | Path):
+        raise RowError(f"rows must be a list of rows, got {type(rows).__name__} {rows!r:.60}: "
+                       "for a file, pass load_rows(path)", field="rows")
+    if not isinstance(rows, Iterable):
+        raise RowError(f"rows must be a list of rows, got {type(rows).__name__}", field="rows")
 
 
 def iter_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[DatasetRow]:
