@@ -5,7 +5,7 @@ Usage: ``python tests/diag_child.py MODE [--loop asyncio|uvloop] [--samples N]``
 Every mode starts a pipeline of ``N`` samples whose stage ``wait_forever`` awaits an
 ``asyncio.Event`` that is never set, under ``pipeline.asyncio_run`` (so the task dumper is
 installed on SIGUSR1). Once every sample is stuck it writes ``ready-<pid>`` into
-``$ROLLOUT_DUMP_DIR`` and then, by mode:
+``$DIAG_READY_DIR`` (default ``$ROLLOUT_DUMP_DIR``) and then, by mode:
 
 - ``idle``: the event loop idles (waits in epoll);
 - ``sleep``: the loop thread blocks in ``time.sleep`` inside ``block_in_sleep``;
@@ -88,7 +88,8 @@ async def main(mode: str, samples: int) -> None:
                 s.stage == "wait_forever" for s in pipeline.inflight()):
             break
         await asyncio.sleep(0.01)
-    ready = Path(os.environ["ROLLOUT_DUMP_DIR"]) / f"ready-{os.getpid()}"
+    ready_dir = os.environ.get("DIAG_READY_DIR") or os.environ["ROLLOUT_DUMP_DIR"]
+    ready = Path(ready_dir) / f"ready-{os.getpid()}"
     ready.write_text(" ".join(s.uid for s in pipeline.inflight()))
     if mode in ("sleep", "hardlimit"):
         block_in_sleep()

@@ -11,9 +11,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.diagnostics import DUMP_DIR_ENV
+from pipeline.diagnostics import DUMP_DIR_ENV, DiagnosticsError, TaskDumper
 from pipeline.diagnostics._cli import dump_command
+from pipeline.diagnostics._paths import UnsafeDirectoryError, open_private_dir, write_atomic
 
 CHILD = Path(__file__).with_name("diag_child.py")
 READY_TIMEOUT_S = 30.0
@@ -52,12 +56,16 @@ def spawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     monkeypatch.setenv(DUMP_DIR_ENV, str(tmp_path))
     children: list[subprocess.Popen[bytes]] = []
 
-    def start(mode: str, *extra: str, wait_ready: bool = True) -> Child:
-        log = open(tmp_path / "child.log", "wb")  # closed below
+    def start(mode: str, *extra: str, wait_ready: bool = True,
+              env: dict[str, str] | None = None) -> Child:
+        """``env`` replaces the child's ROLLOUT_DUMP_DIR (default: the test's directory)."""
+        child_env = {**os.environ, "DIAG_READY_DIR": str(tmp_path)}
+        child_env.pop(DUMP_DIR_ENV, None)
+        child_env.update({DUMP_DIR_ENV: str(tmp_path)} if env is None else env)
+        log = open(tmp_path / "child.log", "ab")  # closed below
         try:
             proc = subprocess.Popen([sys.executable, str(CHILD), mode, *extra],
-                                    stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, DUMP_DIR_ENV: str(tmp_path)})
+                                    stdout=log, stderr=subprocess.STDOUT, env=child_env)
         finally:
             log.close()
         children.append(proc)
@@ -192,3 +200,141 @@ def test_missing_process(capsys):
     proc.wait(timeout=10)
     assert dump_command(proc.pid, timeout=0.5) == 1
     assert f"no process {proc.pid}" in capsys.readouterr().err
+
+
+# --- the dump directory against another local user -------------------------------------
+
+NOBODY = 65534
+SYSTEM_PYTHON = shutil.which("python3", path=os.defpath)
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or SYSTEM_PYTHON is None,
+                                reason="needs root and a system python3 to act as another uid")
+
+
+def as_nobody(script: str, *args: str) -> None:
+    """Run ``script`` as another user (uid 65534): a real process, a real uid."""
+    assert SYSTEM_PYTHON is not None
+    done = subprocess.run([SYSTEM_PYTHON, "-I", "-c", script, *args], user=NOBODY,
+                          group=NOBODY, extra_groups=[], capture_output=True, timeout=30,
+                          cwd="/")
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A world-writable sticky directory like /tmp, that other users can reach."""
+    path = Path(tempfile.mkdtemp(prefix="diag-shared-"))
+    os.chmod(path, 0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _owners(path: Path) -> set[int]:
+    return {p.lstat().st_uid for p in path.rglob("*")}
+
+
+PLANT_DIR = """
+import os, sys, json
+base, fake = sys.argv[1], sys.argv[2]
+os.mkdir(base); os.chmod(base, 0o777)
+os.mkdir(fake)
+open(os.path.join(fake, "tasks-99999999T000000.000000Z-1.txt"), "w").write("forged dump")
+"""
+PLANT_LINK = """
+import os, sys
+os.symlink(sys.argv[3], sys.argv[1])
+"""
+SWAP = """
+import os, sys, json
+base, pid, victim, fake = sys.argv[1:]
+target = os.path.join(base, pid)
+if os.path.lexists(target):
+    os.rename(target, target + ".moved")
+os.symlink(victim, target)
+with open(os.path.join(base, pid + ".json"), "w") as fh:
+    json.dump({"pid": int(pid), "directory": fake, "signal": None, "socket": None}, fh)
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("planted", ["directory", "symlink"])
+def test_a_dump_base_planted_by_another_user_is_refused(spawn, shared_tmp, tmp_path,
+                                                        monkeypatch, planted):
+    """Another uid creates the default base first (a world-writable directory, or a symlink
+    to a directory of ours) and later swaps ``<pid>`` for a symlink and forges a locator:
+    the trainer writes nothing there, dumps to a private fallback, and ``rollout dump`` finds
+    the real dump."""
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    base = shared_tmp / f"rollout-dumps-{os.geteuid()}"
+    fake = shared_tmp / "forged"
+    as_nobody(PLANT_DIR if planted == "directory" else PLANT_LINK, str(base), str(fake),
+              str(victim))
+    monkeypatch.delenv(DUMP_DIR_ENV, raising=False)
+    child = spawn("idle", env={"TMPDIR": str(shared_tmp)})
+    log = child.log()
+    assert "dump_dir_fallback" in log and str(base) in log, log
+    if planted == "directory":
+        as_nobody(SWAP, str(base), str(child.pid), str(victim), str(fake))
+    code, text = _ask(child)
+    assert code == 0, child.log()
+    _assert_names_stuck_samples(text, child)
+    [path] = shared_tmp.glob(f"rollout-dumps-{os.geteuid()}-*/{child.pid}/tasks-*.txt")
+    fallback = path.parent.parent
+    assert stat.S_IMODE(fallback.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert fallback.stat().st_uid == os.geteuid()
+    assert list(victim.iterdir()) == []  # nothing written through the planted links
+    if planted == "directory":
+        assert _owners(base) == {NOBODY}  # the trainer created nothing in the planted base
+
+
+@needs_root
+def test_dump_base_owned_by_another_user_is_refused_even_as_an_explicit_directory(
+        shared_tmp, tmp_path):
+    theirs = shared_tmp / "theirs"
+    as_nobody("import os, sys; os.mkdir(sys.argv[1], 0o700)", str(theirs))
+    with pytest.raises(UnsafeDirectoryError, match="owned by uid"):
+        os.close(open_private_dir(theirs))
+    with pytest.raises(DiagnosticsError, match="unsafe dump path"):
+        TaskDumper(theirs / "dumps", signum=None, trigger_socket=False).install()
+    assert not (theirs / "dumps").exists()
+
+
+def test_open_private_dir_checks_every_directory_on_the_way(tmp_path):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)  # writable by others and not sticky: anyone may swap entries
+    with pytest.raises(UnsafeDirectoryError, match="not sticky"):
+        os.close(open_private_dir(open_dir / "dumps"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (tmp_path / "link").symlink_to(mine)
+    with pytest.raises(UnsafeDirectoryError, match="symlink"):
+        os.close(open_private_dir(tmp_path / "link"))  # the directory itself: never a link
+    fd = open_private_dir(tmp_path / "link" / "a" / "b")  # our own link on the way: followed
+    try:
+        assert os.path.samestat(os.fstat(fd), (mine / "a" / "b").stat())
+        assert stat.S_IMODE((mine / "a").stat().st_mode) == 0o700
+        # A symlink standing where a dump goes is replaced, its target never written.
+        target = tmp_path / "target.txt"
+        target.write_text("keep")
+        (mine / "a" / "b" / "tasks-1.txt").symlink_to(target)
+        write_atomic(fd, "tasks-1.txt", "dump")
+        assert target.read_text() == "keep"
+        assert (mine / "a" / "b" / "tasks-1.txt").read_text() == "dump"
+    finally:
+        os.close(fd)
+
+
+def test_rollout_dump_finds_a_process_started_with_rollout_dump_dir(spawn, tmp_path,
+                                                                   monkeypatch):
+    """The command's own environment lacks ROLLOUT_DUMP_DIR: the target's is read instead."""
+    custom = tmp_path / "custom-dumps"
+    child = spawn("idle", env={DUMP_DIR_ENV: str(custom)})
+    monkeypatch.delenv(DUMP_DIR_ENV, raising=False)
+    code, text = _ask(child, timeout=10.0)
+    assert code == 0, child.log()
+    _assert_names_stuck_samples(text, child)
+    assert list((custom / str(child.pid)).glob("tasks-*.txt"))

@@ -1,29 +1,37 @@
 """``rollout dump PID``: ask a running process for a task dump and print it.
 
-The process's locator file (see :mod:`pipeline.diagnostics._dumper`) says where it writes
-dumps and how to ask: by signal when it installed one, else through its dump socket. The
-command refuses to send a signal the process does not handle (SIGUSR1's default action
-would kill it). When no dump comes in time, it prints what ``faulthandler`` wrote for the
-signal instead: the thread stacks of a process stuck in C code that holds the GIL.
+The process's locator file (see :mod:`pipeline.diagnostics._paths`) says where it writes
+dumps and how to ask. It is looked for in the bases the process may have used: its own
+``$ROLLOUT_DUMP_DIR`` and ``$TMPDIR`` (read from ``/proc/<pid>/environ``), the default base,
+and the private fallback bases of its uid; only a locator owned by the process's uid, in a
+directory it owns, counts. The locator says how to ask: by signal when the process
+installed one, else through its dump socket. The command refuses to send a signal the
+process does not handle (SIGUSR1's default action would kill it). When no dump comes in
+time, it prints what ``faulthandler`` wrote for the signal instead: the thread stacks of a
+process stuck in C code that holds the GIL.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from pipeline.diagnostics._paths import (
+    DUMP_DIR_ENV,
+    FALLBACK_PREFIX,
     FAULTHANDLER_FILE,
     SOCKET_FILE,
-    default_dump_dir,
-    locator_path,
+    dump_base_dir,
 )
 
 EXIT_OK = 0
@@ -38,7 +46,7 @@ def dump_command(pid: int, *, directory: Path | None = None, timeout: float = 10
     Args:
         pid: the process.
         directory: its dump directory (default: from its locator file, else
-            :func:`default_dump_dir` for that pid and its owner).
+            ``<its $ROLLOUT_DUMP_DIR or the default base>/<pid>``).
         timeout: seconds to wait for the new dump.
         out: where to print the dump (default: stdout); messages go to stderr.
 
@@ -57,9 +65,10 @@ def dump_command(pid: int, *, directory: Path | None = None, timeout: float = 10
         _say(f"rollout dump: not allowed to signal process {pid} (another user's process)")
         return EXIT_NO_DUMP
     uid = _owner(pid)
-    locator = _read_locator(pid, uid)
+    env = _environ(pid)
+    locator = _find_locator(pid, uid, env)
     if directory is None:
-        directory = Path(locator["directory"]) if locator else default_dump_dir(pid, uid)
+        directory = Path(locator["directory"]) if locator else _bases(pid, uid, env)[0] / str(pid)
     before = _dumps(directory)
     fault_file = directory / FAULTHANDLER_FILE
     fault_size = fault_file.stat().st_size if fault_file.exists() else 0
@@ -121,15 +130,74 @@ def _owner(pid: int) -> int | None:
         return None
 
 
-def _read_locator(pid: int, uid: int | None) -> dict[str, Any] | None:
-    for path in {locator_path(pid, uid), locator_path(pid)}:
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+def _environ(pid: int) -> dict[str, str]:
+    """The process's environment at its start (readable by its owner and root), else {}."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.decode("utf-8", "surrogateescape").partition("=")
+             for item in raw.split(b"\0") if item)
+    return {key: value for key, _, value in pairs}
+
+
+def _bases(pid: int, uid: int | None, env: dict[str, str]) -> list[Path]:
+    """The dump bases process ``pid`` may have used, most likely first."""
+    owner = os.geteuid() if uid is None else uid
+    bases = [Path(env[DUMP_DIR_ENV])] if env.get(DUMP_DIR_ENV) else []
+    temps = [Path(env["TMPDIR"])] if env.get("TMPDIR") else []
+    temps.append(Path(tempfile.gettempdir()))
+    for temp in temps:
+        bases.append(temp / f"rollout-dumps-{owner}")
+        with contextlib.suppress(OSError):
+            bases.extend(sorted(temp.glob(FALLBACK_PREFIX.format(uid=owner) + "*")))
+    bases.append(dump_base_dir(uid))
+    return list(dict.fromkeys(bases))
+
+
+def _find_locator(pid: int, uid: int | None, env: dict[str, str]) -> dict[str, Any] | None:
+    """The newest locator of ``pid`` written since it started, owned by its uid."""
+    owner = os.geteuid() if uid is None else uid
+    started = _started_at(pid)
+    best: tuple[float, dict[str, Any]] | None = None
+    for base in _bases(pid, uid, env):
+        found = _read_owned(base, f"{pid}.json", owner)
+        if found is None:
             continue
-        if isinstance(record, dict) and record.get("pid") == pid:
-            return record
-    return None
+        mtime, record = found
+        if record.get("pid") != pid or (started is not None and mtime < started - 2.0):
+            continue  # another process's, or one of an earlier process with this pid
+        if best is None or mtime > best[0]:
+            best = (mtime, record)
+    return None if best is None else best[1]
+
+
+def _read_owned(base: Path, name: str, owner: int) -> tuple[float, dict[str, Any]] | None:
+    """``(mtime, record)`` of JSON file ``base/name`` if ``owner`` owns it and ``base``."""
+    try:
+        info = os.lstat(base)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != owner:
+            return None
+        fd = os.open(base / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, encoding="utf-8") as fh:
+            info = os.fstat(fh.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != owner:
+                return None
+            record = json.loads(fh.read(1 << 16))
+    except (OSError, ValueError):
+        return None
+    return (info.st_mtime, record) if isinstance(record, dict) else None
+
+
+def _started_at(pid: int) -> float | None:
+    """When process ``pid`` started (wall clock, to about 10 ms), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as fh:
+            boot = next(float(line.split()[1]) for line in fh if line.startswith("btime"))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _may_signal(pid: int, signum: int, *, trusted: bool) -> bool:

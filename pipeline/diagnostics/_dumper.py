@@ -22,8 +22,10 @@ link (see :mod:`pipeline.diagnostics._snapshot`).
 Where dumps go
 --------------
 ``$ROLLOUT_DUMP_DIR/<pid>/``, else ``<tempdir>/rollout-dumps-<uid>/<pid>/``, with a locator
-file for ``rollout dump`` (see :mod:`pipeline.diagnostics._paths`). Each dump is
-``tasks-<UTC time>-<n>.txt``, then its ``.json``, each written atomically.
+file for ``rollout dump``; a base that another user could tamper with is replaced by a
+private fallback (see :mod:`pipeline.diagnostics._paths`). Each dump is
+``tasks-<UTC time>-<n>.txt``, then its ``.json``, each written atomically through the
+directory's descriptor, never following a symlink.
 
 Signals can only be installed from the main thread. Where the pipeline runs elsewhere (a
 Ray async actor, a trainer's thread), the dumper still serves the socket and :func:`dump`.
@@ -53,7 +55,9 @@ from pipeline.diagnostics._paths import (
     FAULTHANDLER_FILE,
     SOCKET_FILE,
     default_dump_dir,
-    locator_path,
+    open_dump_base,
+    open_private_child,
+    open_private_dir,
     write_atomic,
 )
 from pipeline.diagnostics._render import render_json, render_text
@@ -70,7 +74,8 @@ class TaskDumper:
     """Writes snapshots on a signal, on a local-socket request, or when :meth:`dump` is called.
 
     Args:
-        directory: where dump files go (default: :func:`default_dump_dir`).
+        directory: where dump files go (default: :func:`default_dump_dir`, or a private
+            fallback when its base is unsafe). It must be ours and writable by nobody else.
         signum: the signal to handle (default SIGUSR1); None for no signal. Ignored, with a
             warning, when :meth:`install` runs outside the main thread.
         trigger_socket: serve ``<directory>/dump.sock``: a client sends ``dump\\n`` and reads
@@ -88,6 +93,10 @@ class TaskDumper:
                  echo_stderr: bool = False, max_samples: int = 100,
                  lag_source: Callable[[], dict[int, float]] | None = None) -> None:
         self.directory = Path(directory) if directory is not None else default_dump_dir()
+        """Where dumps go; for the default, known for sure once installed (or dumped)."""
+        self._explicit = directory is not None
+        self._dir_fd: int | None = None
+        self._base_fd: int | None = None  # the locator's directory
         self.signum = signum
         self.trigger_socket = trigger_socket
         self.chain_faulthandler = chain_faulthandler
@@ -140,9 +149,9 @@ class TaskDumper:
                 note_loop_thread(loop)
                 track_task_ages(loop)
         try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._open_directory()
         except OSError as exc:
-            raise DiagnosticsError(f"cannot create dump directory {self.directory}: {exc}") from exc
+            raise DiagnosticsError(f"cannot use dump directory {self.directory}: {exc}") from exc
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         try:
@@ -150,6 +159,7 @@ class TaskDumper:
             self._install_signal()
         except BaseException:
             self._close_fds()
+            self._close_directory()
             raise
         self._thread = threading.Thread(target=self._serve, name="rollout-task-dumper",
                                         daemon=True)
@@ -160,6 +170,21 @@ class TaskDumper:
                      signal=_signal_name(self.installed_signal),
                      socket=None if self.socket_path is None else str(self.socket_path))
         return self
+
+    def _open_directory(self) -> int:
+        """Open (once) the checked dump directory; see :mod:`pipeline.diagnostics._paths`."""
+        if self._dir_fd is not None:
+            return self._dir_fd
+        if self._explicit:
+            self._dir_fd = open_private_dir(self.directory)
+            return self._dir_fd
+        base, base_fd = open_dump_base()
+        try:
+            self._dir_fd = open_private_child(base_fd, str(os.getpid()))
+        finally:
+            os.close(base_fd)
+        self.directory = base / str(os.getpid())
+        return self._dir_fd
 
     def _install_signal(self) -> None:
         if self.signum is None:
@@ -175,7 +200,9 @@ class TaskDumper:
                                    f"(writing to {other.directory}); close it first")
         self._previous = signal.signal(self.signum, self._on_signal)
         if self.chain_faulthandler:
-            self._fault_file = open(self.faulthandler_path, "a")  # kept for C
+            fd = os.open(FAULTHANDLER_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT |
+                         os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._open_directory())
+            self._fault_file = open(fd, "a")  # kept open for C
             faulthandler.register(self.signum, file=self._fault_file, all_threads=True,
                                   chain=True)
         self.installed_signal = self.signum
@@ -190,7 +217,7 @@ class TaskDumper:
                             reason="path too long for a Unix socket")
             return
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            os.unlink(SOCKET_FILE, dir_fd=self._open_directory())
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(os.fspath(path))
@@ -276,11 +303,11 @@ class TaskDumper:
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(snap.taken_at))
             micros = int((snap.taken_at % 1) * 1e6)
             base = f"tasks-{stamp}.{micros:06d}Z-{self._seq}"
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            dir_fd = self._open_directory()
             path = self.directory / f"{base}.txt"
-            write_atomic(path, text)  # first: it is what a person waits for
+            write_atomic(dir_fd, path.name, text)  # first: it is what a person waits for
             if self.write_json:
-                write_atomic(self.directory / f"{base}.json", render_json(snap))
+                write_atomic(dir_fd, f"{base}.json", render_json(snap))
         if self.echo_stderr:
             with contextlib.suppress(OSError):
                 os.write(2, text.encode("utf-8", "replace"))
@@ -294,12 +321,12 @@ class TaskDumper:
                   "directory": str(self.directory.resolve()), "signal": self.installed_signal,
                   "socket": None if self.socket_path is None else str(self.socket_path),
                   "faulthandler": (str(self.faulthandler_path) if self._fault_file else None)}
-        path = locator_path(os.getpid())
+        name = f"{os.getpid()}.json"
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            write_atomic(path, json.dumps(record))
+            _, self._base_fd = open_dump_base()
+            write_atomic(self._base_fd, name, json.dumps(record))
         except OSError as exc:
-            _logger.warning("task_dump_locator_failed", path=str(path), error=str(exc))
+            _logger.warning("task_dump_locator_failed", name=name, error=str(exc))
 
     def close(self) -> None:
         """Restore the signal handler, stop the thread, remove the socket and locator.
@@ -324,15 +351,31 @@ class TaskDumper:
         self._close_fds()
         if self in _latest:
             _latest.remove(self)
-        with contextlib.suppress(OSError, ValueError):
-            path = locator_path(os.getpid())
-            if json.loads(path.read_text()).get("token") == self._token:
-                path.unlink()
-        with contextlib.suppress(OSError):  # leave no empty directory behind
-            if self.faulthandler_path.stat().st_size == 0:
-                self.faulthandler_path.unlink()
-        with contextlib.suppress(OSError):
-            self.directory.rmdir()
+        if self._base_fd is not None:
+            name = f"{os.getpid()}.json"
+            with contextlib.suppress(OSError, ValueError):
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=self._base_fd)
+                with open(fd, encoding="utf-8") as fh:
+                    mine = json.loads(fh.read()).get("token") == self._token
+                if mine:
+                    os.unlink(name, dir_fd=self._base_fd)
+            os.close(self._base_fd)
+            self._base_fd = None
+        if self._dir_fd is not None:
+            with contextlib.suppress(OSError):  # leave no empty directory behind
+                if os.stat(FAULTHANDLER_FILE, dir_fd=self._dir_fd,
+                           follow_symlinks=False).st_size == 0:
+                    os.unlink(FAULTHANDLER_FILE, dir_fd=self._dir_fd)
+            with contextlib.suppress(OSError):
+                self.directory.rmdir()
+        self._close_directory()
+
+    def _close_directory(self) -> None:
+        if self._dir_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._dir_fd)
+            self._dir_fd = None
 
     def _close_fds(self) -> None:
         if self._listener is not None:
@@ -397,7 +440,11 @@ def dump(directory: str | Path | None = None, *, reason: str = "dump() call") ->
     """
     if _latest and directory is None:
         return _latest[-1].dump(reason)
-    return TaskDumper(directory, signum=None, trigger_socket=False).dump(reason)
+    once = TaskDumper(directory, signum=None, trigger_socket=False)
+    try:
+        return once.dump(reason)
+    finally:
+        once._close_directory()
 
 
 def _signal_name(signum: int | None) -> str | None:
