@@ -34,6 +34,7 @@ from pipeline._exceptions import (
     StageDefinitionError,
 )
 from pipeline._fill import SampleBuilder, fill_sample
+from pipeline._logging import configure_logging
 from pipeline._models import (
     AgentMessage,
     AgentRolloutItem,
@@ -149,6 +150,7 @@ __all__ = [
     "capture_snapshot",
     "chain_callbacks",
     "collate",
+    "configure_logging",
     "ensure_tiny_model",
     "fill_sample",
     "get_judger",

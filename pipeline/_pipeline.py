@@ -20,6 +20,7 @@ from pipeline._context import Context, Resources
 from pipeline._exceptions import ConfigError, ContractError, SampleAborted
 from pipeline._fill import SampleBuilder, fill_sample, minimal_sample
 from pipeline._items import make_items
+from pipeline._logging import log_batch_done
 from pipeline._models import (
     AgentRolloutItem,
     ExitReason,
@@ -198,12 +199,7 @@ class Pipeline:
                 raise
         samples = [self.sample_of(run) for run in runs]
         stats = safe_stats(samples, items, time.monotonic() - started)
-        _logger.info(
-            "batch_done",
-            samples=stats.num_samples,
-            by_status=stats.by_status,
-            wall_time_s=round(stats.wall_time_s, 3),
-        )
+        log_batch_done(_logger, stats, items)
         return ProduceBatchResult(samples=samples, items=items, stats=stats)
 
     def stream(
@@ -376,7 +372,7 @@ class Pipeline:
                 item.ended_at = time.monotonic()
                 self._inflight.pop(item.uid, None)
         if item.status is not Status.COMPLETED and item.status is not None:
-            ctx.log.warning("sample_ended", status=item.status.value, error=item.error)
+            ctx.log.debug("sample_ended", status=item.status.value, error=item.error)
 
     def _settle(
         self, exc: BaseException, run: SampleRun, batch: Batch, deadline_expired: bool
