@@ -10,20 +10,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import logging
+import importlib.util
+import math
 import os
+import re
 import sys
+import urllib.parse
 from pathlib import Path
 from types import ModuleType
-from typing import Any
-
-import structlog
+from typing import Any, NoReturn
 
 from pipeline._exceptions import PipelineError
+from pipeline._logging import configure_logging
 from pipeline._models import ProduceBatchResult, Status
 from pipeline._pipeline import Pipeline
 from pipeline.diagnostics import add_dump_arguments, asyncio_run, run_dump
-from pipeline.engines import ENGINE_NAMES, Engine, SimulatedEngine, make_engine
+from pipeline.engines import ENGINE_NAMES, Engine, SimulatedEngine, make_engine, vllm_available
 from pipeline.models.tiny import ensure_tiny_model
 from pipeline.observability import (
     BatchProgress,
@@ -41,34 +43,42 @@ SCENARIOS = {"arith": "scenarios.arith_tools", "arith-single": "scenarios.arith"
 
 ENGINES = (*ENGINE_NAMES, "simulated")
 
+USAGE_ERROR = 2
+"""Exit status of a refused command line (argparse's, for every check here too)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``rollout run: argument --n: invalid int value: 'x'``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: {message} (see: {self.prog} --help)\n")
+
+
+def _refuse(command: str, message: str) -> NoReturn:
+    """End a refused command line: one line on stderr, exit status 2, nothing started."""
+    print(f"rollout {command}: {message}", file=sys.stderr)
+    raise SystemExit(USAGE_ERROR)
+
 
 def load_scenario(name: str) -> ModuleType:
     """Import a scenario module by its short name.
 
     Raises:
-        SystemExit: unknown name (the message lists the known ones).
+        SystemExit: unknown name (one line listing the known ones; status 2).
     """
     if name not in SCENARIOS:
-        raise SystemExit(
-            f"rollout: unknown scenario {name!r}; known: {', '.join(sorted(SCENARIOS))}"
-        )
+        _refuse("run", f"unknown scenario {name!r}; known: {', '.join(sorted(SCENARIOS))}")
     return importlib.import_module(SCENARIOS[name])
 
 
 async def _build_engine(args: argparse.Namespace, scenario: ModuleType) -> tuple[Engine, Any]:
     """The engine and tokenizer ``--engine`` asks for (``auto``: vLLM if installed)."""
-    if args.engine == "simulated":
-        if not hasattr(scenario, "responder"):
-            raise SystemExit(
-                f"rollout run: scenario {args.scenario!r} has no scripted reply for "
-                "the simulated engine; use --engine auto|vllm|transformers"
-            )
+    if args.engine == "simulated":  # check_run_args made sure the scenario has a responder
         tokenizer = ByteTokenizer()
         engine = SimulatedEngine(
-            latency_s=args.sim_latency,
+            latency_s=0.05 if args.sim_latency is None else args.sim_latency,
             responder=scenario.responder(tokenizer),
             seed=args.seed,
-            eos_token_id=tokenizer.eos_token_id or 0,
             vocab_size=tokenizer.vocab_size,
         )
         return engine, tokenizer
@@ -89,6 +99,65 @@ async def _build_engine(args: argparse.Namespace, scenario: ModuleType) -> tuple
         )
     except PipelineError as exc:
         raise SystemExit(f"rollout run: {exc}") from None
+
+
+def check_run_args(args: argparse.Namespace) -> ModuleType:
+    """Check every ``rollout run`` option before anything starts; return the scenario module.
+
+    Raises:
+        SystemExit: status 2 with one line naming the option, before any engine, model or
+            file is touched.
+    """
+    for option, value in (("--n", args.n), ("--rows", args.rows),
+                          ("--concurrency", args.concurrency), ("--max-tokens", args.max_tokens),
+                          ("--max-response-tokens", args.max_response_tokens)):
+        if value < 1:
+            _refuse("run", f"{option} must be >= 1, got {value}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        _refuse("run", f"--timeout must be a number of seconds > 0, got {args.timeout:g}")
+    if args.engine != "simulated" and args.sim_latency is not None:
+        _refuse("run", "--sim-latency is for --engine simulated only")
+    if args.sim_latency is not None and not (math.isfinite(args.sim_latency)
+                                             and args.sim_latency >= 0):
+        _refuse("run", f"--sim-latency must be >= 0 seconds, got {args.sim_latency:g}")
+    if args.engine == "openai":
+        if not args.base_url:
+            _refuse("run", "--engine openai needs --base-url URL (an OpenAI-compatible server)")
+        for url in args.base_url:
+            parts = urllib.parse.urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                _refuse("run", f"--base-url must be an http(s) URL, got {url!r}")
+    elif args.base_url:
+        _refuse("run", f"--base-url is for --engine openai, not --engine {args.engine}")
+    if args.device is not None:
+        if args.engine not in ("transformers", "auto"):
+            _refuse("run", f"--device is for --engine transformers, not --engine {args.engine}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+            _refuse("run", f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.model is not None:
+        if args.engine == "simulated":
+            _refuse("run", "--model has no effect with --engine simulated (it has no model)")
+        if not Path(args.model).is_dir():
+            _refuse("run", f"--model {args.model!r} is not a directory (a model directory "
+                           "with config.json and the tokenizer)")
+    if args.engine == "vllm" and not vllm_available():
+        _refuse("run", "--engine vllm: vLLM is not installed here (bash "
+                       "scripts/install_vllm.sh, or --engine transformers)")
+    for option, value in (("--out", args.out), ("--tensorboard", args.tensorboard)):
+        if value is None:
+            continue
+        path = Path(value)
+        if option == "--out" and path.is_dir():
+            _refuse("run", f"--out {value!r} is a directory; give a file name (traj.jsonl)")
+        if not path.resolve().parent.is_dir():
+            _refuse("run", f"{option} {value!r}: the folder {str(path.parent)!r} does not exist")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        _refuse("run", "--tensorboard needs the tensorboard package (pip install tensorboard)")
+    scenario = load_scenario(args.scenario)
+    if args.engine == "simulated" and not hasattr(scenario, "responder"):
+        _refuse("run", f"scenario {args.scenario!r} has no scripted reply for the simulated "
+                       "engine; use --engine auto|vllm|transformers")
+    return scenario
 
 
 def _summary(result: ProduceBatchResult) -> str:
@@ -126,8 +195,7 @@ def _summary(result: ProduceBatchResult) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
 
 
-async def _run(args: argparse.Namespace) -> int:
-    scenario = load_scenario(args.scenario)
+async def _run(args: argparse.Namespace, scenario: ModuleType) -> int:
     engine, tokenizer = await _build_engine(args, scenario)
     tools = scenario.tools() if hasattr(scenario, "tools") else {}
     pipeline = Pipeline(
@@ -167,9 +235,13 @@ async def _run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``rollout`` command."""
-    parser = argparse.ArgumentParser(prog="rollout", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="warning", help="structlog level (default warning)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="rollout", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="warning", type=str.lower,
+                        choices=("debug", "info", "warning", "error", "critical"),
+                        help="which log lines to print (default warning)")
+    parser.add_argument("--log-format", default="kv", choices=("kv", "json"),
+                        help="log lines as key=value (default) or JSON")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run a scenario end to end")
     run.add_argument("scenario", help=f"one of: {', '.join(sorted(SCENARIOS))}")
     run.add_argument("--n", type=int, default=4, help="rollouts per prompt")
@@ -199,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument(
-        "--sim-latency", type=float, default=0.05, help="median latency of the simulated engine (s)"
+        "--sim-latency", type=float, default=None,
+        help="median latency of the simulated engine (s, default 0.05)",
     )
     run.add_argument("--tensorboard", metavar="DIR", help="also log batch metrics to TensorBoard")
     trace = sub.add_parser("trace", help="convert a trajectory dump to a Chrome/Perfetto trace")
@@ -218,12 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rollout`` console script."""
     args = build_parser().parse_args(argv)
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[args.log_level.upper()]
-        ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+    configure_logging(args.log_level, format=args.log_format)
     try:
         return _dispatch(args)
     except BrokenPipeError:  # `rollout inspect FILE | head`: the reader left, not an error
@@ -233,9 +301,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
-        if args.n < 1 or args.rows < 1 or args.concurrency < 1:
-            raise SystemExit("rollout run: --n, --rows and --concurrency must be >= 1")
-        return asyncio_run(_run(args))
+        scenario = check_run_args(args)
+        return asyncio_run(_run(args, scenario))
     if args.command == "trace":
         return trace_command(args.file, args.out)
     if args.command == "inspect":

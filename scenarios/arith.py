@@ -2,7 +2,7 @@
 
 Run it::
 
-    rollout run arith --engine simulated --rows 64 --n 4
+    rollout run arith-single --engine simulated --rows 64 --n 4
 
 The stage list is plain Python: build the prompt, generate one answer, score it with a small
 custom stage. On the simulated engine a scripted responder answers (correctly 70% of the

@@ -1,6 +1,8 @@
 """rollout run arith  (or: python -m scenarios.arith_tools [--count N] [--n K] [--seed S])
 
 Arithmetic word problems solved with a calculator tool: a multi-turn agent loop on a real model.
+``rollout run arith --engine simulated`` runs the same loop on the simulated engine, with a
+scripted agent (:func:`responder`) that calls the calculator and then answers.
 
 The stage list is ``BuildPrompt -> Loop([Generate, CallTools]) -> numeric_match_reward``. The
 default model is the tiny local Qwen2 model (built on first use, see
@@ -19,11 +21,13 @@ import argparse
 import asyncio
 import math
 import random
+import json
 import re
 from typing import Any, NamedTuple
 
-from pipeline import AgentMessage, AgentRolloutItem, Context
+from pipeline import AgentMessage, AgentRolloutItem, Context, Tokenizer
 from pipeline import artifacts as A
+from pipeline.engines import Responder
 from pipeline.stages import BuildPrompt, CallTools, Generate, Loop
 from pipeline.tools import Tool, calculator_tool, make_registry, tool_schema
 
@@ -119,6 +123,50 @@ async def numeric_match_reward(item: AgentRolloutItem, ctx: Context) -> None:
     item.artifacts[A.REWARD] = 1.0 if correct else 0.0
     item.artifacts[A.REWARD_PAYLOAD] = {"score": 1.0 if correct else 0.0, "acc": correct,
                                         "predicted": predicted, "expected": expected}
+
+
+_EXPRESSIONS = (
+    (re.compile(r"has (\d+) \w+ and buys (\d+) boxes with (\d+)"), "{} + {} * {}"),
+    (re.compile(r"packs (\d+) bags of (\d+) \w+ and then loses (\d+)"), "{} * {} - {}"),
+    (re.compile(r"shares (\d+) \w+ equally among (\d+)"), "{} / {}"),
+    (re.compile(r"counts (\d+) \w+ on Monday and (\d+)"), "{} + {}"),
+)
+
+
+def expression_of(question: str) -> str | None:
+    """The arithmetic a problem from :func:`draw_problem` asks for, read back from its text."""
+    for pattern, template in _EXPRESSIONS:
+        found = pattern.search(question)
+        if found:
+            return template.format(*found.groups())
+    return None
+
+
+def responder(tokenizer: Tokenizer, tool_rate: float = 0.9) -> Responder:
+    """A scripted agent for the simulated engine, so the tool loop runs without a model.
+
+    First turn: a hermes ``<tool_call>`` to the calculator with the problem's expression
+    (``tool_rate`` of the time; otherwise a guessed answer). After a tool reply: ``Answer:``
+    with the tool's result. Every reply ends with the tokenizer's eos, so turns stop.
+    """
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+
+    def reply(prompt_ids: list[int], rng: random.Random) -> list[int]:
+        text = tokenizer.decode(prompt_ids)
+        last_user, last_tool = text.rfind("user\n"), text.rfind("tool\n")
+        if last_tool > last_user:  # the calculator answered: report its result
+            result = text[last_tool + len("tool\n"):].split("<|im_end|>")[0].strip()
+            out = f"Answer: {result}"
+        else:
+            expression = expression_of(text[last_user:])
+            if expression is None or rng.random() >= tool_rate:
+                out = f"Answer: {rng.randint(0, 999)}"
+            else:
+                call = {"name": "calculator", "arguments": {"expression": expression}}
+                out = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+        return [*tokenizer.encode(out, add_special_tokens=False), eos]
+
+    return reply
 
 
 def stages(max_turns: int = 4) -> list[Any]:

@@ -51,6 +51,32 @@ def test_run_arith_on_the_tiny_model_with_tools(tmp_path):
         assert [r.name for r in sample.records][:3] == ["build_prompt", "loop", "generate"]
 
 
-def test_simulated_engine_needs_a_scripted_scenario():
-    proc = rollout("run", "arith", "--engine", "simulated")
-    assert proc.returncode != 0 and "no scripted reply" in proc.stderr
+def test_run_arith_on_the_simulated_engine_runs_the_tool_loop(tmp_path):
+    """``rollout run arith --engine simulated`` (the scenario's docstring says it works):
+    the scripted agent calls the calculator, then answers with its result."""
+    out = tmp_path / "traj.jsonl"
+    proc = rollout("run", "arith", "--engine", "simulated", "--rows", "8", "--n", "2",
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    samples = read_trajectories(out).samples
+    assert len(samples) == 16 and all(s.status == "completed" for s in samples)
+    assert all(s.finish_reason == "stop" for s in samples)  # eos matched: turns end
+    with_tool = [s for s in samples if s.agent.tool_turns]
+    assert with_tool, "the scripted agent never called the calculator"
+    for s in with_tool:
+        assert [m["role"] for m in s.agent.messages][-3:] == ["assistant", "tool", "assistant"]
+        assert s.reward == 1.0  # the tool's result is the answer
+
+
+def test_simulated_engine_needs_a_scripted_scenario(monkeypatch, capsys):
+    from pipeline import cli
+
+    monkeypatch.setitem(cli.SCENARIOS, "bare", "scenarios")  # a module with no responder
+    args = cli.build_parser().parse_args(["run", "bare", "--engine", "simulated"])
+    try:
+        cli.check_run_args(args)
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("a scenario without a responder was accepted")
+    assert "no scripted reply" in capsys.readouterr().err
