@@ -30,6 +30,7 @@ from pipeline.observability._metrics import (
 from pipeline.observability._progress import BatchProgress, chain_callbacks
 from pipeline.observability._reader import (
     BadLine,
+    NotADumpError,
     TornTail,
     TrajectoryDump,
     TrajectoryFormatError,
@@ -65,6 +66,7 @@ __all__ = [
     "BatchProgress",
     "BatchSummary",
     "MetricsSink",
+    "NotADumpError",
     "ProgressHeartbeat",
     "StageTiming",
     "StructlogSink",

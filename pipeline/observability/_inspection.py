@@ -20,7 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.observability._reader import BadLine, TornTail, TrajectoryDump, TrajectoryReader
+from pipeline.observability._reader import (
+    BadLine,
+    NotADumpError,
+    TornTail,
+    TrajectoryDump,
+    TrajectoryReader,
+)
 from pipeline.observability._schema import BatchEnd, BatchSummary, TrajectoryRecord
 
 
@@ -180,14 +186,16 @@ def inspect_command(path: str | os.PathLike[str], *, show: str | None = None,
 
     Returns:
         0 on success, 1 when ``show`` matches no sample or several, 2 when the dump cannot
-        be read.
+        be read or is not a trajectory dump (no line of it is one).
     """
-    reader = TrajectoryReader(path)
+    reader = TrajectoryReader(path, sniff_lines=_SNIFF_LINES)
     summary, failures = _SummaryTally(), _FailureTally(examples=3)
     exact: list[TrajectoryRecord] = []
     prefixed: list[TrajectoryRecord] = []
+    read = 0
     try:
         for line in reader:
+            read += 1
             if show is not None:
                 if isinstance(line, TrajectoryRecord) and line.uid.startswith(show):
                     (exact if line.uid == show else prefixed).append(line)
@@ -195,8 +203,15 @@ def inspect_command(path: str | os.PathLike[str], *, show: str | None = None,
                 failures.add(line)
             else:
                 summary.add(line)
+    except NotADumpError as exc:
+        print(f"rollout inspect: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"rollout inspect: cannot read {path}: {exc}", file=sys.stderr)
+        return 2
+    if not read:
+        print(f"rollout inspect: {path} is not a trajectory dump: {_why_not_a_dump(reader)}",
+              file=sys.stderr)
         return 2
     problems = _problems(reader.torn_tails, reader.bad_lines)
     if show is not None:
@@ -212,6 +227,23 @@ def inspect_command(path: str | os.PathLike[str], *, show: str | None = None,
         return 0
     print(failures.render(problems) if failed else summary.render(Path(path).name, problems))
     return 0
+
+
+_SNIFF_LINES = 20
+"""``rollout inspect`` calls a file whose first this many lines are all bad not a dump."""
+
+
+def _why_not_a_dump(reader: TrajectoryReader) -> str:
+    """One clause: why a file without a single dump line is not one."""
+    if reader.bad_lines:
+        first = reader.bad_lines[0]
+        return (f"none of its {len(reader.bad_lines)} line(s) is a batch, sample or batch_end "
+                f"record (line {first.line}: {first.reason})")
+    if reader.torn_tails:
+        return "it holds one torn line only"
+    if reader.path.is_dir():
+        return "the folder holds no *.jsonl dump"
+    return "it is empty"
 
 
 def _problems(torn_tails: list[TornTail], bad_lines: list[BadLine]) -> list[str]:

@@ -35,6 +35,10 @@ class TrajectoryFormatError(PipelineError, ValueError):
     """A dump line that cannot be read (raised only by ``strict`` readers)."""
 
 
+class NotADumpError(TrajectoryFormatError):
+    """A file that does not start like a trajectory dump (``TrajectoryReader(sniff_lines=)``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class TornTail:
     """The unterminated last line of a dump: the write a killed process did not finish.
@@ -85,14 +89,21 @@ class TrajectoryReader:
             (numbers compared as numbers: ``step_9`` before ``step_10``).
         strict: raise :class:`TrajectoryFormatError` on a bad line (a torn tail is still
             only reported: it is what a killed writer leaves, not corruption).
+        sniff_lines: when the first this many lines of the first file are all bad, raise
+            :class:`NotADumpError` instead of reading (and warning about) the whole file;
+            their warnings are held back until a good line shows the file is a dump.
 
     Raises:
         FileNotFoundError: the path does not exist (when iteration starts).
+        NotADumpError: with ``sniff_lines``, the file does not start like a dump.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, strict: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, strict: bool = False,
+                 sniff_lines: int | None = None) -> None:
         self.path = Path(path)
         self.strict = strict
+        self.sniff_lines = sniff_lines
+        self._good = 0
         self.torn_tails: list[TornTail] = []
         self.bad_lines: list[BadLine] = []
 
@@ -112,6 +123,7 @@ class TrajectoryReader:
     def __iter__(self) -> Iterator[BatchSummary | TrajectoryRecord | BatchEnd]:
         self.torn_tails.clear()
         self.bad_lines.clear()
+        self._good = 0
         for path in self.files():
             yield from self._read_file(path)
 
@@ -135,15 +147,30 @@ class TrajectoryReader:
                 if not raw.strip():
                     continue
                 try:
-                    yield DUMP_LINE.validate_json(raw)
+                    line = DUMP_LINE.validate_json(raw)
                 except ValidationError as exc:
                     reason = _reason(exc)
                     if self.strict:
                         raise TrajectoryFormatError(
                             f"{path.name} line {lineno}: {reason}") from None
                     self.bad_lines.append(BadLine(path, lineno, start, reason, _preview(raw)))
-                    _logger.warning("trajectory_bad_line", path=str(path), line=lineno,
-                                    reason=reason)
+                    if self._good or self.sniff_lines is None:
+                        _log_bad(self.bad_lines[-1])
+                    elif len(self.bad_lines) >= self.sniff_lines:
+                        raise NotADumpError(
+                            f"{path} is not a trajectory dump: its first "
+                            f"{len(self.bad_lines)} lines are not dump lines (line "
+                            f"{self.bad_lines[0].line}: {self.bad_lines[0].reason})") from None
+                    continue
+                if not self._good and self.sniff_lines is not None:
+                    for held in self.bad_lines:  # it is a dump after all: warn as usual
+                        _log_bad(held)
+                self._good += 1
+                yield line
+
+
+def _log_bad(bad: BadLine) -> None:
+    _logger.warning("trajectory_bad_line", path=str(bad.path), line=bad.line, reason=bad.reason)
 
 
 @dataclass
