@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -44,9 +46,34 @@ def processes_of(uid: int | None) -> list[int]:
     return found
 
 
-def recent_sandbox_dirs() -> list[Path]:
-    return [p for p in Path(tempfile.gettempdir()).glob("pipeline-sandbox-*")
-            if p.is_dir() and p.stat().st_mtime > time.time() - 30]
+def entries(path: Path) -> list[str]:
+    return os.listdir(path)
+
+
+def started(path: Path) -> bool:
+    return any(os.path.exists(os.path.join(path, run, "work", "running"))
+               for run in os.listdir(path))
+
+
+@pytest.fixture
+def sandbox_dir() -> Iterator[Path]:
+    """This test's own place for run directories (the sandbox user may traverse it), so
+    leftovers are counted exactly, whatever other tests run beside it."""
+    path = Path(tempfile.mkdtemp(prefix="sandbox-test-"))
+    os.chmod(path, 0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def own(sandbox_dir: Path) -> AsyncIterator[CodeJudger]:
+    """A judger whose sandbox makes its run directories in ``sandbox_dir``."""
+    sandbox = Sandbox(SandboxLimits(wall_s=5.0), concurrency=2, directory=sandbox_dir)
+    judge = CodeJudger(timeout_s=5.0, max_processes=16, memory_mb=512, sandbox=sandbox)
+    yield judge
+    await sandbox.aclose()
 
 
 @pytest.fixture
@@ -189,15 +216,21 @@ async def test_stdin_stdout_cases(judger: CodeJudger) -> None:
     assert crash.payload["status"] == "runtime_error"
 
 
-async def test_cancelled_run_is_cleaned_up(judger: CodeJudger) -> None:
-    task = asyncio.create_task(judger.judge(item_for("while True:\n    pass", ADD_TESTS)))
-    await asyncio.sleep(0.4)
+async def test_cancelled_run_is_cleaned_up(own: CodeJudger, sandbox_dir: Path) -> None:
+    slow = CodeJudger(timeout_s=60.0, sandbox=own.sandbox)  # only the cancel ends it
+    program = "open('running', 'w').close()\nwhile True:\n    pass"
+    task = asyncio.create_task(slow.judge(item_for(program, ADD_TESTS)))
+    deadline = time.monotonic() + 30.0
+    while not started(sandbox_dir):  # the program really runs
+        assert not task.done(), task
+        assert time.monotonic() < deadline, "the program never started"
+        await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await judger.sandbox.aclose()  # waits for the stop and the sweep
-    assert all(processes_of(uid) == [] for uid in judger.sandbox.uids[:4])
-    assert recent_sandbox_dirs() == []
+    await own.sandbox.aclose()  # waits for the stop and the sweep
+    assert all(processes_of(uid) == [] for uid in own.sandbox.uids[:4])
+    assert entries(sandbox_dir) == []
 
 
 async def test_malformed_tests_and_missing_code() -> None:
@@ -226,3 +259,82 @@ async def test_sandboxes_in_one_process_lease_different_uids() -> None:
         mine = {(await first.run({"a.py": "import os; print(os.getuid())"}, ["a.py"])).uid}
         theirs = {(await second.run({"a.py": "print(1)"}, ["a.py"])).uid}
         assert mine.isdisjoint(theirs)
+
+
+# --- hostile programs: the submission's doing scores, it never masks the sample -----------
+
+WRONG_ADD = "\ndef add(a, b):\n    return a - b\n"
+HOSTILE = {
+    "deep_directory_tree": (
+        "import os\n"
+        "for _ in range(1200):\n"  # past Python's recursion limit, 30 times PATH_MAX
+        "    os.mkdir('d' * 100)\n"
+        "    os.chdir('d' * 100)\n"),
+    "odd_files": (
+        "import os, socket\n"
+        "os.makedirs('locked/inner')\n"
+        "open('locked/inner/f', 'w').write('x')\n"
+        "os.chmod('locked/inner', 0)\n"
+        "os.chmod('locked', 0)\n"
+        "os.makedirs('ro/x')\n"
+        "os.chmod('ro', 0o500)\n"
+        "os.mkfifo('fifo')\n"
+        "socket.socket(socket.AF_UNIX).bind('sock')\n"
+        "os.symlink('/', 'root_link')\n"
+        "os.symlink('..', 'up')\n"
+        "os.symlink('fifo', 'to_fifo')\n"
+        "os.symlink('missing', 'dangling')\n"
+        "open('new\\nline \\udcff'.encode('utf-8', 'surrogateescape'), 'w').close()\n"
+        "os.chmod('.', 0o500)\n"),
+    "many_small_files": (
+        "for i in range(1000):\n"
+        "    open(f'f{i}', 'w').close()\n"),
+    "stdout_flood": (
+        "import sys\n"
+        "chunk = 'x' * 65536\n"
+        "while True:\n"
+        "    sys.stdout.write(chunk)\n"),
+    "junk_on_the_report_channel": (
+        "import os\n"
+        "os.write(3, b'[' * 300000 + b'\\n' + b'{\"solution_error\": {\"a\": [1]}}\\n'"
+        " + b'\\xff\\xfe not json\\n')\n"),
+    "open_files_limit": (
+        "handles = []\n"
+        "try:\n"
+        "    while True:\n"
+        "        handles.append(open('same', 'w'))\n"
+        "except OSError:\n"
+        "    pass\n"),
+    "file_size_limit": "open('big', 'wb').write(b'x' * (40 << 20))\n",
+    "leftover_processes": (
+        "import os\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        n = 0\n"
+        "        while True:\n"  # keeps making files while we clean up, until swept
+        "            open(f'spam{n % 500}', 'w').close()\n"
+        "            n += 1\n"
+        "    os._exit(0)\n"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+async def test_hostile_program_scores_zero_and_leaves_nothing(own: CodeJudger,
+                                                              sandbox_dir: Path,
+                                                              kind: str) -> None:
+    """Each class of mischief inside the sandbox: the wrong answer still scores 0 (no judge
+    error, so the sample is not masked), and the run's directory and processes are gone."""
+    if kind == "leftover_processes" and not ROOT:
+        pytest.skip("escaped processes are swept by uid: needs root")
+    result = await own.judge(item_for(HOSTILE[kind] + WRONG_ADD, ADD_TESTS))
+    assert result.score == 0.0, result.payload
+    assert result.payload["status"] in {"failed", "solution_error", "crashed", "timeout"}
+    assert entries(sandbox_dir) == []
+    assert processes_of(result.payload["run"]["uid"]) == []
+    # The same program with the right answer passes: the mess itself costs nothing.
+    if kind not in ("stdout_flood", "file_size_limit"):  # these never reach the tests
+        good = await own.judge(item_for(HOSTILE[kind] + ADD.strip("`").removeprefix("python\n"),
+                                        ADD_TESTS))
+        assert good.score == 1.0, good.payload
+        assert entries(sandbox_dir) == []

@@ -11,9 +11,14 @@ string of either is accepted too):
   output must equal the expected one up to trailing whitespace on each line and trailing
   blank lines.
 
-Everything the program does wrong (a failed test, an exception, an infinite loop, a fork
-bomb, a memory hog) is a score with the reason in the payload, not a judger error. Only a
-sandbox failure is an error. Assert tests run in the program's own process, so a program
+The rule (docs/sandbox.md): what the submitted program does inside its sandbox is the
+submission's doing. A failed test, an exception, an infinite loop, a fork bomb, a memory
+hog, files of any shape, leftover processes, output floods, junk on the report channel,
+limits hit, even a supervisor it took down: each is a score (0 where the tests did not pass)
+with the reason in the payload, never a judger error, so it never masks the sample. Only
+our infrastructure's failures raise :class:`JudgeError` and mask: the sandbox could not be
+made, the launcher failed before the program was exec'd, the probe failed. Cleanup of a run
+never raises. Assert tests run in the program's own process, so a program
 written to cheat can subvert them (by patching builtins, say); stdin/stdout tests compare
 output in this process and cannot be subverted that way.
 """
@@ -170,13 +175,14 @@ class CodeJudger:
         for line in (run.results or "").splitlines():
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue  # the program wrote junk to fd 3: its tests do not count
             if not isinstance(record, dict):
                 continue
             if "test" in record and isinstance(record["test"], int):
                 outcomes.setdefault(record["test"], record)
-            solution_error = record.get("solution_error", solution_error)
+            if record.get("solution_error") is not None:
+                solution_error = str(record["solution_error"])[:500]
             done = done or record.get("done") is True
         passed = sum(1 for i in range(len(tests)) if outcomes.get(i, {}).get("ok") is True)
         if not done:
@@ -184,8 +190,8 @@ class CodeJudger:
         status = ("timeout" if run.timed_out else "solution_error" if solution_error
                   else "passed" if done and passed == len(tests) else
                   "failed" if done else "crashed")
-        failures = [{"test": i, "error": o.get("error")} for i, o in sorted(outcomes.items())
-                    if not o.get("ok")][:5]
+        failures = [{"test": i, "error": str(o.get("error"))[:500]}
+                    for i, o in sorted(outcomes.items()) if o.get("ok") is not True][:5]
         return {"passed": max(passed, 0), "total": len(tests), "status": status,
                 "solution_error": solution_error, "failures": failures, "run": _describe(run)}
 

@@ -12,7 +12,8 @@ Runs as the parent's user (root on the training machines) with only the standard
 5. kills the program's process group and then every process of the sandbox uid: a process
    that calls ``kill(-1, SIGKILL)`` as that uid kills them all in one kernel pass (new forks
    cannot slip through), repeated until ``/proc`` shows none; then reaps every zombie;
-6. prints one JSON line with the outcome.
+6. prints one JSON line with the outcome (after ``{"started": true}`` once the program was
+   exec'd: a launcher that dies or hangs after that line was taken down by the program).
 
 The configuration is a JSON object in ``argv[1]``; ``{"sweep": uid}`` only does step 5 and
 ``{"probe": [...]}`` reports what this machine allows.
@@ -181,6 +182,9 @@ def _run(cfg: dict[str, Any]) -> dict[str, Any]:
             os.close(fd)
         setup_error = os.read(status_r, 4096).decode(errors="replace")
         if not setup_error:
+            # From here on whatever happens to us is the program's doing: say so first.
+            sys.stdout.write(json.dumps({"started": True}) + "\n")
+            sys.stdout.flush()
             status = _wait(pid, cfg["wall_s"])
     except _Stop:
         stopped = True

@@ -38,6 +38,9 @@ from pipeline.judgers._base import JudgeError
 _logger = structlog.get_logger("pipeline.judgers")
 _LAUNCHER = str(Path(__file__).with_name("_launcher.py"))
 _PYTHON_PATH = "/usr/local/bin:/usr/bin:/bin"
+_STARTED = b'{"started": true}'
+"""The launcher's first line once the program is exec'd: from then on, a launcher that
+dies or hangs is the program's doing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,12 +127,15 @@ class Sandbox:
         python: the interpreter for programs (default: the first of this interpreter and
             the system's ``python3`` that the sandbox user may execute).
         env: environment of the program (default: empty).
+        directory: where run directories are made (default: the temp directory); the
+            sandbox user must be able to traverse it.
     """
 
     def __init__(self, limits: SandboxLimits | None = None, *, concurrency: int | None = None,
                  uids: Sequence[int] = range(61000, 62000), network: bool = False,
                  require_isolation: bool = False, python: str | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None,
+                 directory: str | Path | None = None) -> None:
         self.limits = limits or SandboxLimits()
         self.concurrency = concurrency or max(1, os.cpu_count() or 1)
         self.uids = list(uids)
@@ -137,6 +143,7 @@ class Sandbox:
         self.require_isolation = require_isolation
         self.python = python
         self.env = dict(env or {})
+        self.directory = None if directory is None else Path(directory)
         self._facts: SandboxFacts | None = None
         self._probe_lock: asyncio.Lock | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -238,7 +245,7 @@ class Sandbox:
         assert self._slots is not None
         async with self._slots:
             uid = self._free.pop()
-            root = Path(tempfile.mkdtemp(prefix="pipeline-sandbox-"))
+            root = Path(tempfile.mkdtemp(prefix="pipeline-sandbox-", dir=self.directory))
             try:
                 cfg = _prepare(root, files, stdin, results, uid, limits, facts, self.env, argv)
                 proc = await asyncio.create_subprocess_exec(
@@ -248,17 +255,37 @@ class Sandbox:
             except BaseException:
                 await self._release(uid, root)
                 raise
+            started = False
             try:
-                out, err = await asyncio.wait_for(proc.communicate(), limits.wall_s + 30.0)
+                async with asyncio.timeout(limits.wall_s + 30.0):
+                    assert proc.stdout is not None
+                    first = await proc.stdout.readline()
+                    started = first.strip() == _STARTED
+                    out, err = await proc.communicate()
+            except TimeoutError:
+                # The launcher hung. Once the program runs, only it can be the cause (it may
+                # have stopped its supervisor when it shares our uid): a failed run, not ours.
+                await self._stop(proc, uid, root)
+                if not started:
+                    raise JudgeError("the sandbox launcher hung before starting the program"
+                                     ) from None
+                return _lost(uid, limits, facts, "the launcher stopped answering",
+                             timed_out=True)
             except BaseException:
-                # Cancelled (or the launcher hung): stop it in a task the sandbox owns; the uid
-                # is reused only after the launcher has killed everything it started.
+                # Cancelled: stop it in a task the sandbox owns; the uid is reused only after
+                # the launcher has killed everything it started.
                 task = asyncio.get_running_loop().create_task(self._stop(proc, uid, root))
                 self._cleanups.add(task)
                 task.add_done_callback(self._cleanups.discard)
                 raise
             try:
-                return _report(root, out, err, uid, limits, results)
+                if started and not out.strip():
+                    # It died after the exec: the program (sharing our uid) killed it.
+                    if uid is not None:
+                        await _launch({"sweep": uid}, limit_s=30.0)
+                    return _lost(uid, limits, facts, f"the launcher died "
+                                 f"(exit {proc.returncode}) after starting the program")
+                return _report(root, first + out, err, uid, limits, results)
             finally:
                 await self._release(uid, root)
 
@@ -279,9 +306,15 @@ class Sandbox:
             await self._release(uid, root)
 
     async def _release(self, uid: int | None, root: Path) -> None:
+        """Give the uid back and remove the run's directory; never raises: whatever the
+        program left there is its own business, not a reason to fail the judge."""
         self._free.append(uid)
-        # In a thread: a program may have left thousands of files behind.
-        await asyncio.to_thread(shutil.rmtree, root, True)
+        try:  # in a thread: a program may have left thousands of files behind
+            problem = await asyncio.to_thread(remove_tree, root)
+        except Exception as exc:  # remove_tree catches OSError; this is a bug guard
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is not None:
+            _logger.error("sandbox_cleanup_incomplete", directory=str(root), error=problem)
 
     async def aclose(self) -> None:
         """Wait for stopped runs to be cleaned up and release the leased uids."""
@@ -338,11 +371,118 @@ def _prepare(root: Path, files: Mapping[str, str], stdin: str, results: bool, ui
 
 
 def _head(path: Path, limit: int) -> str:
+    """The first ``limit`` bytes of a regular file; "" for anything else (a program sharing
+    our uid may have swapped it for a fifo or a symlink)."""
     try:
-        with path.open("rb") as fh:
-            return fh.read(limit).decode("utf-8", errors="replace")
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return ""
+    with open(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        try:
+            return fh.read(limit).decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
+
+def _lost(uid: int | None, limits: SandboxLimits, facts: SandboxFacts, why: str, *,
+          timed_out: bool = False) -> SandboxRun:
+    """A run whose supervisor the program took down: a failed run, with no outcome."""
+    return SandboxRun(exit_code=None, signal=None, timed_out=timed_out, stdout="",
+                      stderr=f"sandbox: {why}", results="", duration_s=limits.wall_s, cpu_s=0.0,
+                      stragglers=0, uid=uid, network_isolated=facts.network_isolated,
+                      privileges_dropped=facts.privileges_dropped,
+                      extra={"supervisor_lost": why})
+
+
+def remove_tree(root: Path) -> str | None:
+    """Remove ``root`` and everything in it, whatever a program made of it.
+
+    Iterative and descriptor-based, so depth is no limit (no recursion, no path longer than
+    one name); symlinks are unlinked, never followed; fifos, sockets and devices are just
+    names; directories made unreadable (mode 000) are opened again after a chmod.
+
+    Returns:
+        None when ``root`` is gone, else what stopped it (it never raises).
+    """
+    try:
+        fd = _open_dir(str(root), None)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot open {root}: {exc}"
+    problem: str | None = None
+    stack: list[tuple[str, list[str]]] = [("", _clear_files(fd))]
+    try:
+        while True:
+            name, subdirs = stack[-1]
+            if subdirs:
+                child = subdirs.pop()
+                try:
+                    child_fd = _open_dir(child, fd)
+                except OSError:
+                    with contextlib.suppress(OSError):  # it changed under us: a plain name
+                        os.unlink(child, dir_fd=fd)
+                    continue
+                os.close(fd)
+                fd = child_fd
+                stack.append((child, _clear_files(fd)))
+                continue
+            stack.pop()
+            if not stack:
+                break
+            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except OSError as exc:
+                problem = problem or f"{name}: {exc}"
+    except OSError as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(root)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        return problem or f"{root}: {exc}"
+    return None
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_dir(name: str, dir_fd: int | None) -> int:
+    """Open directory ``name`` without following a symlink; make it ours to read first if
+    its mode shuts us out (as root that never happens)."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except PermissionError:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISDIR(info.st_mode):
+            raise
+        os.chmod(name, 0o700, dir_fd=dir_fd)
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+
+
+def _clear_files(fd: int) -> list[str]:
+    """Unlink every non-directory in the open directory; return its subdirectories."""
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o700)  # a directory the program made read-only (ours when not root)
+    subdirs: list[str] = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    subdirs.append(entry.name)
+                else:
+                    os.unlink(entry.name, dir_fd=fd)
+            except OSError:
+                continue
+    return subdirs
 
 
 def _report(root: Path, out: bytes, err: bytes, uid: int | None, limits: SandboxLimits,
