@@ -236,6 +236,43 @@ class FairAsyncTokenBucket:
         await self.acquire(key, cost, timeout)
         yield
 
+    def give_back(self, cost: float, *, granted_at: float, key: Hashable = None) -> bool:
+        """Hand back ``cost`` tokens of a grant that returned at ``granted_at`` but went unused.
+
+        For callers that take tokens ahead of use (a fleet limiter leasing a batch to a
+        worker): the tokens are credited as if never granted, unless the bucket was seen full
+        since ``granted_at`` (they would have overflowed; counted as ``discarded``), so the
+        burst guarantee holds. Queued callers are served from them at once.
+
+        Args:
+            cost: tokens to hand back (at most what the grant took).
+            granted_at: this bucket's clock when ``acquire`` returned.
+            key: the grant's key (for the per-key statistics).
+
+        Returns:
+            Whether the tokens were credited (False: the bucket had filled up since).
+
+        Raises:
+            ValueError: ``cost`` is not a finite number > 0 or exceeds the capacity.
+        """
+        cost = self._check_cost(cost)
+        with self._lock:
+            now = self._clock()
+            self._dispatch(now)
+            idle = not self._queue.waiting
+            if idle:
+                self._advance(now)
+            credited = granted_at >= self._full_at
+            if credited:
+                self._tokens += cost
+                if idle:
+                    self._clip(now)
+            else:
+                self._discarded += cost
+            self._tally.record_give_back(key, cost)
+            self._dispatch(now)
+        return credited
+
     def stats(self) -> BucketStats:
         """A snapshot of totals, per-key figures and the accounting ledger.
 

@@ -69,7 +69,8 @@ class KeyStats:
         queue_len: callers of this key waiting now.
         timeouts: acquires that raised ``TimeoutError``.
         cancelled: acquires cancelled while queued or right after their grant.
-        refunded: tokens put back after a grant whose caller was cancelled.
+        refunded: tokens put back after a grant whose caller was cancelled, or handed back
+            unused (``give_back``).
     """
 
     key: Hashable
@@ -236,6 +237,15 @@ class Tally:
         tally = self._key(key)
         tally.refunded += cost
         tally.cancelled += 1
+
+    def record_give_back(self, key: Hashable, cost: float) -> None:
+        """Count tokens of a returned grant handed back unused (moved from returned to
+        refunded, so both ledger lines stay balanced)."""
+        self.returned -= cost
+        self.refunded += cost
+        tally = self._key(key)
+        tally.tokens -= cost
+        tally.refunded += cost
 
     def record_cancel(self, key: Hashable) -> None:
         """Count a caller cancelled while queued."""
