@@ -12,6 +12,8 @@ the results back, until the model answers without a tool call; it prints that an
   put together from the chunks. Other turns send the SDK's message object back as its
   ``model_dump()`` (with the SDK's extra ``None`` fields), streamed ones as a plain dict.
 - ``--retry-turn N``: turn N's reply is thrown away and the same request is sent again.
+- ``--timeout S --max-retries K``: the SDK's own timeout and retries (a request that times
+  out is sent again by the SDK).
 - ``--rewrite-after N``: after N tool rounds, the conversation is replaced by the system
   message and one user message with the question and the results so far (a summary).
 """
@@ -69,12 +71,14 @@ def main() -> int:
     parser.add_argument("--retry-turn", type=int, default=-1)
     parser.add_argument("--rewrite-after", type=int, default=-1)
     parser.add_argument("--max-turns", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=60)
+    parser.add_argument("--max-retries", type=int, default=0)
     args = parser.parse_args()
     streamed = {int(t) for t in args.stream.split(",") if t}
     task = json.load(sys.stdin)
     messages: list[dict[str, Any]] = list(task["messages"])
     tools = task.get("tools")
-    client = OpenAI(max_retries=0, timeout=60)
+    client = OpenAI(max_retries=args.max_retries, timeout=args.timeout)
     results: list[int] = []
     retried = False
     for turn in range(args.max_turns):

@@ -259,7 +259,7 @@ async def test_a_spent_response_budget_ends_the_segment_on_length_with_a_final_e
     later = [*BASE, reply_dict(first), {"role": "user", "content": "go on"}]
     with pytest.raises(FinalError) as refused:
         await ask(runner, session, later, tools=TOOLS)
-    assert (refused.value.status, refused.value.code) == (403, "response_budget_exhausted")
+    assert (refused.value.status, refused.value.code) == (404, "response_budget_exhausted")
     assert refused.value.final and session.ended == "response_budget"
     assert len(session.turns) == 1 and session.requests == 2
     assert (seg.finish_reason, seg.raw_finish_reason) == (FinishReason.LENGTH, "response_budget")
@@ -321,7 +321,7 @@ async def test_invalid_messages_are_request_errors_naming_the_message():
     for refused in ({"n": 2}, {"top_logprobs": 3}):
         with pytest.raises(FinalError) as final:
             refuse_unsupported(parse_request({"messages": BASE, **refused}))
-        assert final.value.param == next(iter(refused)) and final.value.status == 403
+        assert final.value.param == next(iter(refused)) and final.value.status == 404
     # JSON nulls where OpenAI's spec allows them (the SDK forwards unset options as null)
     nulls = dict.fromkeys(("n", "stream", "logprobs", "top_logprobs", "temperature", "top_p",
                            "max_tokens", "seed", "stop", "tools", "tool_choice",

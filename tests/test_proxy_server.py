@@ -122,7 +122,7 @@ async def test_openai_bodies_and_the_sessions_api(proxy, http):
                          headers=auth(key)) as r:
         assert r.status == 200 and (await r.json())["state"] == "completed"
     status, body = await chat(http, url, key, messages)
-    assert status == 403 and body["error"]["code"] == "session_completed"
+    assert status == 404 and body["error"]["code"] == "session_completed"
     async with http.delete(f"{proxy.url}/sessions/{created['id']}", headers=auth(ADMIN)) as r:
         assert (await r.json()) == {"id": created["id"], "deleted": True}
     async with http.get(f"{proxy.url}/sessions/{created['id']}", headers=auth(ADMIN)) as r:
@@ -275,7 +275,7 @@ async def test_limits_answer_4xx_with_openai_error_bodies(http):
         async with http.post(f"{a['base_url']}/chat/completions", headers=auth(a["api_key"]),
                              json={"model": "m", "messages": hello}) as r:
             # final: a status no supported client retries, and the SDK's no-retry header
-            assert (r.status, r.headers["x-should-retry"]) == (403, "false")
+            assert (r.status, r.headers["x-should-retry"]) == (404, "false")
             assert (await r.json())["error"]["code"] == "too_many_turns"
         assert proxy.sessions.get(a["id"]).ended == "max_turns"
         status, body = await chat(http, a["base_url"], a["api_key"],
@@ -294,7 +294,7 @@ async def test_limits_answer_4xx_with_openai_error_bodies(http):
                            b'{"messages": [{"role": "user"}], "n": 3}'):
             async with http.post(f"{proxy.url}/v1/chat/completions", data=body_bytes,
                                  headers=auth(a["api_key"])) as r:
-                assert r.status in (400, 403), body_bytes
+                assert r.status in (400, 404), body_bytes
 
 
 async def test_unexpected_errors_are_500s_without_internals(http):

@@ -9,16 +9,17 @@
     │   │   ├── SessionNotFound  no such session, or it expired (404, final)
     │   │   ├── ProxyLimitError  a limit was reached: sessions, body size (429 / 413)
     │   │   └── FinalError       the session cannot go on: turns or response budget spent,
-    │   │                        completed, a refused field (403, final)
+    │   │                        completed, a refused field (404, final)
     │   └── ...                  engine failures (502 / 503)
     └── RemoteAgentError         the black-box agent failed (exit status, timeout, no turns)
 
 *Final* errors are the answers an agent must not retry. Clients disagree on what they retry:
-the OpenAI SDK (and openai-agents, litellm over it) retries 408, 409, 429 and 5xx unless the
-answer carries ``x-should-retry: false``; mini-swe-agent retries every error except 401, 403,
-404, context-window and unsupported-parameter errors, for minutes, with back-off. So a final
-error is a 403 (or a 404 for a session that is gone) with ``x-should-retry: false``: the only
-answers all of them give up on at once.
+the OpenAI SDK (and openai-agents over it) retries 408, 409, 429 and 5xx unless the answer
+carries ``x-should-retry: false``; mini-swe-agent retries every error except 401, 403, 404,
+context-window and unsupported-parameter errors, for minutes, with back-off — and litellm,
+which it calls, maps a 403 from an OpenAI-compatible server to a plain ``APIError``. So a
+final error is a 404 with ``x-should-retry: false`` (401 would read as a bad key): the only
+answer all of them give up on at once. Its ``code`` says what happened.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class SessionNotFound(ProxyRequestError):
 class FinalError(ProxyRequestError):
     """The session cannot serve this request and never will: retrying is pointless."""
 
-    status = 403
+    status = 404
     final = True
 
 

@@ -18,7 +18,7 @@ Auth: every session has its own key; a session's routes take that key or the ser
 need the server's ``api_key`` when one is configured (``/v1/models`` also takes any session
 key). Every error is an OpenAI-style JSON body with a 4xx/5xx status; an unexpected error is
 logged with its traceback and answered 500 without one; errors an agent must not retry are
-*final* (403/404 with ``x-should-retry: false``, see ``_errors``). A client that goes away
+*final* (404 with ``x-should-retry: false``, see ``_errors``). A client that goes away
 mid-answer is logged as such, not as an error.
 
 The record: with the server's key, segments with their token ids and turns with their

@@ -6,7 +6,7 @@ was, so the agent may simply retry.
 
 Limits that end a session: the per-session request limit (``max_turns``) and the sampling's
 ``max_response_tokens`` (the response budget, counted like ``Generate`` counts it: model and
-template tokens of the segment). The request that finds one spent gets a final error (403),
+template tokens of the segment). The request that finds one spent gets a final error (404),
 ``session.ended`` names the limit, and the segment it would have extended ends with
 ``finish_reason=length`` and ``raw_finish_reason="response_budget"`` (a turn cut short by the
 budget gets the same raw reason), so the sample ends the way ``Generate`` ends one.
@@ -86,7 +86,7 @@ class TurnRunner:
 
         Raises:
             FinalError: the session is completed, or used up its requests or its response
-                budget (403, final).
+                budget (404, final).
             ProxyRequestError: a message is invalid, or the prompt does not fit the context.
             ProxyError: the engine failed (502) or aborted the request (503).
         """

@@ -162,7 +162,7 @@ def refuse_unsupported(request: ChatCompletionRequest) -> None:
     """Refuse, with a final error, a valid request the proxy cannot serve as asked.
 
     Raises:
-        FinalError: naming the field (403, ``unsupported_parameter``).
+        FinalError: naming the field (404, ``unsupported_parameter``).
     """
     if request.n not in (None, 1):
         raise FinalError("n > 1 is not supported: each choice would be one recorded turn",
