@@ -25,10 +25,12 @@ def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
 
 
 def config_error(exc: ValidationError, prefix: str = "") -> ConfigError:
-    """A :class:`ConfigError` for ``exc``, its ``field`` the first invalid one."""
+    """A :class:`ConfigError` for ``exc``, its ``field`` the first invalid one (a prefix such
+    as ``"row 3: sampling"`` names it in the message; the field is ``sampling.<name>``)."""
     errors = exc.errors(include_url=False)
     loc = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
-    field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or None)
+    base = prefix.rpartition(": ")[2]
+    field = f"{base}.{loc}" if base and loc else (base or loc or None)
     return ConfigError(describe_validation_error(exc, prefix), field=field)
 
 

@@ -54,7 +54,7 @@ class Resources:
 
         ``tools`` may be given as a list of tools: the registry is built from it.
         """
-        if not isinstance(self.tools, Mapping) and isinstance(self.tools, Iterable):
+        if not isinstance(self.tools, Mapping | str | bytes) and isinstance(self.tools, Iterable):
             self.tools = make_registry(_as_tools(self.tools))
         check_resources(self)
 

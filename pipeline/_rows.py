@@ -42,6 +42,9 @@ class DatasetRow(BaseModel):
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
+_ROW_FIELDS = frozenset(DatasetRow.model_fields)  # the class property costs ~5 us a read
+
+
 def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> DatasetRow:
     """Validate one row (our schema or verl's) into a :class:`DatasetRow`.
 
@@ -84,11 +87,15 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
                 field="reward_model",
             )
         data.setdefault("ground_truth", reward_model.get("ground_truth"))
-    extra = dict(data.pop("extra", None) or {})
+    extra = data.pop("extra", None) or {}
+    if not isinstance(extra, Mapping):
+        raise RowError(f"{where}: field 'extra' must be a mapping, got {type(extra).__name__}",
+                       row_index=index, field="extra")
+    extra = dict(extra)
     extra_info = data.pop("extra_info", None)
     if extra_info is not None:
         extra.setdefault("extra_info", extra_info)
-    for key in [k for k in data if k not in DatasetRow.model_fields]:
+    for key in [k for k in data if k not in _ROW_FIELDS]:
         extra[key] = data.pop(key)
     data["extra"] = extra
     _check_messages(data["messages"], where, index, source)
