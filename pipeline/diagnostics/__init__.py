@@ -14,7 +14,12 @@
 
 from pipeline._pipeline import InflightSample
 from pipeline.diagnostics._cli import add_dump_arguments, run_dump
-from pipeline.diagnostics._dumper import TaskDumper, dump, install_task_dumper
+from pipeline.diagnostics._dumper import (
+    TaskDumper,
+    add_dump_section,
+    dump,
+    install_task_dumper,
+)
 from pipeline.diagnostics._errors import DiagnosticsError
 from pipeline.diagnostics._model import (
     LoopInfo,
@@ -45,6 +50,7 @@ __all__ = [
     "ThreadInfo",
     "Watchdog",
     "add_dump_arguments",
+    "add_dump_section",
     "asyncio_run",
     "capture_snapshot",
     "default_dump_dir",

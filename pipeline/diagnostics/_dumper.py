@@ -68,6 +68,41 @@ _MAX_UNIX_PATH = 100
 _logger = structlog.get_logger("pipeline.diagnostics")
 _by_signal: dict[int, TaskDumper] = {}
 _latest: list[TaskDumper] = []
+_sections: dict[str, Callable[[], tuple[str, Any]]] = {}
+
+
+def add_dump_section(name: str, provider: Callable[[], tuple[str, Any]]) -> Callable[[], None]:
+    """Add a section to every dump this process writes, for state that lives elsewhere (the
+    Ray workers of a driver's ``RayRolloutPool``).
+
+    ``provider()`` runs on the dumper's thread at each dump and returns ``(text, data)``:
+    the text is appended to the text dump, the data (JSON-able) goes under
+    ``"sections": {name: data}`` in the JSON dump. It must bound its own time; if it raises,
+    the error is written in its place.
+
+    Returns:
+        A function that removes the section.
+    """
+    _sections[name] = provider
+
+    def remove() -> None:
+        if _sections.get(name) is provider:
+            del _sections[name]
+
+    return remove
+
+
+def _extra_sections() -> tuple[str, dict[str, Any]]:
+    texts: list[str] = []
+    data: dict[str, Any] = {}
+    for name, provider in list(_sections.items()):
+        try:
+            text, data[name] = provider()
+        except Exception as exc:  # a section must never cost the dump
+            text = f"(section failed: {type(exc).__name__}: {exc})"
+            data[name] = {"error": text}
+        texts.append(f"\n== {name} ==\n{text.rstrip()}\n")
+    return "".join(texts), data
 
 
 class TaskDumper:
@@ -299,6 +334,8 @@ class TaskDumper:
             lags = self.lag_source() if self.lag_source is not None else None
             snap = capture_snapshot(reason=reason, loops=self._loops, lags=lags)
             text = render_text(snap, max_samples=self.max_samples)
+            extra_text, extra_data = _extra_sections()
+            text += extra_text
             self._seq += 1
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(snap.taken_at))
             micros = int((snap.taken_at % 1) * 1e6)
@@ -307,7 +344,10 @@ class TaskDumper:
             path = self.directory / f"{base}.txt"
             write_atomic(dir_fd, path.name, text)  # first: it is what a person waits for
             if self.write_json:
-                write_atomic(dir_fd, f"{base}.json", render_json(snap))
+                rendered = render_json(snap)
+                if extra_data:
+                    rendered = json.dumps({**json.loads(rendered), "sections": extra_data})
+                write_atomic(dir_fd, f"{base}.json", rendered)
         if self.echo_stderr:
             with contextlib.suppress(OSError):
                 os.write(2, text.encode("utf-8", "replace"))
