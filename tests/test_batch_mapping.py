@@ -106,11 +106,14 @@ def test_verl_outputs_match_the_doc(batch):
         assert len(out["response_logprobs"]) == len(out["response_ids"]) == len(
             out["response_mask"])
         assert out["num_turns"] == 2  # user + assistant, from the item's messages
-        assert set(out["metrics"]) == {"generate_sequences", "tool_calls"}
-        assert out["metrics"]["generate_sequences"] > 0
+        metrics_row = next(r for r in rows if r[0] == "`metrics`")
+        assert set(out["metrics"]) == set(re.findall(r"`(\w+)`", metrics_row[2])) - {"items",
+                                                                                  "as_dict"}
+        assert out["metrics"]["generate_sequences"] > 0 and out["metrics"]["num_preempted"] == -1
         extra_row = next(r for r in rows if r[0] == "`extra_fields`")
-        documented = set(re.findall(r"`(rollout_\w+)`", extra_row[2]))
-        assert documented | {"turn_lengths"} >= set(out["extra_fields"]) >= documented
+        documented = set(re.findall(r"`((?:rollout|reward)_\w+)`", extra_row[2]))
+        assert set(out["extra_fields"]) == documented | {"turn_lengths"}
+        assert set(out["extra_fields"]["reward_extra_info"]) == {"acc", "score"}
         if sample.masked:
             assert not out["routed_experts"].any() and not any(out["response_mask"])
             assert out["reward_score"] == 0.0
@@ -129,6 +132,8 @@ def test_verl_batch_matches_the_doc(batch):
     assert set(out["batch"]) == where["batch"] == set(VERL_BATCH_KEYS + VERL_OPTIONAL_KEYS)
     payload_and_extra = {"score", "acc", "turn_lengths"}
     assert set(out["non_tensor_batch"]) == where["non_tensor_batch"] | payload_and_extra
+    assert out["non_tensor_batch"]["multi_modal_inputs"].tolist() == [{}] * len(batch.samples)
+    assert out["non_tensor_batch"]["raw_prompt"][0] == batch.items[0].data.messages
     assert set(STATUS_KEYS) <= where["non_tensor_batch"]
     assert set(out["meta_info"]) == where["meta_info"]
     dims = {"B": len(batch.samples), "P": 40, "R": 20, "L": LAYERS, "K": TOPK}
@@ -141,7 +146,9 @@ def test_verl_batch_matches_the_doc(batch):
             assert value.shape == (dims["B"],), key
     assert out["non_tensor_batch"]["uid"].tolist() == [s.group_id for s in batch.samples]
     assert out["meta_info"]["reward_extra_keys"] == ["acc", "score"]
-    assert out["meta_info"]["num_overlong"] == 0
+    assert not out["non_tensor_batch"]["rollout_overlong"].any()
+    failed = [i for i, s in enumerate(batch.samples) if s.masked]
+    assert failed and all(np.isnan(out["non_tensor_batch"]["score"][i]) for i in failed)
     without_uid = to_verl_batch(batch.samples, pad_token_id=0, max_prompt_len=40,
                                 max_response_len=20, uid_key=None, use_verl=False)
     assert "uid" not in without_uid["non_tensor_batch"]
@@ -151,8 +158,9 @@ def test_verl_batch_counts_overlong_samples(batch):
     out = to_verl_batch(batch.samples, pad_token_id=0, max_prompt_len=40, max_response_len=8,
                         use_verl=False)
     over = [len(s.response_ids) > 8 for s in batch.samples]
-    assert out["meta_info"]["num_overlong"] == sum(over) > 0
+    assert "num_overlong" not in out["meta_info"]  # meta_info must be equal across workers
     assert out["non_tensor_batch"]["rollout_overlong"].tolist() == over
+    assert sum(over) > 0
 
 
 def leaves(record: dict[str, Any], documented: set[str], prefix: str = "") -> set[str]:

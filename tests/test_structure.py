@@ -24,11 +24,12 @@ PUBLIC_MODULES = {
     # package surfaces
     "pipeline", "pipeline.batch", "pipeline.diagnostics", "pipeline.engines",
     "pipeline.judgers", "pipeline.models", "pipeline.observability", "pipeline.proxy",
-    "pipeline.ratelimit", "pipeline.stages", "pipeline.tools",
+    "pipeline.ratelimit", "pipeline.stages", "pipeline.tools", "pipeline.integrations",
     # importing the module is the point: a heavy optional dependency, a command, test helpers
     "pipeline.engines.vllm", "pipeline.engines.transformers", "pipeline.engines.moe",
     "pipeline.cli", "pipeline.models.tiny", "pipeline.models.tiny.__main__",
     "pipeline.testing", "pipeline.judgers.testing", "pipeline.artifacts",
+    "pipeline.integrations.verl",
 }
 DEPRECATED_PATHS = {
     # kept for this release only (CHANGELOG.md): star re-exports of the private modules
