@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import uuid
+import os
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -29,7 +29,7 @@ def make_items(rows: Iterable[Any], n: int | None, config: PipelineConfig,
         row = parse_row(raw, i) if not isinstance(raw, DatasetRow) else raw
         sampling = config.sampling.with_overrides(row.sampling, where=f"row {i}: sampling")
         base_seed = config.seed if sampling.seed is None else sampling.seed
-        group_id = uuid.uuid4().hex[:16]
+        group_id = os.urandom(8).hex()  # 64 random bits; uuid4() costs 7x more
         for k in range(n or sampling.n):
             seed = zlib.crc32(f"{base_seed}:{i}:{k}".encode())
             items.append(

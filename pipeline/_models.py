@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import numbers
@@ -104,19 +105,25 @@ class AgentMessage(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-class StageRecord(BaseModel):
+@dataclasses.dataclass(slots=True, kw_only=True)
+class StageRecord:
     """One run of one stage on one sample (or the cleanup of a stage).
 
     ``start``/``end`` are ``time.monotonic()`` seconds (for durations and timelines);
     ``start_wall`` is the Unix time the stage started (for humans and log correlation).
+
+    A slotted dataclass, not a pydantic model: one is made per stage run on the hot path,
+    from values the runner itself produced. It is validated where it crosses a boundary:
+    as a field of :class:`AgentRolloutItem` built from data, and read back from a dump as
+    :class:`pipeline.observability.StageTiming`.
     """
 
     name: str
+    start: float
+    start_wall: float
     phase: Literal["run", "cleanup"] = "run"
     turn: int | None = None
-    start: float
     end: float | None = None
-    start_wall: float
     status: Status = Status.COMPLETED
     error_type: str | None = None
     error_message: str | None = None

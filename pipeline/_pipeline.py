@@ -192,8 +192,7 @@ class Pipeline:
         runs = producer.start(items)
         async with self.batch_scope(len(items)):
             try:
-                while producer.unfinished:
-                    await producer.next_finished()
+                await producer.wait_all()
             except BaseException:
                 await producer.cancel()
                 raise

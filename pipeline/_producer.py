@@ -10,7 +10,6 @@ task group would.
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
@@ -71,6 +70,8 @@ class Producer:
         self.batch = Batch(num_needed)
         self.unfinished = 0
         self._finished: asyncio.Queue[SampleRun] = asyncio.Queue()
+        self._running = 0
+        self._all_done: asyncio.Future[None] | None = None
 
     def start(self, items: Iterable[AgentRolloutItem]) -> list[SampleRun]:
         """Start one task per item; they run until done, aborted, or :meth:`cancel`."""
@@ -78,16 +79,30 @@ class Producer:
         started = []
         for item in items:
             run = SampleRun(item)
-            run.task = loop.create_task(self.run_sample(run, self.batch),
-                                        name=f"sample:{item.uid}")
-            run.task.add_done_callback(functools.partial(self._hand_over, run))
+            run.task = loop.create_task(self._run(run), name=f"sample:{item.uid}")
             self.batch.runs.append(run)
             started.append(run)
         self.unfinished += len(started)
+        self._running += len(started)
         return started
 
-    def _hand_over(self, run: SampleRun, _: object) -> None:
-        self._finished.put_nowait(run)
+    async def _run(self, run: SampleRun) -> RolloutSample:
+        # Handed over from the task's last step (no done-callback, one loop handle less per
+        # sample): the task is done by the time the consumer wakes up to look at it.
+        fatal = False
+        try:
+            return await self.run_sample(run, self.batch)
+        except (Exception, asyncio.CancelledError):
+            raise
+        except BaseException:
+            fatal = True
+            raise
+        finally:
+            self._finished.put_nowait(run)
+            self._running -= 1
+            waiter = self._all_done
+            if waiter is not None and not waiter.done() and (fatal or not self._running):
+                waiter.set_result(None)
 
     async def next_finished(self) -> SampleRun:
         """The next run whose task has ended.
@@ -99,9 +114,28 @@ class Producer:
         self.unfinished -= 1
         task = run.task
         assert task is not None
+        if not task.done():  # only a run that raised past every guard gets here unfinished
+            await asyncio.wait((task,))
         if not task.cancelled() and not isinstance(exc := task.exception(), Exception | None):
             raise BaseExceptionGroup("a sample raised a BaseException", [exc])
         return run
+
+    async def wait_all(self) -> None:
+        """Wait until every started run has finished, waking once (not once per sample).
+
+        Raises:
+            BaseExceptionGroup: as :meth:`next_finished`.
+        """
+        if self._running:
+            self._all_done = asyncio.get_running_loop().create_future()
+            try:
+                await self._all_done
+            finally:
+                self._all_done = None
+        while self.unfinished and not self._finished.empty():
+            await self.next_finished()
+        if self.unfinished:  # woken early by a fatal error already handled above, or more runs
+            await self.wait_all()
 
     async def cancel(self) -> None:
         """Cancel every unfinished sample and wait for all of them (cleanups run), even if

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import pydantic.dataclasses
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from pipeline._models import FinishReason, StageRecord, Status
@@ -26,15 +27,15 @@ SCHEMA_VERSION = 1
 """Version of the line format, written in every batch summary."""
 
 
+@pydantic.dataclasses.dataclass(config=ConfigDict(extra="allow"), kw_only=True)
 class StageTiming(StageRecord):
     """One stage run (or cleanup) of one sample, as dumped from its :class:`StageRecord`:
-    the same fields by construction, and fields a newer writer added are kept.
+    the same fields by construction, validated when read, and fields a newer writer added
+    are kept.
 
     ``start``/``end`` are the writer process's ``time.monotonic()`` seconds: comparable within
     a batch, not across processes; ``start_wall`` is the Unix time the stage started.
     """
-
-    model_config = ConfigDict(extra="allow")
 
 
 class AgentTrace(BaseModel):
