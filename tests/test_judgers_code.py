@@ -6,8 +6,12 @@ import asyncio
 import json
 import os
 import shutil
+import socket
+import stat
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,6 +21,7 @@ import pytest
 from pipeline import AgentMessage, AgentRolloutItem, artifacts, parse_row
 from pipeline.judgers import CodeJudger, JudgeError, Sandbox, SandboxLimits, get_judger
 from pipeline.judgers._code import extract_code, parse_tests
+from pipeline.judgers._sandbox import remove_tree
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux sandbox")
 ROOT = os.geteuid() == 0
@@ -338,3 +343,130 @@ async def test_hostile_program_scores_zero_and_leaves_nothing(own: CodeJudger,
                                         ADD_TESTS))
         assert good.score == 1.0, good.payload
         assert entries(sandbox_dir) == []
+
+
+# --- private /tmp, /var/tmp, /dev/shm, /run: host sockets out of reach ----------------------
+
+SYSTEM_PYTHON = shutil.which("python3", path=os.defpath)
+
+
+@pytest.fixture
+def host_sockets() -> Iterator[tuple[Path, str, list[int]]]:
+    """A world-writable pathname socket under the host's /tmp (in a world-traversable
+    directory) and an abstract one, both accepting; yields their names and a hit counter."""
+    folder = Path(tempfile.mkdtemp(prefix="host-sock-", dir="/tmp"))
+    os.chmod(folder, 0o755)
+    path = folder / "open.sock"
+    abstract = f"\0pipeline-test-{os.getpid()}-{time.monotonic_ns()}"
+    hits = [0]
+    servers = []
+    for address in (str(path), abstract):
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(address)
+        server.listen(8)
+        server.settimeout(0.2)
+        servers.append(server)
+    os.chmod(path, 0o777)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            for server in servers:
+                try:
+                    conn, _ = server.accept()
+                except OSError:
+                    continue
+                hits[0] += 1
+                conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield path, abstract, hits
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for server in servers:
+            server.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+CONNECT = """
+import socket, sys
+for address in sys.argv[1:]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2)
+    s.connect(address.replace("@", "\\0", 1))
+    s.close()
+"""
+
+
+@needs_root
+async def test_host_unix_sockets_are_out_of_reach(own: CodeJudger, host_sockets) -> None:
+    path, abstract, hits = host_sockets
+    facts = await own.sandbox.facts()
+    if not (facts.mounts_isolated and facts.network_isolated):
+        pytest.skip(f"no namespaces here: {facts.mount_error} / {facts.network_error}")
+    # Positive control: another unprivileged uid outside the sandbox does reach both.
+    assert SYSTEM_PYTHON is not None
+    done = await asyncio.to_thread(
+        subprocess.run, [SYSTEM_PYTHON, "-I", "-c", CONNECT, str(path), "@" + abstract[1:]],
+        user=65534, group=65534, extra_groups=[], capture_output=True, timeout=30, cwd="/")
+    assert done.returncode == 0, done.stderr
+    reached = hits[0]
+    assert reached == 2
+    tests = [
+        "import socket\n"
+        f"for address in ({str(path)!r}, {abstract!r}):\n"
+        "    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "    try:\n"
+        "        s.connect(address)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    else:\n"
+        "        raise AssertionError(f'reached {address!r}')",
+        # Private, empty and writable: a program may still use /tmp for itself.
+        "import os\n"
+        "for d in ('/tmp', '/var/tmp', '/dev/shm', '/run'):\n"
+        "    if os.path.isdir(d):\n"
+        "        assert os.listdir(d) == [], (d, os.listdir(d))\n"
+        "open('/tmp/scratch', 'w').write('mine')\n"
+        "assert open('/tmp/scratch').read() == 'mine'",
+    ]
+    result = await own.judge(item_for("x = 1", tests))
+    assert result.payload["status"] == "passed", result.payload
+    assert result.payload["sandbox"]["mounts_isolated"] is True
+    assert hits[0] == reached  # no connection came from the sandbox
+
+
+def test_remove_tree_removes_what_a_program_leaves(tmp_path: Path) -> None:
+    """Deeper than the recursion limit and PATH_MAX, unreadable directories, fifos, sockets,
+    symlinks to the outside (never followed)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("keep")
+    root = tmp_path / "run"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(1100):
+            os.mkdir("d" * 100, dir_fd=fd)
+            child = os.open("d" * 100, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    (root / "locked" / "inner").mkdir(parents=True)
+    (root / "locked" / "inner" / "f").write_text("x")
+    os.chmod(root / "locked" / "inner", 0)
+    os.chmod(root / "locked", 0)
+    os.mkfifo(root / "fifo")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(root / "sock"))
+    (root / "out").symlink_to(outside)
+    (root / "out_file").symlink_to(outside / "keep")
+    os.chmod(root, stat.S_IRUSR | stat.S_IXUSR)
+    assert remove_tree(root) is None
+    assert not root.exists()
+    assert (outside / "keep").read_text() == "keep"
+    assert remove_tree(root) is None  # already gone: fine

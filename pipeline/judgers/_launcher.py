@@ -3,7 +3,11 @@
 Runs as the parent's user (root on the training machines) with only the standard library:
 
 1. optionally enters a new network namespace (``unshare(CLONE_NEWNET)``: no interface but a
-   down loopback, so no network at all);
+   down loopback, so no network and no abstract Unix socket of the host) and a new mount
+   namespace where ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run`` are fresh, empty tmpfs
+   (``unshare(CLONE_NEWNS)``: no pathname socket or file of the host under them is
+   reachable; they vanish with the namespace). The run's own files, under the host's temp
+   directory, are opened before and reached by descriptor (the program's cwd);
 2. becomes a child subreaper, so every descendant of the program is re-parented here;
 3. forks the program: new session, stdio from files, rlimits (CPU, address space, processes,
    file size, open files, no core), then drops to the sandbox uid/gid with no supplementary
@@ -30,6 +34,11 @@ import time
 from typing import Any
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
@@ -52,6 +61,23 @@ def _unshare_net() -> str | None:
     if _LIBC.unshare(CLONE_NEWNET) == 0:
         return None
     return os.strerror(ctypes.get_errno())
+
+
+def _private_mounts(paths: list[str], size_mb: int) -> str | None:
+    """Enter a new mount namespace with an empty tmpfs on each existing directory of
+    ``paths``; None on success, else why not (then nothing was mounted)."""
+    if _LIBC.unshare(CLONE_NEWNS) != 0:
+        return "unshare(CLONE_NEWNS): " + os.strerror(ctypes.get_errno())
+    # Mounts made here must not propagate back to the host's namespace.
+    if _LIBC.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return "making / private: " + os.strerror(ctypes.get_errno())
+    options = f"size={size_mb}m,nr_inodes=16384,mode=1777".encode()
+    for path in paths:
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue  # e.g. /var/run -> /run is covered through its target
+        if _LIBC.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+            return f"tmpfs on {path}: " + os.strerror(ctypes.get_errno())
+    return None
 
 
 def _pids_of(uid: int) -> list[int]:
@@ -98,10 +124,11 @@ def _sweep(uid: int) -> int:
     return found
 
 
-def _child(cfg: dict[str, Any], fds: list[int], status_w: int) -> None:
+def _child(cfg: dict[str, Any], fds: list[int], cwd: int, status_w: int) -> None:
     """In the forked child: set limits, drop privileges, exec. Never returns."""
     try:
         os.setsid()
+        os.fchdir(cwd)  # by descriptor: its path may lie under a private tmpfs now
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         os.closerange(len(fds), status_w)
@@ -122,7 +149,6 @@ def _child(cfg: dict[str, Any], fds: list[int], status_w: int) -> None:
             os.setuid(cfg["uid"])
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
         _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        os.chdir(cfg["cwd"])
         os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
     except BaseException as exc:
         try:
@@ -156,18 +182,25 @@ def _wait(pid: int, timeout: float) -> int | None:
 
 
 def _run(cfg: dict[str, Any]) -> dict[str, Any]:
-    report: dict[str, Any] = {"ok": True, "network_isolated": False,
+    report: dict[str, Any] = {"ok": True, "network_isolated": False, "mounts_isolated": False,
                               "privileges_dropped": cfg["uid"] is not None}
+    # Opened before any mount: they may lie under a directory about to be hidden.
+    fds = [os.open(cfg["stdin"], os.O_RDONLY), os.open(cfg["stdout"], os.O_WRONLY),
+           os.open(cfg["stderr"], os.O_WRONLY)]
+    if cfg.get("results"):
+        fds.append(os.open(cfg["results"], os.O_WRONLY))
+    cwd = os.open(cfg["cwd"], os.O_RDONLY | os.O_DIRECTORY)
     if cfg["unshare_net"]:
         error = _unshare_net()
         if error is not None:
             return {"ok": False, "error": f"network isolation failed: {error}"}
         report["network_isolated"] = True
+    if cfg.get("private_dirs"):
+        error = _private_mounts(cfg["private_dirs"], int(cfg.get("private_mb", 64)))
+        if error is not None:
+            return {"ok": False, "error": f"mount isolation failed: {error}"}
+        report["mounts_isolated"] = True
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    fds = [os.open(cfg["stdin"], os.O_RDONLY), os.open(cfg["stdout"], os.O_WRONLY),
-           os.open(cfg["stderr"], os.O_WRONLY)]
-    if cfg.get("results"):
-        fds.append(os.open(cfg["results"], os.O_WRONLY))
     status_r, status_w = os.pipe()  # close-on-exec: EOF tells that exec succeeded
     start = time.monotonic()
     setup_error = ""
@@ -175,10 +208,10 @@ def _run(cfg: dict[str, Any]) -> dict[str, Any]:
     status = None
     pid = os.fork()
     if pid == 0:
-        _child(cfg, fds, status_w)
+        _child(cfg, fds, cwd, status_w)
     try:
         os.close(status_w)
-        for fd in fds:
+        for fd in (*fds, cwd):
             os.close(fd)
         setup_error = os.read(status_r, 4096).decode(errors="replace")
         if not setup_error:
@@ -215,10 +248,14 @@ def _run(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
-    report: dict[str, Any] = {"ok": True, "network_error": None, "python": None}
+    report: dict[str, Any] = {"ok": True, "network_error": None, "python": None,
+                              "mount_error": None}
     if cfg["unshare_net"]:
         report["network_error"] = _unshare_net()
     report["network_isolation"] = cfg["unshare_net"] and report["network_error"] is None
+    if cfg.get("private_dirs"):  # the interpreter must still be there once they are hidden
+        report["mount_error"] = _private_mounts(cfg["private_dirs"], 1)
+    report["mount_isolation"] = bool(cfg.get("private_dirs")) and report["mount_error"] is None
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:

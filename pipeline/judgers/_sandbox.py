@@ -2,15 +2,22 @@
 
 Each run gets a fresh temporary directory, an empty environment, rlimits (CPU time, address
 space, process count, file size, open files, no core dumps), a wall-clock limit, its own
-session, no network (a new network namespace where the machine allows it) and, when this
-process runs as root, its own unprivileged uid, so that process limits apply and every
+session, no network (a new network namespace where the machine allows it: no interface, no
+abstract Unix socket of the host), private empty ``/tmp``, ``/var/tmp``, ``/dev/shm``,
+``/run`` and temp directory (a new mount namespace with a small tmpfs on each, where the
+machine allows it: no pathname socket or file of the host under them is reachable) and, when
+this process runs as root, its own unprivileged uid, so that process limits apply and every
 process it leaves behind can be killed (see ``_launcher.py``). Sandbox uids are leased with
-``flock`` under the temp directory, so pipelines in other processes never share one.
+``flock`` under the temp directory, so pipelines in other processes never share one. Where a
+namespace is not available the run goes on without it and a warning says so, unless
+``require_isolation``.
 
-What it does not protect against: reading world-readable files, writing world-writable
-directories (``/tmp``), filling the disk with many small files, kernel exploits, and side
-channels. There is no mount or PID namespace and no seccomp filter. Run untrusted code on
-machines you can afford to lose, or behind a container / VM boundary as well.
+What it does not protect against: reading world-readable files, reaching pathname sockets
+and writing world-writable files outside the private directories (under home directories or
+``/var/lib``, say), filling the disk of the run's directory with many small files, kernel
+exploits, and side channels. There is no PID namespace and no seccomp filter. Run untrusted
+code on machines you can afford to lose, or behind a container / VM boundary as well. The
+rule for scoring what a program does in here is in docs/sandbox.md.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from pipeline.judgers._base import JudgeError
 _logger = structlog.get_logger("pipeline.judgers")
 _LAUNCHER = str(Path(__file__).with_name("_launcher.py"))
 _PYTHON_PATH = "/usr/local/bin:/usr/bin:/bin"
+_PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+"""Hidden behind an empty tmpfs in the program's mount namespace (plus the temp directory)."""
 _STARTED = b'{"started": true}'
 """The launcher's first line once the program is exec'd: from then on, a launcher that
 dies or hangs is the program's doing."""
@@ -76,6 +85,9 @@ class SandboxFacts:
     network_isolated: bool
     python: str
     network_error: str | None = None
+    mounts_isolated: bool = False
+    """Private ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run`` (a mount namespace)."""
+    mount_error: str | None = None
 
 
 @dataclass(slots=True)
@@ -91,7 +103,8 @@ class SandboxRun:
         duration_s / cpu_s: wall and CPU time of the run.
         stragglers: processes of the run's uid still alive after the program ended, killed.
         uid: the uid it ran as (None: this process's own).
-        network_isolated / privileges_dropped: the isolation that actually applied.
+        network_isolated / mounts_isolated / privileges_dropped: the isolation that
+            actually applied.
     """
 
     exit_code: int | None
@@ -106,6 +119,7 @@ class SandboxRun:
     uid: int | None
     network_isolated: bool
     privileges_dropped: bool
+    mounts_isolated: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -122,8 +136,10 @@ class Sandbox:
         concurrency: runs at once (default: CPU count); each holds one uid.
         uids: the uids to lease for runs when running as root (never give ones in use).
         network: allow network access (default: none, via a new network namespace).
-        require_isolation: fail runs instead of running without a network namespace when
-            the machine does not allow one.
+        require_isolation: fail runs instead of running without a network or mount
+            namespace when the machine does not allow one.
+        private_mounts: give the program private ``/tmp``, ``/var/tmp``, ``/dev/shm``,
+            ``/run`` and temp directory (turn off only if the interpreter lives there).
         python: the interpreter for programs (default: the first of this interpreter and
             the system's ``python3`` that the sandbox user may execute).
         env: environment of the program (default: empty).
@@ -135,7 +151,7 @@ class Sandbox:
                  uids: Sequence[int] = range(61000, 62000), network: bool = False,
                  require_isolation: bool = False, python: str | None = None,
                  env: Mapping[str, str] | None = None,
-                 directory: str | Path | None = None) -> None:
+                 directory: str | Path | None = None, private_mounts: bool = True) -> None:
         self.limits = limits or SandboxLimits()
         self.concurrency = concurrency or max(1, os.cpu_count() or 1)
         self.uids = list(uids)
@@ -144,6 +160,7 @@ class Sandbox:
         self.python = python
         self.env = dict(env or {})
         self.directory = None if directory is None else Path(directory)
+        self.private_mounts = private_mounts
         self._facts: SandboxFacts | None = None
         self._probe_lock: asyncio.Lock | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -175,7 +192,9 @@ class Sandbox:
             raise JudgeError("Sandbox: running as root needs at least one uid in 'uids'")
         candidates = [self.python] if self.python else _python_candidates()
         report = await _launch({"probe": candidates, "uid": probe_uid, "gid": probe_uid,
-                                "unshare_net": not self.network}, limit_s=30.0)
+                                "unshare_net": not self.network,
+                                "private_dirs": _private_dirs() if self.private_mounts else []},
+                               limit_s=30.0)
         if not report.get("ok"):
             raise JudgeError(f"sandbox probe failed: {report.get('error')}")
         if not report.get("python"):
@@ -187,13 +206,22 @@ class Sandbox:
                 raise JudgeError(f"no network namespace on this machine "
                                  f"({report.get('network_error')}) and require_isolation=True")
             _logger.warning("sandbox_network_not_isolated", reason=report.get("network_error"))
+        mounts = bool(report.get("mount_isolation"))
+        if self.private_mounts and not mounts:
+            if self.require_isolation:
+                raise JudgeError(f"no mount namespace on this machine "
+                                 f"({report.get('mount_error')}) and require_isolation=True")
+            _logger.warning("sandbox_mounts_not_isolated", reason=report.get("mount_error"),
+                            reachable="pathname sockets and files of the host under /tmp, "
+                                      "/var/tmp, /dev/shm and /run")
         if drop:
             self._free = self._lease(self.concurrency)
         else:
             self._free = [None] * self.concurrency
         self._slots = asyncio.Semaphore(len(self._free))
         return SandboxFacts(privileges_dropped=drop, network_isolated=isolated,
-                            python=report["python"], network_error=report.get("network_error"))
+                            python=report["python"], network_error=report.get("network_error"),
+                            mounts_isolated=mounts, mount_error=report.get("mount_error"))
 
     def _lease(self, count: int) -> list[int | None]:
         """Lock ``count`` uids (flock on files under the temp dir) for this sandbox's life."""
@@ -332,6 +360,10 @@ class Sandbox:
         await self.aclose()
 
 
+def _private_dirs() -> list[str]:
+    return list(dict.fromkeys([*_PRIVATE_DIRS, os.path.realpath(tempfile.gettempdir())]))
+
+
 def _python_candidates() -> list[str]:
     found = [sys.executable, os.path.realpath(sys.executable),
              getattr(sys, "_base_executable", ""), shutil.which("python3", path=_PYTHON_PATH)]
@@ -361,6 +393,8 @@ def _prepare(root: Path, files: Mapping[str, str], stdin: str, results: bool, ui
     cpu = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.wall_s) + 1
     return {
         "uid": uid, "gid": uid, "unshare_net": facts.network_isolated, "wall_s": limits.wall_s,
+        "private_dirs": _private_dirs() if facts.mounts_isolated else [],
+        "private_mb": max(16, 4 * limits.max_file_mb),
         "cwd": str(work), "argv": [facts.python, "-I", "-X", "utf8", *argv], "env": env,
         "stdin": str(io / "stdin"), "stdout": str(io / "stdout"), "stderr": str(io / "stderr"),
         "results": str(io / "results") if results else None,
@@ -393,7 +427,7 @@ def _lost(uid: int | None, limits: SandboxLimits, facts: SandboxFacts, why: str,
                       stderr=f"sandbox: {why}", results="", duration_s=limits.wall_s, cpu_s=0.0,
                       stragglers=0, uid=uid, network_isolated=facts.network_isolated,
                       privileges_dropped=facts.privileges_dropped,
-                      extra={"supervisor_lost": why})
+                      mounts_isolated=facts.mounts_isolated, extra={"supervisor_lost": why})
 
 
 def remove_tree(root: Path) -> str | None:
@@ -505,6 +539,7 @@ def _report(root: Path, out: bytes, err: bytes, uid: int | None, limits: Sandbox
         duration_s=report["wall_s"], cpu_s=report["cpu_s"], stragglers=report["stragglers"],
         uid=uid, network_isolated=report["network_isolated"],
         privileges_dropped=report["privileges_dropped"],
+        mounts_isolated=bool(report.get("mounts_isolated")),
         extra={"max_rss_kb": report.get("max_rss_kb"), "stopped": report.get("stopped")})
 
 
