@@ -5,6 +5,9 @@ signals)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -145,3 +148,120 @@ async def test_the_deadline_kills_the_agents_whole_process_group(tmp_path):
         parent, child = map(int, pids.read_text().split())
         await asyncio.sleep(0.1)
         assert not alive(parent) and not alive(child)
+
+
+LINGERING = """
+import os, subprocess, sys
+sys.stdin.read()
+# helpers that keep stdout open after the agent exits: one in the agent's process group,
+# one that left it (setsid); neither may hold the sample
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+escaped = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(60)"])
+with open(sys.argv[1], "w") as fh:
+    fh.write(str(escaped.pid))
+import urllib.request, json
+request = urllib.request.Request(
+    os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+    data=json.dumps({"model": "m", "messages": [{"role": "user", "content": "say hi"}]}).encode(),
+    headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+             "Content-Type": "application/json"})
+reply = json.load(urllib.request.urlopen(request))
+print("library chatter " * 2000)
+print("the answer:", reply["choices"][0]["message"]["content"])
+if len(sys.argv) > 2:
+    with open(os.environ["PIPELINE_ANSWER_FILE"], "w") as fh:
+        fh.write("from the file\\nsecond line")
+"""
+
+
+async def test_an_agent_is_done_when_it_exits_even_if_a_helper_holds_its_stdout(tmp_path):
+    eng = engine()
+    pids = [tmp_path / "escaped-1", tmp_path / "escaped-2"]
+    try:
+        await _lingering_agents(eng, pids)
+    finally:
+        for path in pids:
+            if path.exists():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(path.read_text()), signal.SIGKILL)
+
+
+async def _lingering_agents(eng: SimulatedEngine, pids: list[Path]) -> None:
+    async with ProxyServer(eng, TOK) as proxy:
+        agent = RemoteAgent([sys.executable, "-c", LINGERING, str(pids[0])], proxy=proxy,
+                            timeout_s=30, drain_s=0.5, max_output_bytes=4096)
+        started = asyncio.get_running_loop().time()
+        result = await Pipeline([agent], engine=eng, tokenizer=TOK).run_batch([ROW])
+        elapsed = asyncio.get_running_loop().time() - started
+        (sample,), (item,) = result.samples, result.items
+        assert sample.status is Status.COMPLETED, sample.error
+        assert elapsed < 20  # far below timeout_s=30: the helper did not hold the sample
+        # the last stdout line is the answer (the chatter before it was cut to the cap)
+        assert item.artifacts[FINAL_ANSWER].startswith("the answer: hi ")
+        agent = RemoteAgent([sys.executable, "-c", LINGERING, str(pids[1]), "file"],
+                            proxy=proxy, timeout_s=30, drain_s=0.5)
+        item = (await Pipeline([agent], engine=eng, tokenizer=TOK).run_batch([ROW])).items[0]
+        assert item.artifacts[FINAL_ANSWER] == "from the file\nsecond line"
+
+
+async def budget_agent(endpoint: AgentEndpoint) -> str:
+    """Keeps asking until the proxy refuses; returns the final error's code."""
+    headers = {"Authorization": f"Bearer {endpoint.api_key}"}
+    messages = list(endpoint.task["messages"])
+    async with aiohttp.ClientSession(headers=headers) as http:
+        for _ in range(50):
+            async with http.post(f"{endpoint.base_url}/chat/completions",
+                                 json={"model": endpoint.model, "messages": messages}) as r:
+                body = await r.json()
+                if r.status != 200:
+                    assert r.headers["x-should-retry"] == "false" and r.status == 404
+                    raise RuntimeError(body["error"]["code"])
+            messages += [body["choices"][0]["message"], {"role": "user", "content": "more"}]
+    return "never refused"
+
+
+async def test_a_spent_response_budget_ends_the_sample_like_generate():
+    eng = engine()
+    async with ProxyServer(eng, TOK) as proxy:
+        async def agent(endpoint: AgentEndpoint) -> str:
+            try:
+                return await budget_agent(endpoint)
+            except RuntimeError as exc:  # told to stop: a normal end for the agent
+                return str(exc)
+
+        pipe = Pipeline([RemoteAgent(agent, proxy=proxy)], engine=eng, tokenizer=TOK,
+                        sampling={"max_tokens": 16, "max_response_tokens": 60})
+        result = await pipe.run_batch([ROW])
+        (sample,), (item,) = result.samples, result.items
+    assert item.artifacts[FINAL_ANSWER] == "response_budget_exhausted"
+    assert sample.status is Status.COMPLETED and not sample.masked
+    assert (sample.finish_reason.value, sample.exit_reason, sample.raw_finish_reason) == (
+        "length", "length", "response_budget")
+    assert len(sample.response_ids) <= 60
+
+
+async def test_a_held_session_outlives_the_idle_timeout_and_an_expired_one_says_so():
+    eng = engine()
+    async with ProxyServer(eng, TOK, idle_timeout_s=0.2) as proxy:
+        async def slow_agent(endpoint: AgentEndpoint) -> str:
+            await asyncio.sleep(1.0)  # a long tool call: several idle timeouts
+            return await two_turn_agent(endpoint)
+
+        sample = await Pipeline([RemoteAgent(slow_agent, proxy=proxy)], engine=eng,
+                                tokenizer=TOK).run(ROW)
+        assert sample.status is Status.COMPLETED, sample.error
+        assert proxy.sessions.expired_count == 0
+        loose = proxy.create_session()
+        for _ in range(200):
+            if proxy.sessions.find(loose.id) is None:
+                break
+            await asyncio.sleep(0.02)
+        async with aiohttp.ClientSession() as http:
+            for url in (proxy.session_url(loose), f"{proxy.url}/v1"):
+                async with http.post(f"{url}/chat/completions", json={
+                        "model": "m", "messages": ROW["messages"]},
+                        headers={"Authorization": f"Bearer {loose.api_key}"}) as r:
+                    body = await r.json()
+                    assert (r.status, body["error"]["code"]) == (404, "session_expired")
+                    assert "expired" in body["error"]["message"]
+                    assert r.headers["x-should-retry"] == "false"

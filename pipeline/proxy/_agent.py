@@ -220,9 +220,13 @@ class RemoteAgent:
     async def _run_process(self, argv: list[str], env: dict[str, str],
                            task: str) -> tuple[bytes, bytes, int]:
         """Run the agent until its process exits; ``(stdout tail, stderr tail, status)``."""
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True)
+        loop = asyncio.get_running_loop()
+        transport, protocol = await loop.subprocess_exec(
+            lambda: _ExitProtocol(loop), *argv, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            cwd=self.cwd, start_new_session=True)
+        proc = asyncio.subprocess.Process(transport, protocol, loop)
+        exited = protocol.exited
         out, err = bytearray(), bytearray()
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         tasks = [asyncio.create_task(_feed(proc.stdin, task.encode()), name="agent-stdin"),
@@ -231,23 +235,23 @@ class RemoteAgent:
                  asyncio.create_task(_pump(proc.stderr, err, self.max_output_bytes),
                                      name="agent-stderr")]
         try:
-            await proc.wait()
+            await exited.wait()  # not proc.wait(): that also waits for the pipes to close
         finally:
-            await self._stop(proc)
+            await self._stop(proc, exited)
             await _drain(proc, tasks, self.drain_s)
         assert proc.returncode is not None
         return bytes(out), bytes(err), proc.returncode
 
-    async def _stop(self, proc: asyncio.subprocess.Process) -> None:
+    async def _stop(self, proc: asyncio.subprocess.Process, exited: asyncio.Event) -> None:
         """SIGTERM the group, SIGKILL it after the grace time, and kill any leftovers."""
-        if proc.returncode is None:
+        if not exited.is_set():
             _signal_group(proc.pid, signal.SIGTERM)
             try:
                 async with asyncio.timeout(self.kill_grace_s):
-                    await proc.wait()
+                    await exited.wait()
             except TimeoutError:
                 _signal_group(proc.pid, signal.SIGKILL)
-                await proc.wait()
+                await exited.wait()
         _signal_group(proc.pid, signal.SIGKILL)  # grandchildren the agent left behind
 
     def _fill(self, item: AgentRolloutItem, proxy: ProxyServer, session: Session,
@@ -291,6 +295,19 @@ class RemoteAgent:
         extra["proxy_splits"] = record.num_splits
         extra["proxy_split_reasons"] = dict(record.splits)
         extra[A.TEMPLATE_DRIFT] = main.drift
+
+
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """The protocol ``create_subprocess_exec`` uses, plus an event set when the process
+    exits (whoever still holds its pipes)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=1 << 16, loop=loop)
+        self.exited = asyncio.Event()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        self.exited.set()
 
 
 def _read_answer(path: str, limit: int) -> str | None:
