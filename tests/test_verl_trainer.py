@@ -257,6 +257,7 @@ def test_grpo_masked_estimator_agrees_with_group_advantages(tool_batch, tiny_tok
                                config=algo)
     got = first_token_advantage(masked)
     diff = float(np.abs(got - ours).max())
+    print(f"grpo_masked vs group_advantages: max abs diff {diff:.3g}")
     assert diff < 1e-5, diff
     np.testing.assert_allclose(ours[:3], [1.1547, -0.57735, -0.57735], atol=1e-4)
     assert ours[2 * N] == 0.0  # group 2 has one valid sample: no signal
