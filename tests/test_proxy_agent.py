@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from _model_fixtures import ForcedText
 
@@ -219,3 +220,27 @@ async def test_remote_agent_retry_and_rewrite_split_into_segments(make_engine, t
         assert item.artifacts[artifacts.MESSAGES][-1].content == item.artifacts[FINAL_ANSWER]
         assert item.artifacts[artifacts.MESSAGES][-1].token_ids == sample.response_ids
         assert sample.status is Status.COMPLETED and not sample.masked
+
+
+async def test_logprob_bytes_rebuild_the_utf8_of_characters_split_across_tokens(
+        make_engine, tiny_tokenizer):
+    from _proxy_fixtures import Script
+
+    tok = tiny_tokenizer
+    engine = make_engine(processor_factory=Script(tok))
+    async with ProxyServer(engine, tok, model_name="tiny") as proxy:
+        session = proxy.create_session()
+        async with aiohttp.ClientSession() as http, http.post(
+                f"{proxy.session_url(session)}/chat/completions",
+                headers={"Authorization": f"Bearer {session.api_key}"},
+                json={"model": "tiny", "logprobs": True, "top_logprobs": None, "n": None,
+                      "messages": [{"role": "user", "content": "multi-byte please"}]}) as r:
+            assert r.status == 200
+            choice = (await r.json())["choices"][0]
+    content = choice["message"]["content"]
+    assert content == "h\u00e9llo \u2713 \u65e5\u672c"
+    pieces = choice["logprobs"]["content"]
+    assert any("\ufffd" in p["token"] for p in pieces)  # a token holds part of a character
+    assert b"".join(bytes(p["bytes"]) for p in pieces if p["bytes"] is not None) == (
+        content.encode())
+    assert pieces[-1]["bytes"] is None  # the end-of-turn token is not part of the text

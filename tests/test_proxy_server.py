@@ -395,7 +395,7 @@ class ThreadedProxy:
         self.thread.join(10)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def threaded() -> Iterator[ThreadedProxy]:
     with ThreadedProxy() as server:
         yield server
@@ -443,12 +443,30 @@ bodies = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.data_too_large])
+def test_fuzzed_requests_get_4xx_or_a_reply_and_the_server_stays_up(threaded):
+    """One server per test (no state shared with other tests), hammered by hypothesis, then
+    asked for its health."""
+    fuzz(threaded)
+    assert health(threaded) == 200
+
+
+def health(threaded: ThreadedProxy) -> int:
+    port = int(threaded.proxy.url.rsplit(":", 1)[1])
+    conn = httpclient.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/health", headers={"Authorization": f"Bearer {ADMIN}"})
+        response = conn.getresponse()
+        assert json.loads(response.read())["status"] == "ok"
+        return response.status
+    finally:
+        conn.close()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 @given(body=bodies, target=st.sampled_from(["session", "top", "create"]),
        key=st.sampled_from(["session", "admin", "none", "garbage"]))
-def test_fuzzed_requests_get_4xx_or_a_reply_and_the_server_stays_up(threaded, body, target,
-                                                                    key):
+def fuzz(threaded: ThreadedProxy, body: bytes, target: str, key: str) -> None:
     proxy = threaded.proxy
     session = threaded.session
     assert proxy is not None
@@ -474,13 +492,25 @@ def test_fuzzed_requests_get_4xx_or_a_reply_and_the_server_stays_up(threaded, bo
         assert isinstance(error["message"], str) and error["type"]
 
 
-def test_the_fuzzed_server_is_still_healthy(threaded):
-    port = int(threaded.proxy.url.rsplit(":", 1)[1])
-    conn = httpclient.HTTPConnection("127.0.0.1", port, timeout=10)
-    conn.request("GET", "/health", headers={"Authorization": f"Bearer {ADMIN}"})
-    response = conn.getresponse()
-    assert response.status == 200 and json.loads(response.read())["status"] == "ok"
-    conn.close()
+async def test_replies_are_capped_and_stalled_bodies_time_out(http):
+    async with ProxyServer(make_engine(), TOK, max_tokens=5, read_timeout_s=0.3) as proxy:
+        session = proxy.create_session()
+        status, body = await chat(http, proxy.session_url(session), session.api_key,
+                                  [{"role": "user", "content": "x"}], max_tokens=2_000_000)
+        assert status == 200 and body["usage"]["completion_tokens"] == 5
+        assert session.turns[0].sampling["max_tokens"] == 5
+        # a client that announces a body and never sends it is answered 408, not waited for
+        reader, writer = await asyncio.open_connection("127.0.0.1",
+                                                       int(proxy.url.rsplit(":", 1)[1]))
+        writer.write(f"POST /sessions/{session.id}/v1/chat/completions HTTP/1.1\r\n"
+                     f"Host: x\r\nAuthorization: Bearer {session.api_key}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+                     .encode())
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        assert status_line.split()[1] == b"408"
+        writer.close()
+    assert ProxyServer(make_engine(), TOK).config.max_tokens == 16384  # capped by default
 
 
 async def test_a_busy_fixed_port_is_retried_and_the_url_reported(http):
