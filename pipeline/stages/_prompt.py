@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pipeline import artifacts as A
 from pipeline._context import Context
@@ -15,22 +18,66 @@ class BuildPrompt:
     """Writes ``raw_prompt``, ``prompt_ids`` and the prompt ``messages``.
 
     The row's ``tools`` (OpenAI schemas) are rendered into the prompt by the chat template.
-    Rendering and tokenization run in a worker thread (``offload=True``) so a long prompt
-    never stalls the event loop that serves every other sample.
+    The ``n`` samples of a prompt (one group) share one rendering. A prompt
+    of more than ``offload_chars`` characters is rendered and tokenized in a worker thread,
+    so a long prompt never stalls the event loop that serves every other sample; a short one
+    is rendered inline, where a thread hop would cost more than the work (about 130 us of the
+    160 us a short prompt takes, measured with the tiny model's tokenizer).
+
+    Args:
+        offload: False renders every prompt inline.
+        offload_chars: the size (message text plus tool schemas) above which a prompt goes
+            to a worker thread; 0 sends every prompt there.
     """
 
     name = "build_prompt"
 
-    def __init__(self, *, offload: bool = True) -> None:
+    def __init__(self, *, offload: bool = True, offload_chars: int = 32768) -> None:
         self.offload = offload
+        self.offload_chars = offload_chars
+        self._rendered = _RenderCache()
 
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
         row = item.data
-        if self.offload:
-            text, ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, row.messages,
-                                                row.tools)
+        cached = self._rendered.get(item.group_id, row, ctx.tokenizer)
+        if cached is not None:
+            text, ids = cached
         else:
-            text, ids = render_prompt(ctx.tokenizer, row.messages, row.tools)
+            if self.offload and prompt_size(row.messages, row.tools) > self.offload_chars:
+                text, ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, row.messages,
+                                                    row.tools)
+            else:
+                text, ids = render_prompt(ctx.tokenizer, row.messages, row.tools)
+            self._rendered.put(item.group_id, row, ctx.tokenizer, text, ids)
         item.artifacts[A.RAW_PROMPT] = text
-        item.artifacts[A.PROMPT_IDS] = ids
+        item.artifacts[A.PROMPT_IDS] = list(ids)
         item.artifacts[A.MESSAGES] = [AgentMessage.model_validate(m) for m in row.messages]
+
+
+def prompt_size(messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None) -> int:
+    """Characters a rendering will read: message text plus tool schemas (roughly)."""
+    size = sum(len(c) if isinstance(c := m.get("content"), str) else len(str(c))
+               for m in messages)
+    return size + (len(str(tools)) if tools else 0)
+
+
+class _RenderCache:
+    """The last renderings by group: a group's ``n`` items share one row object within one
+    batch (group ids are fresh per batch, so a row reused later is rendered again).
+    Bounded, oldest out."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._entries: OrderedDict[str, tuple[Any, Any, str, list[int]]] = OrderedDict()
+
+    def get(self, group_id: str, row: Any, tokenizer: Any) -> tuple[str, list[int]] | None:
+        entry = self._entries.get(group_id)
+        if entry is None or entry[0] is not row or entry[1] is not tokenizer:
+            return None
+        return entry[2], entry[3]
+
+    def put(self, group_id: str, row: Any, tokenizer: Any, text: str, ids: list[int]) -> None:
+        self._entries[group_id] = (row, tokenizer, text, ids)
+        if len(self._entries) > self.size:
+            self._entries.popitem(last=False)

@@ -49,17 +49,22 @@ class CallTools:
         max_calls_per_turn: calls beyond this are answered with an error, not run.
         max_result_chars: longer tool results are cut to this many characters.
         max_model_len: context limit; default: the engine's ``max_model_len`` if it has one.
-        offload: render and tokenize in a worker thread (keeps the event loop free).
+        offload: render and tokenize turns larger than ``offload_chars`` (their new messages
+            and the last assistant turn) in a worker thread, keeping the event loop free;
+            smaller ones inline, where a thread hop costs more than the work.
+        offload_chars: the size above which a turn goes to a worker thread.
     """
 
     name = "call_tools"
 
     def __init__(self, *, max_calls_per_turn: int = 8, max_result_chars: int = 4096,
-                 max_model_len: int | None = None, offload: bool = True) -> None:
+                 max_model_len: int | None = None, offload: bool = True,
+                 offload_chars: int = 32768) -> None:
         self.max_calls_per_turn = max_calls_per_turn
         self.max_result_chars = max_result_chars
         self.max_model_len = max_model_len
         self.offload = offload
+        self.offload_chars = offload_chars
         # Concurrency slots per event loop and tool (weak: a finished loop takes its slots).
         self._slots: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, dict[str, FifoSlots]
@@ -93,8 +98,9 @@ class CallTools:
         response: list[int] = art.setdefault(A.RESPONSE_IDS, [])
         last_token = response[-1] if response else (history[-1].token_ids or [-1])[-1]
         args = (ctx.tokenizer, history, replies, item.data.tools, last_token)
-        delta = (await asyncio.to_thread(render_turn_delta, *args) if self.offload
-                 else render_turn_delta(*args))
+        size = sum(len(str(m.content or "")) for m in (history[-1], *replies))
+        delta = (await asyncio.to_thread(render_turn_delta, *args)
+                 if self.offload and size > self.offload_chars else render_turn_delta(*args))
         if delta.drift:
             self._count(art, TEMPLATE_DRIFT, 1)
             ctx.log.warning("template_drift", kinds=list(delta.drift))
