@@ -1,8 +1,10 @@
-"""Local models built without any hub: a tiny chat model for tests, scenarios and CI.
+"""Local models built without any hub: a tiny chat model for tests, scenarios and CI, and the
+tiny policy trained from it that really calls tools (shipped as package data).
 
 Importing this package is cheap; torch and transformers load only when a model is built.
 """
 
+from pipeline.models._policy import tiny_policy_dir, tiny_policy_info
 from pipeline.models.tiny import (
     TinyModelSpec,
     build_tiny_model,
@@ -25,4 +27,6 @@ __all__ = [
     "default_moe_model_dir",
     "ensure_tiny_model",
     "ensure_tiny_moe_model",
+    "tiny_policy_dir",
+    "tiny_policy_info",
 ]
