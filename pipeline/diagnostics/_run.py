@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from pipeline._gc import gc_tuning_enabled, rollout_gc
 from pipeline.diagnostics._dumper import TaskDumper, active_dumper
 from pipeline.diagnostics._snapshot import note_loop_thread, task_infos, track_task_ages
 from pipeline.diagnostics._watchdog import Watchdog
@@ -21,7 +22,8 @@ _logger = structlog.get_logger("pipeline")
 
 def asyncio_run(main: Coroutine[Any, Any, T], *, watchdog: Watchdog | bool = True,
                 dump_signal: int | None = signal.SIGUSR1, dump_dir: str | Path | None = None,
-                use_uvloop: bool = True, debug: bool | None = None) -> T:
+                use_uvloop: bool = True, debug: bool | None = None,
+                gc_tuning: bool | None = None) -> T:
     """Run ``main`` to completion on a new event loop, with the task dumper and a watchdog.
 
     Installs uvloop when available, a :class:`TaskDumper` (``kill -USR1 <pid>`` or
@@ -41,6 +43,11 @@ def asyncio_run(main: Coroutine[Any, Any, T], *, watchdog: Watchdog | bool = Tru
         dump_dir: where dumps go (default: :func:`default_dump_dir`).
         use_uvloop: use uvloop when it is installed.
         debug: asyncio debug mode (None: the interpreter's default).
+        gc_tuning: raise the collector's first-generation threshold and freeze what exists
+            at start-up while ``main`` runs, restoring both after (full collections over
+            thousands of live samples otherwise pause the loop); None: on unless
+            ``ROLLOUT_GC_TUNING=0``. Only this entry point and the CLI do this; the library
+            never changes a host process's collector.
 
     Returns:
         What ``main`` returns.
@@ -71,7 +78,8 @@ def asyncio_run(main: Coroutine[Any, Any, T], *, watchdog: Watchdog | bool = Tru
             _report_leaks(leaked)
         return result
 
-    with asyncio.Runner(loop_factory=loop_factory, debug=debug) as runner:
+    with rollout_gc(gc_tuning_enabled(gc_tuning)), \
+            asyncio.Runner(loop_factory=loop_factory, debug=debug) as runner:
         loop = runner.get_loop()
         note_loop_thread(loop)
         track_task_ages(loop)
