@@ -7,18 +7,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
-def test_python_examples_run(tmp_path):
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    assert blocks
-    for code in blocks:
-        proc = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
+BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+def test_python_examples_run(tmp_path, code):
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=110, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_examples_do_not_hide_the_package():
+    """A variable named ``pipeline`` would shadow the package (``pipeline.asyncio_run``)."""
+    assert len(BLOCKS) >= 5
+    for code in BLOCKS:
+        assert not re.search(r"^\s*pipeline\s*=", code, flags=re.M), code[:200]
 
 
 def test_ci_runs_the_readme_test_command():
