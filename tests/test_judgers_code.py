@@ -470,3 +470,21 @@ def test_remove_tree_removes_what_a_program_leaves(tmp_path: Path) -> None:
     assert not root.exists()
     assert (outside / "keep").read_text() == "keep"
     assert remove_tree(root) is None  # already gone: fine
+
+
+@needs_root
+async def test_a_launch_that_fails_before_the_exec_is_our_error(sandbox_dir: Path) -> None:
+    """The other side of the rule: when the program never ran, the judge raises (the sample
+    is masked) instead of scoring the submission."""
+    not_a_program = sandbox_dir / "bin"
+    not_a_program.mkdir(mode=0o755)  # "executable" to access(), but execve refuses it
+    # (host mounts: a private /tmp would hide it from the probe, which refuses it at once)
+    sandbox = Sandbox(SandboxLimits(wall_s=2.0), python=str(not_a_program),
+                      directory=sandbox_dir, private_mounts=False)
+    judge = CodeJudger(timeout_s=2.0, sandbox=sandbox)
+    try:
+        with pytest.raises(JudgeError, match="could not start the program"):
+            await judge.judge(item_for(ADD, ADD_TESTS))
+    finally:
+        await sandbox.aclose()
+    assert entries(sandbox_dir) == ["bin"]  # the run's directory is gone all the same
