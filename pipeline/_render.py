@@ -12,6 +12,8 @@ recorded, never an error.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -115,10 +117,32 @@ def render_turn_delta(tokenizer: Tokenizer, conversation: Sequence[AgentMessage]
         closing = before[at + len(stop_text):]
     text = closing + added
     ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if at >= 0 and list(tokenizer.encode(stop_text + text, add_special_tokens=False)) != [
-            last_token, *ids]:
+    if at >= 0 and not _splits_cleanly_after(tokenizer, last_token) and list(
+            tokenizer.encode(stop_text + text, add_special_tokens=False)) != [last_token, *ids]:
         drift.append(DRIFT_BOUNDARY)
     return TurnDelta(text, ids, tuple(drift))
+
+
+_CLEAN_SPLITS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _splits_cleanly_after(tokenizer: Tokenizer, token: int) -> bool:
+    """Whether ``token`` is an added token that strips no neighbouring whitespace: the
+    tokenizer cuts the text at it before anything else, so what follows tokenizes the same
+    with or without it, and the boundary needs no second encode (half of a turn's tokenizing).
+    """
+    try:
+        clean = _CLEAN_SPLITS.get(tokenizer)
+    except TypeError:  # not weak-referenceable: check every time
+        clean = None
+    if clean is None:
+        decoder: Any = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        clean = frozenset(i for i, added in decoder.items()
+                          if not getattr(added, "lstrip", True)
+                          and not getattr(added, "rstrip", True))
+        with contextlib.suppress(TypeError):
+            _CLEAN_SPLITS[tokenizer] = clean
+    return token in clean
 
 
 def _common_prefix_length(a: str, b: str) -> int:
