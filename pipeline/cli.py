@@ -87,7 +87,8 @@ async def _build_engine(args: argparse.Namespace, scenario: ModuleType) -> tuple
     elif args.engine == "openai":
         model_dir = None
     else:
-        model_dir = await asyncio.to_thread(ensure_tiny_model)
+        # a scenario may ship its own default model (arith: the trained tiny policy)
+        model_dir = await asyncio.to_thread(getattr(scenario, "default_model", ensure_tiny_model))
     try:
         return await make_engine(
             args.engine,
@@ -252,7 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: in-process vLLM when installed, else torch + transformers",
     )
-    run.add_argument("--model", help="model directory (default: the tiny local model)")
+    run.add_argument(
+        "--model", help="model directory (default: the scenario's own, else the tiny local model)"
+    )
     run.add_argument(
         "--base-url",
         action="append",

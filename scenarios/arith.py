@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import re
+from pathlib import Path
 from typing import Any
 
 from pipeline import AgentRolloutItem, BuildPrompt, Context, Generate, Tokenizer, artifacts
@@ -55,6 +56,16 @@ async def score_answer(item: AgentRolloutItem, ctx: Context) -> None:
         "score": 1.0 if correct else 0.0,
         "extracted": answer,
     }
+
+
+def default_model() -> Path:
+    """The model a real engine runs here unless ``--model`` says otherwise: the shipped tiny
+    policy, like ``rollout run arith``. It was trained for the tool scenario's format (a
+    calculator call, then ``Answer: N``), not ``<answer>`` tags, so on a real engine this
+    one-turn scenario scores near 0; the simulated engine is its main engine."""
+    from pipeline.models import tiny_policy_dir
+
+    return tiny_policy_dir()
 
 
 def stages() -> list[Any]:
