@@ -17,6 +17,16 @@ Runs alternate (ABAB...) and the medians are reported.
 Part 2, memory and wall time with 10,000 samples in flight at once on a 1 s simulated
 latency: RSS growth while all are in flight and Python allocations (tracemalloc, separate
 run) per in-flight sample; wall time against the 1 s floor.
+
+Part 3, the hot-path goals, each beside its own baseline:
+- five trivial stages (``await asyncio.sleep(0)`` and one artifact each) through
+  ``run_batch`` against a bare ``asyncio.gather`` doing the same awaits with a semaphore, a
+  per-sample timeout and try/except (CPU per sample, ABAB pairs, medians);
+- 10,000 samples in flight, one stage awaiting 1 s, and the template path (``BuildPrompt`` +
+  ``Generate`` with the tiny Qwen2 tokenizer and chat template on a 1 s simulated engine):
+  wall time with the collector as the library leaves it and as ``asyncio_run``/the CLI set it;
+- event-loop lag (a 5 ms ticker) during a 4,000-sample judge-stage batch (math judger), both
+  ways.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import statistics
 import time
 import tracemalloc
@@ -190,6 +201,118 @@ def part_memory(samples: int, latency: float) -> dict[str, Any]:
     }
 
 
+def trivial_stage(k: int) -> Any:
+    async def stage(item: Any, ctx: Any) -> None:
+        await asyncio.sleep(0)
+        item.artifacts[f"k{k}"] = k
+
+    stage.__name__ = f"trivial_{k}"
+    return stage
+
+
+async def bare_asyncio(samples: int, stages: int) -> list[Any]:
+    """The issue's baseline: the same awaits, a semaphore, a per-sample timeout, try/except."""
+    slots = asyncio.Semaphore(256)
+
+    async def one(i: int) -> tuple[str, dict[int, tuple[float, float]]]:
+        async with slots:
+            records: dict[int, tuple[float, float]] = {}
+            try:
+                async with asyncio.timeout(60):
+                    for k in range(stages):
+                        t0 = time.monotonic()
+                        await asyncio.sleep(0)
+                        records[k] = (t0, time.monotonic())
+                return "completed", records
+            except Exception:
+                return "failed", records
+
+    return await asyncio.gather(*(one(i) for i in range(samples)))
+
+
+def part_trivial(samples: int, pairs: int, stages: int = 5) -> dict[str, Any]:
+    rows = [{"prompt": f"q{i}"} for i in range(samples)]
+    pipe = Pipeline([trivial_stage(k) for k in range(stages)], tokenizer=ByteTokenizer(),
+                    max_concurrency=256, sample_timeout_s=60)
+    pipe_us, base_us = [], []
+    for _ in range(pairs):
+        pipe_us.append(cpu_us_per_sample(lambda: asyncio.run(pipe.run_batch(rows)), samples))
+        base_us.append(cpu_us_per_sample(lambda: asyncio.run(bare_asyncio(samples, stages)),
+                                         samples))
+    p, b = statistics.median(pipe_us), statistics.median(base_us)
+    return {"stages": stages, "samples_per_run": samples, "pairs": pairs,
+            "pipeline_cpu_us_per_sample": round(p, 1),
+            "bare_asyncio_cpu_us_per_sample": round(b, 1),
+            "ratio": round(p / b, 2), "goal_ratio": 3.0,
+            "pipeline_runs_us": [round(x, 1) for x in pipe_us],
+            "baseline_runs_us": [round(x, 1) for x in base_us]}
+
+
+async def await_one_second(item: Any, ctx: Any) -> None:
+    await asyncio.sleep(1.0)
+
+
+async def wall_in_flight(samples: int, template: bool) -> float:
+    if template:
+        from transformers import AutoTokenizer
+
+        from pipeline import Generate, ensure_tiny_model
+
+        tokenizer: Any = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+        stages: list[Any] = [BuildPrompt(), Generate()]
+        eng: Any = SimulatedEngine(latency_s=1.0, latency_sigma=0.0, tail_prob=0.0)
+    else:
+        tokenizer, stages, eng = ByteTokenizer(), [await_one_second], None
+    pipe = Pipeline(stages, engine=eng, tokenizer=tokenizer, max_concurrency=samples,
+                    sample_timeout_s=120, sampling={"max_tokens": 16})
+    rows = [{"prompt": f"What is {i} plus {i + 1}?"} for i in range(samples)]
+    start = time.perf_counter()
+    result = await pipe.run_batch(rows)
+    wall = time.perf_counter() - start
+    assert result.stats.by_status == {"completed": samples}, result.stats.by_status
+    return wall
+
+
+def under_edge_gc(fn: Any) -> Any:
+    """Run ``fn`` with the collector set as ``asyncio_run`` and the CLI set it."""
+    from pipeline._gc import rollout_gc
+
+    with rollout_gc():
+        return fn()
+
+
+def part_in_flight_goals(samples: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"samples_in_flight": samples, "latency_s": 1.0,
+                           "goals_s": {"one_stage": 1.3, "template_path": 2.5}}
+    for name, template in (("one_stage", False), ("template_path", True)):
+        out[f"{name}_wall_s_library_gc"] = round(
+            asyncio.run(wall_in_flight(samples, template)), 3)
+        out[f"{name}_wall_s_edge_gc"] = round(
+            under_edge_gc(lambda t=template: asyncio.run(wall_in_flight(samples, t))), 3)
+    return out
+
+
+def part_lag(samples: int) -> dict[str, Any]:
+    from judgers import Ticker, answer, row
+
+    from pipeline import Judge
+    from pipeline.judgers import MathJudger
+
+    rows = [row(f"so the answer is \\boxed{{{i % 97}}}", i % 97) for i in range(samples)]
+
+    async def batch() -> dict[str, float]:
+        pipe = Pipeline([answer, Judge(MathJudger())], max_concurrency=256)
+        items = pipe.make_items(rows)
+        async with Ticker() as ticker:
+            result = await pipe.run_batch(items)
+        assert all(s.reward == 1.0 for s in result.samples)
+        return ticker.summary()
+
+    return {"samples": samples, "goal_lag_p99_ms": 50,
+            "library_gc": asyncio.run(batch()),
+            "edge_gc": under_edge_gc(lambda: asyncio.run(batch()))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
@@ -209,9 +332,19 @@ def main() -> None:
         f"({mem['rss_kb_per_sample']} KB/sample), Python allocations peak "
         f"{mem['python_alloc_peak_mb']} MB ({mem['python_alloc_kb_per_sample']} KB/sample)"
     )
+    trivial = part_trivial(samples, pairs)
+    print(f"5 trivial stages: pipeline {trivial['pipeline_cpu_us_per_sample']} us/sample, "
+          f"bare asyncio {trivial['bare_asyncio_cpu_us_per_sample']} us -> ratio "
+          f"{trivial['ratio']} (goal <= 3)")
+    goals = part_in_flight_goals(in_flight)
+    print(f"{in_flight} in flight, 1 s: {goals}")
+    lag = part_lag(samples)
+    print(f"judge-stage batch loop lag: {lag}")
     if not args.quick:
         path = write_result(
-            "overhead", {"engine": "simulated (no model)", "cpu": cpu, "memory": mem}
+            "overhead", {"engine": "simulated (no model)", "load_average": os.getloadavg(),
+                         "cpu": cpu, "memory": mem, "trivial_stages": trivial,
+                         "in_flight_goals": goals, "judge_stage_lag": lag}
         )
         print(f"written to {path}")
 
