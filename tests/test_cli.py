@@ -34,7 +34,8 @@ def test_run_arith_writes_a_summary_and_trajectories(tmp_path):
 
 def test_unknown_scenario_lists_known_ones():
     proc = rollout("run", "nope")
-    assert proc.returncode != 0 and "unknown scenario 'nope'; known: arith, arith-single" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "unknown scenario 'nope'; known: arith, arith-single" in proc.stderr
 
 
 def test_run_arith_on_the_tiny_model_with_tools(tmp_path):

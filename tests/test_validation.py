@@ -19,8 +19,11 @@ import pytest
 
 from pipeline import (
     BuildPrompt,
+    CallTools,
     ConfigError,
+    FunctionTool,
     Generate,
+    Judge,
     Loop,
     Pipeline,
     PipelineConfig,
@@ -36,6 +39,7 @@ from pipeline import (
 )
 from pipeline.judgers import MathJudger
 from pipeline.testing import ByteTokenizer
+from pipeline.tools import HermesToolParser
 
 TOK = ByteTokenizer()
 GOOD_ROW = {"prompt": "What is 2 + 2?", "ground_truth": "4"}
@@ -46,6 +50,10 @@ class SyncRun:
 
     def run(self, item: Any, ctx: Any) -> None:  # not async: refused
         pass
+
+
+async def _tool_fn(**arguments: Any) -> str:
+    return "ok"
 
 
 def engine() -> SimulatedEngine:
@@ -122,6 +130,31 @@ CONSTRUCTORS: list[tuple[str, Any, type[PipelineError], str, str | None]] = [
     ("loop-name", lambda: Loop([Generate()], max_turns=2, name=""), StageDefinitionError,
      "name", None),
     ("loop-empty", lambda: Loop([], max_turns=2), StageDefinitionError, "empty", None),
+    # the built-in stages and tools
+    ("judge-class", lambda: Judge(MathJudger), ConfigError, "write MathJudger()", "judgers"),
+    ("judge-class-in-list", lambda: Judge([(MathJudger, 1.0)]), ConfigError,
+     "write MathJudger()", "judgers"),
+    ("judge-unknown-name", lambda: Judge("maths"), PipelineError, "known judgers", None),
+    ("judge-timeout-type", lambda: Judge(timeout_s="1m"), ConfigError, "timeout_s",
+     "timeout_s"),
+    ("judge-on-error", lambda: Judge(on_error="ignore"), ConfigError, "on_error", None),
+    ("generate-max-model-len", lambda: Generate(max_model_len=0), ConfigError,
+     "max_model_len", "max_model_len"),
+    ("generate-parser-class", lambda: Generate(parser=HermesToolParser), StageDefinitionError,
+     "HermesToolParser()", None),
+    ("call-tools-max-calls", lambda: CallTools(max_calls_per_turn=0), ConfigError,
+     "max_calls_per_turn", "max_calls_per_turn"),
+    ("call-tools-result-chars", lambda: CallTools(max_result_chars=-1), ConfigError,
+     "max_result_chars", "max_result_chars"),
+    ("tool-name-empty", lambda: FunctionTool(name="", fn=_tool_fn), ConfigError, "name",
+     "name"),
+    ("tool-fn-sync", lambda: FunctionTool(name="t", fn=len), ConfigError, "async def", "fn"),
+    ("tool-rate", lambda: FunctionTool(name="t", fn=_tool_fn, rate=-1), ConfigError, "rate",
+     "rate"),
+    ("tool-timeout-type", lambda: FunctionTool(name="t", fn=_tool_fn, timeout_s="5"),
+     ConfigError, "timeout_s", "timeout_s"),
+    ("tool-fairness-key", lambda: FunctionTool(name="t", fn=_tool_fn, fairness_key="tenant"),
+     ConfigError, "fairness_key", "fairness_key"),
     # resources
     ("engine-class", lambda: pipe(engine=SimulatedEngine), ConfigError,
      "write engine=SimulatedEngine(...)", "engine"),

@@ -15,7 +15,7 @@ import asyncio
 
 from pipeline import artifacts as A
 from pipeline._context import Context
-from pipeline._exceptions import SampleAborted
+from pipeline._exceptions import ConfigError, SampleAborted, StageDefinitionError
 from pipeline._models import (
     TOOL_CALL_ERRORS,
     AgentMessage,
@@ -27,6 +27,15 @@ from pipeline.tools import HermesToolParser, ToolParser
 
 LENGTH_LIMITS = ("max_tokens", "response_budget", "context")
 """``raw_finish_reason`` values of a sample that ended on length, by the limit that hit."""
+
+
+def check_positive_int(owner: str, **values: int | None) -> None:
+    """Refuse a stage option that is not None or an int >= 1, naming it."""
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ConfigError(f"{owner}: {name} must be an int >= 1, got {value!r}",
+                              field=name)
 
 
 def length_limits(item: AgentRolloutItem, max_model_len: int | None) -> dict[str, int]:
@@ -73,6 +82,11 @@ class Generate:
 
     def __init__(self, *, parser: ToolParser | None = None, parse_tool_calls: bool = True,
                  max_model_len: int | None = None) -> None:
+        check_positive_int("Generate", max_model_len=max_model_len)
+        if isinstance(parser, type) or (parser is not None
+                                        and not callable(getattr(parser, "parse", None))):
+            raise StageDefinitionError(f"Generate: parser must be a tool-call parser instance "
+                                       f"(HermesToolParser()), got {parser!r}")
         self.parser: ToolParser | None = None
         if parse_tool_calls:
             self.parser = parser if parser is not None else HermesToolParser()

@@ -102,8 +102,11 @@ class Judge:
                  name: str = "judge") -> None:
         if on_error not in ("mask", "score"):
             raise ConfigError(f"Judge: on_error must be 'mask' or 'score', got {on_error!r}")
-        if timeout_s is not None and timeout_s <= 0:
-            raise ConfigError(f"Judge: timeout_s must be > 0 or None, got {timeout_s!r}")
+        if timeout_s is not None and (isinstance(timeout_s, bool)
+                                      or not isinstance(timeout_s, int | float)
+                                      or not timeout_s > 0):
+            raise ConfigError(f"Judge: timeout_s must be > 0 or None, got {timeout_s!r}",
+                              field="timeout_s")
         self.name = name
         self.timeout_s = timeout_s
         self.on_error: OnError = on_error
@@ -123,6 +126,9 @@ class Judge:
                 JudgerSpec(item[0], weight=item[1]) if isinstance(item, tuple)
                 else JudgerSpec(item))
             judger = spec.judger
+            if isinstance(judger, type):
+                raise ConfigError(f"Judge {where}: {judger.__name__} is a class, not a judger: "
+                                  f"write {judger.__name__}()", field=where)
             if isinstance(judger, str):
                 default_name = judger
                 judger = self._registry.create(judger, **spec.config)

@@ -21,7 +21,7 @@ from pipeline._context import Context
 from pipeline._models import TOOL_CALL_ERRORS, AgentMessage, AgentRolloutItem, ToolCall
 from pipeline._render import render_turn_delta
 from pipeline._slots import FifoSlots
-from pipeline.stages._generate import end_on_length, length_limits
+from pipeline.stages._generate import check_positive_int, end_on_length, length_limits
 from pipeline.tools import Tool, validate_arguments
 
 TOOL_CALLS = A.TOOL_CALLS
@@ -60,6 +60,9 @@ class CallTools:
     def __init__(self, *, max_calls_per_turn: int = 8, max_result_chars: int = 4096,
                  max_model_len: int | None = None, offload: bool = True,
                  offload_chars: int = 32768) -> None:
+        check_positive_int("CallTools", max_calls_per_turn=max_calls_per_turn,
+                           max_result_chars=max_result_chars, max_model_len=max_model_len,
+                           offload_chars=offload_chars)
         self.max_calls_per_turn = max_calls_per_turn
         self.max_result_chars = max_result_chars
         self.max_model_len = max_model_len

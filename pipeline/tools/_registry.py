@@ -31,6 +31,10 @@ class Tool(Protocol):
         ...
 
 
+FAIRNESS_KEYS = (None, "group_id", "uid", "data_source")
+"""What a tool's rate limit may be shared fairly across (None: first come, first served)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class FunctionTool:
     """A tool backed by an ``async def fn(**arguments)``.
@@ -60,10 +64,25 @@ class FunctionTool:
     fairness_key: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"tool name must be a non-empty string, got {self.name!r}",
+                              field="name")
         if not inspect.iscoroutinefunction(self.fn):
-            raise ConfigError(f"tool {self.name!r}: fn must be an 'async def' function")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"tool {self.name!r}: timeout_s must be > 0")
+            raise ConfigError(f"tool {self.name!r}: fn must be an 'async def' function",
+                              field="fn")
+        if not isinstance(self.parameters, Mapping):
+            raise ConfigError(f"tool {self.name!r}: parameters must be a JSON schema (a dict)",
+                              field="parameters")
+        for name in ("timeout_s", "rate", "burst", "max_concurrency"):
+            value = getattr(self, name)
+            if value is None and name != "timeout_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"tool {self.name!r}: {name} must be a number > 0, got "
+                                  f"{value!r}", field=name)
+        if self.fairness_key not in FAIRNESS_KEYS:
+            raise ConfigError(f"tool {self.name!r}: fairness_key must be one of "
+                              f"{FAIRNESS_KEYS}, got {self.fairness_key!r}", field="fairness_key")
 
     async def __call__(self, arguments: Mapping[str, Any]) -> Any:
         """Call ``fn(**arguments)``."""
