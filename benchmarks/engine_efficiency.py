@@ -35,6 +35,7 @@ import importlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +179,8 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
         pairs.append({"raw": raw, "pipeline": piped,
                       "ratio": piped["tokens_per_s"] / raw["tokens_per_s"]})
         print(f"{count} prompts, pair {rep}: raw {raw['tokens_per_s']:.0f} tok/s, pipeline "
-              f"{piped['tokens_per_s']:.0f} tok/s, ratio {pairs[-1]['ratio']:.3f}",
+              f"{piped['tokens_per_s']:.0f} tok/s, ratio {pairs[-1]['ratio']:.3f}, CPU ms/sample "
+              f"{1000 * raw['cpu_s_per_sample']:.2f} -> {1000 * piped['cpu_s_per_sample']:.2f}",
               flush=True)
 
     def median(side: str, key: str) -> float:
@@ -202,8 +204,10 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
     }
 
 
-async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One record per prompt count, all on one engine start."""
+async def main(args: argparse.Namespace,
+               done: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """One record per prompt count, all on one engine start; ``done`` gets each record as
+    soon as it is measured (a run cut short keeps the finished ones)."""
     model_dir = ensure_tiny_model(ROOT / ".cache" / "tiny-qwen2")
     started = time.perf_counter()
     engine, tokenizer = await build_engine(args, model_dir)
@@ -216,6 +220,8 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
             record["accelerator"] = _accelerator(args.device)
             record.update(_engine_facts(engine))
             records.append(record)
+            if done is not None:
+                done(record)
     finally:
         await engine.aclose()
     return records
@@ -268,7 +274,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
     arguments = parse()
-    records = asyncio.run(main(arguments))
     base = arguments.name or f"engine_efficiency_{arguments.engine}_{arguments.device}"
     if arguments.out_dir:  # another results folder; the recorded command leaves it out
         import _common
@@ -276,8 +281,11 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the guard is requi
         _common.RESULTS = Path(arguments.out_dir)
         at = sys.argv.index("--out-dir")
         del sys.argv[at:at + 2]
-    for figures in records:
-        name = base if len(records) == 1 else f"{base}_{figures['prompts']}"
+
+    def write(figures: dict[str, Any]) -> None:
+        name = base if len(arguments.prompts) == 1 else f"{base}_{figures['prompts']}"
         path = write_result(name, figures)
-        print({k: v for k, v in figures.items() if k != "pairs"})
+        print({k: v for k, v in figures.items() if k != "pairs"}, flush=True)
         print(f"written to {path}", file=sys.stderr)
+
+    asyncio.run(main(arguments, write))
