@@ -6,13 +6,15 @@ few ``<tool_call>`` texts (the model really samples *which* one where they branc
 logprobs are real); turn 1 may only write ``Answer: <the last tool result>``. Every other
 token is sampled freely. The checks compare the trajectory with independent records: the
 engine's own request log, a fresh forward pass of a second model copy, and the chat
-template's rendering of the final conversation.
+template's rendering of the final conversation. The last test needs no forcing: it runs the
+shipped tiny policy, which writes its tool calls itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import math
 import re
 
@@ -382,3 +384,33 @@ async def test_arith_scenario_runs_and_rewards_a_correct_forced_answer(make_engi
     assert result.samples[0].reward_payload["acc"] is True
     assert arith_tools.extract_number("so Answer: 1,234.") == 1234.0
     assert arith_tools.extract_number("no digits") is None
+
+
+async def test_the_tiny_policy_calls_the_tool_unforced():
+    """The shipped tiny policy (not the random model) writes real tool calls on its own: the
+    loop runs them, the tool turn is masked template tokens, and the reward follows the
+    final answer. Nothing is forced here."""
+    from pipeline.engines.transformers import TransformersEngine
+    from pipeline.models import tiny_policy_dir
+
+    engine = TransformersEngine.from_pretrained(tiny_policy_dir(), max_model_len=2048)
+    tok = engine.tokenizer
+    pipe = Pipeline(arith_tools.stages(), engine=engine, tokenizer=tok,
+                    tools=arith_tools.tools(), seed=1, sampling={"max_tokens": 96})
+    try:
+        result = await pipe.run_batch(arith_tools.rows(8, seed=11), n=2)
+    finally:
+        await engine.aclose()
+    assert result.stats.by_status == {"completed": 16}
+    with_tool = [(s, i) for s, i in zip(result.samples, result.items, strict=True)
+                 if s.tool_turns == 1]
+    assert len(with_tool) >= 10 and result.stats.tool_errors == 0
+    for sample, item in with_tool:
+        messages = item.artifacts[artifacts.MESSAGES]
+        call = messages[2].tool_calls[0].function
+        expression = json.loads(call.arguments)["expression"]
+        assert call.name == "calculator"
+        assert messages[3].content == await CALC.fn(expression=expression)
+        assert [m for m, _, _ in runs(sample.response_mask)] == [1, 0, 1]
+        predicted = arith_tools.extract_number(messages[-1].content or "")
+        assert sample.reward == float(predicted == float(item.data.ground_truth))
