@@ -14,7 +14,8 @@ from pipeline import FinishReason, SamplingParams
 from pipeline.proxy import ProxyError, ProxyRequestError, SessionStore
 from pipeline.proxy._errors import FinalError
 from pipeline.proxy._turns import TurnOutcome, TurnRunner
-from pipeline.proxy._wire import parse_request, refuse_unsupported
+from pipeline.proxy._policy import CHAT_FIELDS, check_fields
+from pipeline.proxy._wire import parse_request
 from pipeline.testing import ByteTokenizer, SimulatedEngine
 from pipeline.tools import HermesToolParser
 
@@ -320,13 +321,13 @@ async def test_invalid_messages_are_request_errors_naming_the_message():
         assert info.value.param == "messages.0" and info.value.status == 400
     for refused in ({"n": 2}, {"top_logprobs": 3}):
         with pytest.raises(FinalError) as final:
-            refuse_unsupported(parse_request({"messages": BASE, **refused}))
+            check_fields({"messages": BASE, **refused}, CHAT_FIELDS, frozenset())
         assert final.value.param == next(iter(refused)) and final.value.status == 404
     # JSON nulls where OpenAI's spec allows them (the SDK forwards unset options as null)
     nulls = dict.fromkeys(("n", "stream", "logprobs", "top_logprobs", "temperature", "top_p",
                            "max_tokens", "seed", "stop", "tools", "tool_choice",
                            "stream_options", "parallel_tool_calls"))
     accepted = parse_request({"messages": BASE, **nulls})
-    refuse_unsupported(accepted)
+    assert check_fields({"messages": BASE, **nulls}, CHAT_FIELDS, frozenset()) == frozenset()
     outcome = await runner.run(session, accepted)
     assert outcome.turn is not None and outcome.logprobs is None

@@ -3,8 +3,10 @@
 Routes (``{sid}`` is a session id)::
 
     POST   /sessions/{sid}/v1/chat/completions   chat (stream true or false)
+    POST   /sessions/{sid}/v1/responses          the Responses API (see ``_responses``)
     GET    /sessions/{sid}/v1/models             the served model
     POST   /v1/chat/completions                  chat; the session is the one the key opens
+    POST   /v1/responses                         responses; the session the key opens
     GET    /v1/models
     GET    /health
     POST   /sessions                             create (server-generated id)
@@ -28,6 +30,9 @@ with the session's own key, the same without any token payload (an agent can aff
 Hostile or buggy agents: a reply is capped at ``max_tokens`` (default 16384), a request body
 must arrive within ``read_timeout_s`` (408), bodies over ``offload_bytes`` are decoded,
 validated and matched off the event loop.
+
+Every request field is served, enforced by the engine (its optional ``enforces`` attribute)
+or refused with a final error; none is silently ignored (``_policy``).
 """
 
 from __future__ import annotations
@@ -52,14 +57,31 @@ from pipeline._net import start_site
 from pipeline._tokenizer import Tokenizer
 from pipeline.engines import Engine
 from pipeline.proxy._errors import ProxyAuthError, ProxyError, ProxyRequestError
+from pipeline.proxy._policy import (
+    CHAT_FIELDS,
+    RESPONSES_FIELDS,
+    Constraints,
+    check_fields,
+    engine_enforces,
+)
 from pipeline.proxy._records import TOKEN_PAYLOADS, SessionRecord, session_record
+from pipeline.proxy._responses import (
+    ResponseLink,
+    conversation_of,
+    new_response_id,
+    output_items,
+    parse_responses,
+    reply_message,
+    response_body,
+    stream_events,
+    to_chat,
+)
 from pipeline.proxy._sessions import Session, SessionStore
 from pipeline.proxy._turns import TurnOutcome, TurnRunner
 from pipeline.proxy._wire import (
     completion_body,
     models_body,
     parse_request,
-    refuse_unsupported,
     stream_chunks,
     usage_body,
 )
@@ -155,6 +177,8 @@ class ProxyServer:
                                 max_tokens=cfg.max_tokens, max_turns=cfg.max_turns,
                                 offload_chars=cfg.offload_chars,
                                 abort_timeout_s=cfg.abort_timeout_s)
+        self.enforces = engine_enforces(engine)
+        """Decoding constraints the engine declared it enforces (``_policy``)."""
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -279,6 +303,7 @@ class ProxyServer:
         add("GET", "/health", self._health, name="health")
         add("GET", "/v1/models", self._models, name="models")
         add("POST", "/v1/chat/completions", self._chat, name="chat")
+        add("POST", "/v1/responses", self._responses, name="responses")
         add("POST", "/sessions", self._create, name="create")
         add("POST", "/sessions/{sid}", self._create, name="create_named")
         add("GET", "/sessions/{sid}", self._get, name="session_get")
@@ -286,6 +311,7 @@ class ProxyServer:
         add("POST", "/sessions/{sid}/complete", self._complete, name="session_complete")
         add("GET", "/sessions/{sid}/v1/models", self._models, name="session_models")
         add("POST", "/sessions/{sid}/v1/chat/completions", self._chat, name="session_chat")
+        add("POST", "/sessions/{sid}/v1/responses", self._responses, name="session_responses")
         return app
 
     @web.middleware
@@ -319,7 +345,7 @@ class ProxyServer:
         admin = self.config.api_key
         is_admin = admin is not None and token is not None and hmac.compare_digest(
             token.encode(), admin.encode())
-        if name == "chat":
+        if name in ("chat", "responses"):
             session = self.sessions.by_key(token) if token else None
             if session is None:
                 if token:
@@ -402,21 +428,81 @@ class ProxyServer:
                                     f"{self.config.read_timeout_s:g} s", status=408,
                                     code="request_timeout") from None
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        session = self._session_of(request)
+    async def _body(self, request: web.Request) -> tuple[Any, bool]:
+        """The decoded JSON body, and whether it is large (then decoded off the loop)."""
         body = await self._read(request)
         large = len(body) > self.config.offload_bytes
-        if large:  # decoding and validating many messages would block the loop
-            chat = await asyncio.to_thread(lambda: parse_request(_decode(body)))
-        else:
-            chat = parse_request(_decode(body))
-        refuse_unsupported(chat)
-        outcome = await self.turns.run(session, chat, offload=large)
+        if large:  # decoding many messages would block the loop
+            return await asyncio.to_thread(_decode, body), large
+        return _decode(body), large
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        session = self._session_of(request)
+        data, large = await self._body(request)
+        chat = (await asyncio.to_thread(parse_request, data) if large
+                else parse_request(data))
+        features = check_fields(data, CHAT_FIELDS, self.enforces)
+        constraints = None if not features else Constraints(
+            features, response_format=data.get("response_format"),
+            tool_choice=data.get("tool_choice"), tools=chat.tool_schemas)
+        outcome = await self.turns.run(session, chat, offload=large, constraints=constraints)
+        self._log_split(session, outcome)
+        return await self._answer(request, bool(chat.stream), chat.stream_options is not None
+                                  and chat.stream_options.include_usage, outcome)
+
+    def _log_split(self, session: Session, outcome: TurnOutcome) -> None:
         if outcome.turn is not None and not outcome.turn.merged and outcome.turn.segment > 0:
             _logger.info("session_split", session=session.id, reason=outcome.turn.split_reason,
                          segment=outcome.turn.segment)
-        return await self._answer(request, bool(chat.stream), chat.stream_options is not None
-                                  and chat.stream_options.include_usage, outcome)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        session = self._session_of(request)
+        data, large = await self._body(request)
+        spec = parse_responses(data)
+        features = check_fields(data, RESPONSES_FIELDS, self.enforces)
+        prior = conversation_of(session.responses, spec.previous_response_id,
+                                self.config.max_turns)
+        chat, added = to_chat(spec, prior)
+        constraints = None
+        if features:
+            fmt = (spec.text or {}).get("format")
+            if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+                fmt = {"type": "json_schema", "json_schema": {
+                    k: v for k, v in fmt.items() if k != "type"}}
+            constraints = Constraints(features, response_format=fmt,
+                                      tool_choice=chat.tool_choice if isinstance(
+                                          chat.tool_choice, str) else
+                                      None if chat.tool_choice is None
+                                      else chat.tool_choice.model_dump(),
+                                      tools=chat.tool_schemas)
+        outcome = await self.turns.run(session, chat, offload=large, constraints=constraints)
+        self._log_split(session, outcome)
+        rid = new_response_id()
+        session.responses[rid] = ResponseLink(spec.previous_response_id,
+                                              [*added, reply_message(outcome.reply)])
+        if outcome.turn is not None:
+            outcome.turn.request.update(api="responses", response_id=rid,
+                                        previous_response_id=spec.previous_response_id)
+        final = response_body(
+            response_id=rid, model=self.config.model_name, request=spec,
+            output=output_items(outcome.reply, outcome.logprobs,
+                                outcome.finish_reason == "length"),
+            finish_reason=outcome.finish_reason, prompt_tokens=outcome.prompt_tokens,
+            completion_tokens=len(outcome.reply.token_ids or ()),
+            cached_tokens=outcome.cached_tokens)
+        if not spec.stream:
+            return _json(final)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        try:
+            await response.prepare(request)
+            for event in stream_events(final):
+                await response.write(b"event: " + event["type"].encode() + b"\ndata: "
+                                     + pydantic_core.to_json(event) + b"\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            _logger.info("proxy_client_gone", path=request.path, streamed=True)
+        return response
 
     async def _answer(self, request: web.Request, stream: bool, stream_usage: bool,
                       outcome: TurnOutcome) -> web.StreamResponse:

@@ -24,6 +24,7 @@ from pipeline._tokenizer import Tokenizer
 from pipeline.proxy._errors import ProxyLimitError, ProxyRequestError, SessionNotFound
 from pipeline.proxy._history import History
 from pipeline.proxy._records import Turn
+from pipeline.proxy._responses import ResponseLink
 
 EXPIRED_MEMORY = 4096
 """How many expired sessions are remembered (to answer their late requests)."""
@@ -73,6 +74,8 @@ class Session:
         """Engine request ids running for this session (aborted when it is deleted)."""
         self.held = held
         self.ended: str | None = None
+        self.responses: dict[str, ResponseLink] = {}
+        """Responses API answers by id (what ``previous_response_id`` refers to)."""
 
     @property
     def busy(self) -> bool:

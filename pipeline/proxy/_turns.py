@@ -11,6 +11,11 @@ template tokens of the segment). The request that finds one spent gets a final e
 ``finish_reason=length`` and ``raw_finish_reason="response_budget"`` (a turn cut short by the
 budget gets the same raw reason), so the sample ends the way ``Generate`` ends one.
 
+Strict tools (``"strict": true``, openai-agents' default): the engine cannot constrain the
+arguments, so each call to a strict tool is checked against its schema after generation; a call
+off its schema comes back as text with ``tool_call_errors``, like an unreadable call (the agent
+never receives a call that violates a strict schema; the record keeps the sampled tokens).
+
 ``stop`` strings: the engine stops on token ids only. A stop string that is one token is also
 passed as a stop id (to end early); after generation the reply is cut at the first stop
 string: the agent gets the text before it, the record keeps the sampled tokens up to the one
@@ -33,10 +38,11 @@ from pipeline._tokenizer import Tokenizer
 from pipeline.engines import Engine, Generation
 from pipeline.proxy._errors import FinalError, ProxyError, ProxyRequestError
 from pipeline.proxy._history import TurnPlan
+from pipeline.proxy._policy import Constraints
 from pipeline.proxy._records import Turn
 from pipeline.proxy._sessions import Session
 from pipeline.proxy._wire import ChatCompletionRequest
-from pipeline.tools import ToolParser
+from pipeline.tools import ToolParser, validate_arguments
 
 
 @dataclass(slots=True)
@@ -79,10 +85,13 @@ class TurnRunner:
         self._bytes: dict[int, bytes | None] = {}
 
     async def run(self, session: Session, request: ChatCompletionRequest, *,
-                  offload: bool = False) -> TurnOutcome:
+                  offload: bool = False,
+                  constraints: Constraints | None = None) -> TurnOutcome:
         """Serve ``request`` in ``session`` (see the module doc).
 
         ``offload``: match the messages in a worker thread (a large request).
+        ``constraints``: decoding constraints the engine declared it enforces (passed to its
+        ``generate`` as ``constraints=``).
 
         Raises:
             FinalError: the session is completed, or used up its requests or its response
@@ -117,7 +126,8 @@ class TurnRunner:
             if sampling is None:
                 self._end_on_budget(session, plan)
             request_id = f"{session.id}-{session.requests}"
-            gen = await self._generate(session, request_id, plan.prompt_ids, sampling)
+            gen = await self._generate(session, request_id, plan.prompt_ids, sampling,
+                                       constraints)
             generated = time.perf_counter()
             outcome = self._commit(session, request, plan, gen, sampling, request_id)
             if binding == "response_budget" and gen.finish_reason is FinishReason.LENGTH:
@@ -187,10 +197,15 @@ class TurnRunner:
         return base.model_copy(update=update), binding
 
     async def _generate(self, session: Session, request_id: str, prompt: list[int],
-                        sampling: SamplingParams) -> Generation:
+                        sampling: SamplingParams,
+                        constraints: Constraints | None = None) -> Generation:
         session.inflight.add(request_id)
         try:
-            gen = await self.engine.generate(prompt, sampling, request_id)
+            if constraints is None:
+                gen = await self.engine.generate(prompt, sampling, request_id)
+            else:  # an engine that declared it enforces them (``_policy.engine_enforces``)
+                generate: Any = self.engine.generate
+                gen = await generate(prompt, sampling, request_id, constraints=constraints)
         except asyncio.CancelledError:  # the client went away, or the session was deleted
             await abort_request(self.engine, request_id, self.abort_timeout_s,
                                 session=session.id)
@@ -274,6 +289,13 @@ class TurnRunner:
                                 logprobs=logprobs, finish_reason=finish), agent_finish
         errors = {f"call_{turn}_{i}": c.error for i, c in enumerate(parsed.calls)
                   if c.error is not None}
+        strict = _strict_schemas(request)
+        for i, c in enumerate(parsed.calls):
+            schema = strict.get(c.name or "")
+            if c.error is None and schema is not None:
+                problems = validate_arguments(schema, c.arguments)
+                if problems:  # a strict tool: the agent never gets a call off its schema
+                    errors[f"call_{turn}_{i}"] = "; ".join(problems)
         if errors:  # an unreadable call: the agent gets the text as the model wrote it
             return AgentMessage(role="assistant", content=text, token_ids=tokens,
                                 logprobs=logprobs, finish_reason=finish,
@@ -307,6 +329,17 @@ class TurnRunner:
         if len(self._bytes) < 1 << 20:
             self._bytes[token] = raw
         return raw
+
+
+def _strict_schemas(request: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
+    """The parameter schemas of the request's ``strict`` function tools, by name."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in request.tools or ():
+        extra = tool.function.model_extra or {}
+        if extra.get("strict") is True:
+            schema = extra.get("parameters")
+            out[tool.function.name] = schema if isinstance(schema, dict) else {}
+    return out
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -1,10 +1,9 @@
 """OpenAI chat-completions wire formats: the request we accept and the bodies we send.
 
-Requests are validated with pydantic (unknown OpenAI fields such as ``presence_penalty`` or
-``user`` are accepted and ignored); ``null`` is accepted wherever OpenAI's spec allows it (the
-official SDK sends it for options agent code forwards unset). A field that is valid but cannot be
-honoured (``n`` > 1, ``top_logprobs`` > 0: the engine protocol returns one choice and the
-sampled token's logprob only) is refused with a final error (:func:`refuse_unsupported`).
+Requests are validated with pydantic; ``null`` is accepted wherever OpenAI's spec allows it (the
+official SDK sends it for options agent code forwards unset). What the proxy does with each
+field — serve it, have the engine enforce it, or refuse it — is ``_policy``'s table; the model
+here types the fields the proxy uses.
 
 Messages are kept as plain dicts at first: the proxy
 compares most of them with what it recorded before and validates (:class:`WireMessage`) only
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline._config import describe_validation_error
 from pipeline._models import AgentMessage, ToolCall, ToolFunction
-from pipeline.proxy._errors import FinalError, ProxyRequestError
+from pipeline.proxy._errors import ProxyRequestError
 
 
 class _Lenient(BaseModel):
@@ -108,8 +107,8 @@ class StreamOptions(_Lenient):
 class ChatCompletionRequest(_Lenient):
     """The body of ``POST .../v1/chat/completions`` (see the module doc).
 
-    ``tool_choice`` ``required`` or a named function cannot be enforced (the engine protocol
-    has no constrained decoding): they are accepted, recorded and treated as ``auto``.
+    ``tool_choice`` ``required`` or a named function and ``parallel_tool_calls: false`` reach
+    here only when the engine enforces them (``_policy``).
     """
 
     model: str | None = None
@@ -156,21 +155,6 @@ class ChatCompletionRequest(_Lenient):
         if self.tool_choice is None:
             return "auto"
         return self.tool_choice if isinstance(self.tool_choice, str) else "function"
-
-
-def refuse_unsupported(request: ChatCompletionRequest) -> None:
-    """Refuse, with a final error, a valid request the proxy cannot serve as asked.
-
-    Raises:
-        FinalError: naming the field (404, ``unsupported_parameter``).
-    """
-    if request.n not in (None, 1):
-        raise FinalError("n > 1 is not supported: each choice would be one recorded turn",
-                         param="n", code="unsupported_parameter")
-    if request.top_logprobs:
-        raise FinalError("top_logprobs > 0 is not supported: the engine returns the sampled "
-                         "token's logprob only", param="top_logprobs",
-                         code="unsupported_parameter")
 
 
 def parse_request(data: Any) -> ChatCompletionRequest:

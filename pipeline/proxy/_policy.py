@@ -1,0 +1,289 @@
+"""What the proxy does with every request field: serve it, have the engine enforce it, or
+refuse it. No field is silently ignored.
+
+Each field of ``POST /v1/chat/completions`` and ``POST /v1/responses`` (as the official SDK
+names them) has a :class:`FieldRule`:
+
+- ``supported``: the proxy honours it;
+- ``no effect``: hosted-service bookkeeping that changes nothing an agent receives or a trainer
+  records (``user``, ``metadata``, ``store``, prompt-cache hints, ...): accepted;
+- ``enforced``: a decoding constraint (``response_format`` json, ``tool_choice`` required or
+  named, ``parallel_tool_calls: false``): served only when the engine declares that it enforces
+  it (:func:`engine_enforces`), which then gets a :class:`Constraints` with ``generate``;
+  otherwise refused;
+- ``refused``: a value other than the default/null is refused.
+
+A refusal is a final error (404, ``x-should-retry: false``, code ``unsupported_parameter``): an
+agent that asks for JSON output and silently gets free text would train on a task it was not
+given. A field no rule names (a vendor extension such as ``top_k``) is refused the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pipeline.proxy._errors import FinalError, ProxyRequestError
+
+JSON_OBJECT = "json_object"
+"""The reply must be a JSON object (``response_format``/``text.format`` ``json_object``)."""
+JSON_SCHEMA = "json_schema"
+"""The reply must match a JSON schema (``json_schema``)."""
+TOOL_REQUIRED = "tool_choice_required"
+"""The reply must call a tool (``tool_choice: "required"``)."""
+TOOL_NAMED = "tool_choice_function"
+"""The reply must call the named function (``tool_choice: {"type": "function", ...}``)."""
+SINGLE_CALL = "single_tool_call"
+"""At most one tool call per reply (``parallel_tool_calls: false`` with tools)."""
+ENFORCEABLE = (JSON_OBJECT, JSON_SCHEMA, SINGLE_CALL, TOOL_NAMED, TOOL_REQUIRED)
+"""The constraint names an engine may list in its ``enforces`` attribute."""
+
+Policy = Literal["supported", "no effect", "enforced", "refused"]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraints:
+    """The decoding constraints of one request, handed to an engine that enforces them as
+    ``engine.generate(prompt_ids, sampling, request_id, constraints=...)``.
+
+    Attributes:
+        features: the constraint names in force (a subset of :data:`ENFORCEABLE`).
+        response_format: chat's shape, ``{"type": "json_object"}`` or ``{"type":
+            "json_schema", "json_schema": {"name", "schema", "strict"}}`` (the Responses API's
+            ``text.format`` is converted to it).
+        tool_choice: ``"required"`` or ``{"type": "function", "function": {"name": ...}}``.
+        tools: the tool schemas offered (chat's shape).
+    """
+
+    features: frozenset[str]
+    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = field(default=None)
+
+
+def engine_enforces(engine: Any) -> frozenset[str]:
+    """The constraints ``engine`` declares it enforces (its optional ``enforces`` attribute,
+    any iterable of :data:`ENFORCEABLE` names); empty when it has none."""
+    declared = getattr(engine, "enforces", None) or ()
+    return frozenset(str(name) for name in declared) & frozenset(ENFORCEABLE)
+
+
+# A check gets (value, body) and returns None (served as is), a constraint name (needs the
+# engine), or raises _Refuse with the reason.
+Check = Callable[[Any, Mapping[str, Any]], str | None]
+
+
+class _Refuse(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class FieldRule:
+    """What the proxy does with one request field (see the module doc)."""
+
+    policy: Policy
+    note: str
+    check: Check | None = None
+
+
+def _served(value: Any, body: Mapping[str, Any]) -> str | None:
+    return None
+
+
+def _only(*allowed: Any, why: str) -> Check:
+    """Refused unless null or one of ``allowed``."""
+    def check(value: Any, body: Mapping[str, Any]) -> str | None:
+        if value is None or value in allowed:
+            return None
+        raise _Refuse(why)
+    return check
+
+
+def _falsy(why: str) -> Check:
+    """Refused unless null, zero, false or empty."""
+    def check(value: Any, body: Mapping[str, Any]) -> str | None:
+        if not value:
+            return None
+        raise _Refuse(why)
+    return check
+
+
+def _format_need(fmt: Any) -> str | None:
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind in (JSON_OBJECT, JSON_SCHEMA):
+        return str(kind)
+    raise _Refuse(f"format {kind!r} is not known")
+
+
+def _response_format(value: Any, body: Mapping[str, Any]) -> str | None:
+    return _format_need(value)
+
+
+def _text(value: Any, body: Mapping[str, Any]) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _Refuse("text must be an object")
+    if value.get("verbosity") is not None:
+        raise _Refuse("text.verbosity cannot be honoured by the engine")
+    return _format_need(value.get("format"))
+
+
+def _tool_choice(value: Any, body: Mapping[str, Any]) -> str | None:
+    if value in (None, "none", "auto"):
+        return None
+    if value == "required":
+        return TOOL_REQUIRED
+    if isinstance(value, Mapping) and value.get("type") == "function":
+        return TOOL_NAMED
+    raise _Refuse(f"tool_choice {value!r} names no function tool the proxy serves")
+
+
+def _parallel(value: Any, body: Mapping[str, Any]) -> str | None:
+    return SINGLE_CALL if value is False and body.get("tools") else None
+
+
+def _stream_options(value: Any, body: Mapping[str, Any]) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _Refuse("stream_options must be an object")
+    unknown = set(value) - {"include_usage", "include_obfuscation"}
+    if unknown:
+        raise _Refuse(f"stream_options {sorted(unknown)} are not known")
+    return None
+
+
+def _include(value: Any, body: Mapping[str, Any]) -> str | None:
+    unknown = set(value or ()) - {"message.output_text.logprobs", "reasoning.encrypted_content"}
+    if unknown:
+        raise _Refuse(f"include {sorted(unknown)}: the proxy serves no hosted tools or images")
+    return None
+
+
+def _reasoning(value: Any, body: Mapping[str, Any]) -> str | None:
+    if value is None or (isinstance(value, Mapping) and not any(
+            v is not None for v in value.values())):
+        return None
+    raise _Refuse("reasoning effort and summaries cannot be honoured by the engine")
+
+
+_NO_EFFECT = "accepted; changes nothing the agent gets or the trainer records"
+_SUPPORTED = FieldRule("supported", "", _served)
+
+
+def _no_effect(note: str = _NO_EFFECT) -> FieldRule:
+    return FieldRule("no effect", note, _served)
+
+
+def _refused(note: str, check: Check | None = None) -> FieldRule:
+    return FieldRule("refused", note, check or _falsy(note))
+
+
+_ENFORCED_FORMAT = "json_object / json_schema: enforced by the engine, else refused"
+_ENFORCED_CHOICE = ("none / auto supported; required and a named function: enforced by the "
+                    "engine, else refused")
+_ENFORCED_PARALLEL = ("true / null supported; false (with tools): enforced by the engine, "
+                      "else refused")
+_COMMON: dict[str, FieldRule] = {
+    "model": _no_effect("accepted; the proxy serves its one model whatever is named"),
+    "temperature": _SUPPORTED, "top_p": _SUPPORTED, "stream": _SUPPORTED,
+    "tools": _SUPPORTED,
+    "tool_choice": FieldRule("enforced", _ENFORCED_CHOICE, _tool_choice),
+    "parallel_tool_calls": FieldRule("enforced", _ENFORCED_PARALLEL, _parallel),
+    "stream_options": FieldRule("supported", "include_usage supported; include_obfuscation "
+                                "has no effect", _stream_options),
+    "top_logprobs": _refused("top_logprobs > 0: the engine returns the sampled token's "
+                             "logprob only"),
+    "metadata": _no_effect(), "user": _no_effect(), "safety_identifier": _no_effect(),
+    "service_tier": _no_effect(), "store": _no_effect(
+        "accepted; every response of a session is kept for previous_response_id anyway"),
+    "prompt_cache_key": _no_effect(), "prompt_cache_retention": _no_effect(),
+    "prompt_cache_options": _no_effect(),
+    "moderation": _refused("moderation: the proxy runs no moderation policy"),
+}
+
+CHAT_FIELDS: dict[str, FieldRule] = {
+    **_COMMON,
+    "messages": _SUPPORTED, "seed": _SUPPORTED, "stop": _SUPPORTED, "logprobs": _SUPPORTED,
+    "max_tokens": _SUPPORTED, "max_completion_tokens": _SUPPORTED,
+    "n": _refused("n > 1: each choice would be one recorded turn", _only(1, why="n > 1: each "
+                  "choice would be one recorded turn")),
+    "response_format": FieldRule("enforced", _ENFORCED_FORMAT, _response_format),
+    "functions": _refused("legacy functions: use tools (the reply's legacy function_call "
+                          "form is not produced)"),
+    "function_call": _refused("legacy function_call: use tools and tool_choice"),
+    "frequency_penalty": _refused("frequency_penalty: the engine protocol has no penalties"),
+    "presence_penalty": _refused("presence_penalty: the engine protocol has no penalties"),
+    "logit_bias": _refused("logit_bias: the engine protocol has no logit bias"),
+    "reasoning_effort": _refused("reasoning_effort cannot be honoured by the engine",
+                                 _only(why="reasoning_effort cannot be honoured by the engine")),
+    "verbosity": _refused("verbosity cannot be honoured by the engine",
+                          _only(why="verbosity cannot be honoured by the engine")),
+    "modalities": _refused("modalities other than text", _only(
+        ["text"], why="only text output is served")),
+    "audio": _refused("audio output"),
+    "prediction": _refused("predicted outputs"),
+    "web_search_options": _refused("web search: the proxy serves no hosted tools"),
+}
+"""Every field of ``POST /v1/chat/completions``."""
+
+RESPONSES_FIELDS: dict[str, FieldRule] = {
+    **_COMMON,
+    "input": _SUPPORTED, "instructions": _SUPPORTED, "max_output_tokens": _SUPPORTED,
+    "previous_response_id": FieldRule("supported", "responses of the same session"),
+    "include": FieldRule("supported", "message.output_text.logprobs supported; "
+                         "reasoning.encrypted_content has no effect (no reasoning items); "
+                         "others refused", _include),
+    "text": FieldRule("enforced", "format text supported; json_object / json_schema: enforced "
+                      "by the engine, else refused; verbosity refused", _text),
+    "max_tool_calls": _no_effect("accepted; it limits hosted tools, and none are served"),
+    "truncation": _refused("truncation auto: a prompt over the context is an error instead",
+                           _only("disabled", why="truncation auto is not served: a prompt "
+                                 "over the context is an error")),
+    "reasoning": _refused("reasoning effort / summary", _reasoning),
+    "conversation": _refused("conversation objects: use previous_response_id"),
+    "background": _refused("background responses"),
+    "background_options": _refused("background responses"),
+    "prompt": _refused("stored prompt templates"),
+    "context_management": _refused("server-side context compaction"),
+    "access_programs": _refused("hosted tool programs"),
+    "image": _refused("image generation"),
+}
+"""Every field of ``POST /v1/responses``."""
+
+
+def check_fields(body: Mapping[str, Any], rules: Mapping[str, FieldRule],
+                 enforces: frozenset[str]) -> frozenset[str]:
+    """Apply ``rules`` to a decoded request body; returns the constraints in force.
+
+    Raises:
+        FinalError: a refused field or value, an unknown field, or a constraint the engine
+            does not enforce (404, ``unsupported_parameter``, ``param`` names the field).
+    """
+    needed: set[str] = set()
+    for name, value in body.items():
+        rule = rules.get(name)
+        if rule is None:
+            raise FinalError(f"unknown request field {name!r}: the proxy refuses what it "
+                             "cannot honour", param=name, code="unsupported_parameter")
+        check = rule.check or _served
+        try:
+            need = check(value, body)
+        except _Refuse as exc:
+            raise FinalError(f"{name}: {exc} (refused by the proxy)", param=name,
+                             code="unsupported_parameter") from None
+        except (TypeError, ValueError, AttributeError):  # a value of the wrong shape
+            raise ProxyRequestError(f"{name}: invalid value", param=name,
+                                    code="invalid_value") from None
+        if need is None:
+            continue
+        if need not in enforces:
+            raise FinalError(f"{name}: {need} is a decoding constraint this engine does not "
+                             "enforce (refused, not ignored)", param=name,
+                             code="unsupported_parameter")
+        needed.add(need)
+    return frozenset(needed)
