@@ -488,3 +488,46 @@ async def test_a_launch_that_fails_before_the_exec_is_our_error(sandbox_dir: Pat
     finally:
         await sandbox.aclose()
     assert entries(sandbox_dir) == ["bin"]  # the run's directory is gone all the same
+
+
+REMOVE_AS_OWNER = """
+import contextlib, os, stat, sys
+from pathlib import Path
+from typing import Any
+{source}
+root = Path(sys.argv[1])
+root.mkdir()
+(root / "locked" / "inner").mkdir(parents=True)
+(root / "locked" / "inner" / "f").write_text("x")
+os.chmod(root / "locked" / "inner", 0)
+os.chmod(root / "locked", 0)
+(root / "ro" / "x").mkdir(parents=True)
+(root / "ro" / "x" / "f").write_text("x")
+os.chmod(root / "ro" / "x", 0o500)
+os.chmod(root / "ro", 0o500)
+os.mkfifo(root / "fifo")
+os.symlink("/", root / "root_link")
+os.chmod(root, 0o500)
+problem = remove_tree(root)
+assert problem is None and not root.exists(), problem
+"""
+
+
+@needs_root
+def test_remove_tree_as_an_unprivileged_owner(sandbox_dir: Path) -> None:
+    """Without root, unreadable and read-only directories need a chmod first: run the very
+    same functions as another uid on a tree that uid made."""
+    import inspect
+
+    from pipeline.judgers import _sandbox
+
+    source = "\n".join(inspect.getsource(f) for f in (
+        _sandbox.remove_tree, _sandbox._open_dir, _sandbox._clear_files))
+    source = f"_DIR_FLAGS = {_sandbox._DIR_FLAGS}\n{source}"
+    os.chmod(sandbox_dir, 0o1777)
+    assert SYSTEM_PYTHON is not None
+    done = subprocess.run([SYSTEM_PYTHON, "-I", "-c", REMOVE_AS_OWNER.format(source=source),
+                           str(sandbox_dir / "run")], user=65534, group=65534,
+                          extra_groups=[], capture_output=True, timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert entries(sandbox_dir) == []
