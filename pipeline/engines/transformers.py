@@ -26,7 +26,6 @@ import threading
 import zlib
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,62 +37,24 @@ from pipeline._config import SamplingParams
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline._models import FinishReason
 from pipeline.engines._base import Generation
+from pipeline.engines._torch_sampling import (
+    ProcessorFactory,
+    apply_processors,
+    sample_rows,
+)
+from pipeline.engines._torch_worker import (
+    Batch,
+    EngineCounters,
+    Request,
+    deliver,
+    eos_ids,
+    kv_pairs,
+    new_cache,
+)
 from pipeline.engines.moe import RouterCapture
 
 _T = TypeVar("_T")
 _logger = structlog.get_logger("pipeline.engines.transformers")
-
-LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
-"""``(ids generated so far, logits [vocab]) -> logits``; runs before temperature/top-k/top-p,
-so its effect is part of the distribution that is sampled from and reported."""
-
-ProcessorFactory = Callable[[str, Sequence[int]], LogitsProcessor | None]
-"""``(request_id, prompt_ids) -> processor or None``: picks a processor per request."""
-
-
-@dataclass
-class EngineCounters:
-    """What the worker did; read them for benchmarks and to check batching."""
-
-    requests: int = 0
-    prefill_calls: int = 0
-    prefill_tokens: int = 0
-    decode_steps: int = 0
-    decode_rows: int = 0
-    max_batch_rows: int = 0
-    generated_tokens: int = 0
-
-    @property
-    def mean_batch_rows(self) -> float:
-        """Average number of rows per decode step."""
-        return self.decode_rows / self.decode_steps if self.decode_steps else 0.0
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt: list[int]
-    sampling: SamplingParams
-    max_tokens: int
-    limit: str
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Generation]
-    generator: torch.Generator
-    processor: LogitsProcessor | None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    aborted: bool = False
-    finished: bool = False
-
-
-@dataclass(eq=False)
-class _Batch:
-    rows: list[_Request]
-    cache: Any
-    mask: torch.Tensor  # [rows, cached positions], 1 = real token
-    positions: torch.Tensor  # [rows] position id of each row's next token
-    last: torch.Tensor  # [rows] last sampled token (the next decode input)
-
 
 class TransformersEngine:
     """In-process engine on a Hugging Face causal LM (CPU or CUDA), micro-batched.
@@ -152,7 +113,7 @@ class TransformersEngine:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None
-                                       else _eos_ids(model, tokenizer))
+                                       else eos_ids(model, tokenizer))
         self.pad_token_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
         self.processor_factory = processor_factory
         self.seed = seed
@@ -165,7 +126,7 @@ class TransformersEngine:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._known: dict[str, _Request] = {}  # worker thread only: queued or running
+        self._known: dict[str, Request] = {}  # worker thread only: queued or running
         self._closed = False
         self._lock = threading.Lock()
 
@@ -220,7 +181,7 @@ class TransformersEngine:
             return Generation([], [], FinishReason.LENGTH, "context",
                               policy_version=self.policy_version)
         loop = asyncio.get_running_loop()
-        request = _Request(
+        request = Request(
             request_id=request_id, prompt=prompt, sampling=sampling,
             max_tokens=min(sampling.max_tokens, room),
             limit="max_tokens" if sampling.max_tokens <= room else "context",
@@ -283,8 +244,8 @@ class TransformersEngine:
     # ----- the worker thread --------------------------------------------------------------
 
     def _serve(self) -> None:
-        waiting: list[_Request] = []
-        batch: _Batch | None = None
+        waiting: list[Request] = []
+        batch: Batch | None = None
         with torch.inference_mode():
             while True:
                 try:
@@ -308,7 +269,7 @@ class TransformersEngine:
                     if self.routes is not None:
                         self.routes.clear()
 
-    def _take_commands(self, waiting: list[_Request], batch: _Batch | None, block: bool) -> bool:
+    def _take_commands(self, waiting: list[Request], batch: Batch | None, block: bool) -> bool:
         """Apply queued commands; True when the engine is closing."""
         while True:
             try:
@@ -320,9 +281,9 @@ class TransformersEngine:
             if kind == "close":
                 return True
             if kind == "add":
-                request: _Request = command[1]
+                request: Request = command[1]
                 if request.request_id in self._known:
-                    _deliver(request.loop, request.future, None, EngineError(
+                    deliver(request.loop, request.future, None, EngineError(
                         f"request id {request.request_id!r} is already in flight"))
                 else:
                     self.counters.requests += 1
@@ -338,13 +299,13 @@ class TransformersEngine:
             elif kind == "call":
                 fn, loop, future = command[1:]
                 try:
-                    _deliver(loop, future, fn(self.model), None)
+                    deliver(loop, future, fn(self.model), None)
                 except Exception as exc:
-                    _deliver(loop, future, None, exc)
+                    deliver(loop, future, None, exc)
 
-    def _admit(self, waiting: list[_Request], batch: _Batch | None) -> _Batch | None:
+    def _admit(self, waiting: list[Request], batch: Batch | None) -> Batch | None:
         free = self.max_batch_size - (len(batch.rows) if batch else 0)
-        group: list[_Request] = []
+        group: list[Request] = []
         longest = 0
         while waiting and len(group) < free:
             longest_if = max(longest, len(waiting[0].prompt))
@@ -359,14 +320,14 @@ class TransformersEngine:
             mask[i, longest - len(request.prompt):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = _new_cache()
+        cache = new_cache()
         logits = self._forward(ids, mask, positions, cache)
         self.counters.prefill_calls += 1
         self.counters.prefill_tokens += int(mask.sum())
-        fresh = _Batch(group, cache, mask, positions[:, -1] + 1, torch.zeros(0))
+        fresh = Batch(group, cache, mask, positions[:, -1] + 1, torch.zeros(0))
         return self._merge(batch, self._sample_and_settle(fresh, logits))
 
-    def _decode(self, batch: _Batch) -> _Batch | None:
+    def _decode(self, batch: Batch) -> Batch | None:
         batch.mask = F.pad(batch.mask, (0, 1), value=1)
         logits = self._forward(batch.last[:, None], batch.mask, batch.positions[:, None],
                                batch.cache)
@@ -384,11 +345,11 @@ class TransformersEngine:
                          use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
         return out.logits[:, -1, :].float()  # type: ignore[no-any-return]
 
-    def _sample_and_settle(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
+    def _sample_and_settle(self, batch: Batch, logits: torch.Tensor) -> Batch | None:
         rows = batch.rows
         if self.routes is not None:
             self.routes.record([r.request_id for r in rows], self._step_valid)
-        broken = self._apply_processors(rows, logits)
+        broken = apply_processors(rows, logits)
         next_ids, tokens, logprobs = sample_rows(logits, [r.sampling for r in rows],
                                                  [r.generator for r in rows])
         done: list[bool] = []
@@ -411,30 +372,7 @@ class TransformersEngine:
         batch.last = next_ids
         return self._drop(batch, done)
 
-    @staticmethod
-    def _apply_processors(rows: Sequence[_Request],
-                          logits: torch.Tensor) -> list[EngineError | None]:
-        """Run each row's logits processor in place; a processor that raises or allows no
-        token fails its own request only (its row is neutralised for this step)."""
-        errors: list[EngineError | None] = []
-        for i, request in enumerate(rows):
-            error = None
-            if request.processor is not None:
-                try:
-                    logits[i] = request.processor(request.tokens, logits[i])
-                    if not bool(torch.isfinite(logits[i]).any()):
-                        error = EngineError(f"request {request.request_id}: the logits "
-                                            "processor allowed no token")
-                except Exception as exc:
-                    error = EngineError(f"request {request.request_id}: the logits processor "
-                                        f"raised {type(exc).__name__}: {exc}")
-                    error.__cause__ = exc
-                if error is not None:
-                    logits[i] = 0.0
-            errors.append(error)
-        return errors
-
-    def _drop(self, batch: _Batch, gone: list[bool]) -> _Batch | None:
+    def _drop(self, batch: Batch, gone: list[bool]) -> Batch | None:
         """Remove rows (finished or aborted) and trim cache columns no row needs."""
         if not any(gone):
             return batch
@@ -447,12 +385,12 @@ class TransformersEngine:
         index = torch.tensor(keep, device=self.device)
         mask = batch.mask[index]
         start = int(mask.any(0).int().argmax())  # first column some remaining row uses
-        pairs = [(k[index, :, start:], v[index, :, start:]) for k, v in _kv(batch.cache)]
-        return _Batch([batch.rows[i] for i in keep], _new_cache(pairs), mask[:, start:],
+        pairs = [(k[index, :, start:], v[index, :, start:]) for k, v in kv_pairs(batch.cache)]
+        return Batch([batch.rows[i] for i in keep], new_cache(pairs), mask[:, start:],
                       batch.positions[index], batch.last[index])
 
     @staticmethod
-    def _merge(old: _Batch | None, new: _Batch | None) -> _Batch | None:
+    def _merge(old: Batch | None, new: Batch | None) -> Batch | None:
         if old is None or new is None:
             return old or new
         width = max(old.mask.shape[1], new.mask.shape[1])
@@ -462,12 +400,13 @@ class TransformersEngine:
             return F.pad(t, (0, 0) * (dim_from_end - 1) + (amount, 0)) if amount else t
 
         pairs = [(torch.cat([pad(ko, 2), pad(kn, 2)]), torch.cat([pad(vo, 2), pad(vn, 2)]))
-                 for (ko, vo), (kn, vn) in zip(_kv(old.cache), _kv(new.cache), strict=True)]
-        return _Batch(old.rows + new.rows, _new_cache(pairs),
-                      torch.cat([pad(old.mask, 1), pad(new.mask, 1)]),
-                      torch.cat([old.positions, new.positions]), torch.cat([old.last, new.last]))
+                 for (ko, vo), (kn, vn) in zip(kv_pairs(old.cache), kv_pairs(new.cache),
+                                               strict=True)]
+        return Batch(old.rows + new.rows, new_cache(pairs),
+                     torch.cat([pad(old.mask, 1), pad(new.mask, 1)]),
+                     torch.cat([old.positions, new.positions]), torch.cat([old.last, new.last]))
 
-    def _fail(self, request: _Request, error: EngineError) -> None:
+    def _fail(self, request: Request, error: EngineError) -> None:
         """End ``request`` with ``error`` raised from its ``generate`` call."""
         if request.finished:
             return
@@ -475,9 +414,9 @@ class TransformersEngine:
         self._known.pop(request.request_id, None)
         if self.routes is not None:
             self.routes.pop(request.request_id)
-        _deliver(request.loop, request.future, None, error)
+        deliver(request.loop, request.future, None, error)
 
-    def _finish(self, request: _Request, reason: FinishReason, raw: str) -> None:
+    def _finish(self, request: Request, reason: FinishReason, raw: str) -> None:
         if request.finished:
             return
         request.finished = True
@@ -485,87 +424,4 @@ class TransformersEngine:
         routes = self.routes.pop(request.request_id) if self.routes is not None else None
         generation = Generation(list(request.tokens), list(request.logprobs), reason, raw,
                                 routed_experts=routes, policy_version=self.policy_version)
-        _deliver(request.loop, request.future, generation, None)
-
-
-def sample_rows(logits: torch.Tensor, sampling: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator]
-                ) -> tuple[torch.Tensor, list[int], list[float]]:
-    """Sample one token per row with its own temperature, top-k, top-p and generator.
-
-    ``logits`` are ``[rows, vocab]`` float32, after any logits processor. Returns the tokens
-    (as a tensor on the logits' device, and as a list) and their logprobs under the processed
-    distribution each was drawn from.
-    """
-    temps = torch.tensor([s.temperature for s in sampling], device=logits.device)
-    greedy = temps == 0
-    logits = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    logits = _filter_top_k_top_p(
-        logits, torch.tensor([s.top_k for s in sampling], device=logits.device),
-        torch.tensor([s.top_p for s in sampling], device=logits.device))
-    logp = torch.log_softmax(logits, dim=-1)
-    cdf = logp.exp().cumsum(dim=-1)
-    # 1 - U[0, 1) lies in (0, 1]: the first index where the cdf reaches it has mass > 0.
-    u = torch.stack([1.0 - torch.rand((), generator=g) for g in generators])
-    drawn = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None]).squeeze(1)
-    drawn = drawn.clamp(max=logits.shape[-1] - 1)
-    tokens = torch.where(greedy, logp.argmax(dim=-1), drawn)
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-    both = torch.stack([tokens.double(), chosen.double()]).tolist()  # one device sync
-    return tokens, [int(t) for t in both[0]], both[1]
-
-
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
-                        top_p: torch.Tensor) -> torch.Tensor:
-    """Set logits outside each row's top-k and top-p nucleus to -inf (``-1``/``1.0`` = off)."""
-    use_k, use_p = top_k > 0, top_p < 1.0
-    if not bool(use_k.any() or use_p.any()):
-        return logits
-    vocab = logits.shape[-1]
-    ordered, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    remove = use_k[:, None] & (rank >= top_k.clamp(min=1)[:, None])
-    if bool(use_p.any()):
-        probs = torch.softmax(ordered.masked_fill(remove, float("-inf")), dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
-        remove |= use_p[:, None] & (before >= top_p[:, None]) & (rank > 0)
-    ordered = ordered.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, ordered)
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(int(v) for v in value)
-    return ids
-
-
-def _new_cache(pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
-    from transformers import DynamicCache
-
-    return DynamicCache(pairs) if pairs else DynamicCache()
-
-
-def _kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: Any,
-             error: BaseException | None) -> None:
-    """Settle ``future`` on its own loop; a closed loop or a cancelled waiter is ignored."""
-    def settle() -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    try:
-        loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the loop is closed: nobody waits any more
-        pass
+        deliver(request.loop, request.future, generation, None)
