@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_result  # noqa: E402
+from _common import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 WRONG = {
