@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -90,64 +91,86 @@ def collate(
         raise ConfigError(f"pad_to must be 'max' or 'longest' and return_tensors 'pt' or 'np', "
                           f"got {pad_to!r} and {return_tensors!r}")
     check_alignment(samples)
-    n = len(samples)
-    plens = np.fromiter((len(s.prompt_ids) for s in samples), np.int64, n)
-    rlens = np.fromiter((len(s.response_ids) for s in samples), np.int64, n)
-    overlong = (plens > max_prompt_len) | (rlens > max_response_len)
-    masked = np.fromiter((s.masked for s in samples), bool, n) | overlong
-    width_p = max_prompt_len if pad_to == "max" else int(min(max_prompt_len, plens.max(initial=1)))
-    width_r = (max_response_len if pad_to == "max"
-               else int(min(max_response_len, rlens.max(initial=1))))
-    keep_p, keep_r = np.minimum(plens, width_p), np.minimum(rlens, width_r)
-    cols_p, cols_r = np.arange(width_p), np.arange(width_r)
-    slot_p = cols_p[None, :] >= (width_p - keep_p)[:, None]  # left padding
-    slot_r = cols_r[None, :] < keep_r[:, None]  # right padding
+    layout = _Layout.of(samples, max_prompt_len, max_response_len, pad_to)
+    out = _token_columns(samples, layout, pad_token_id)
+    logprobs = _logprobs(samples, layout.slot_r, layout.keep_r)
+    if logprobs is not None:
+        out["rollout_log_probs"] = logprobs
+    scores = _rm_scores(samples, layout.masked, layout.keep_r, layout.width_r)
+    if scores is not None:
+        out["rm_scores"] = scores
+    routes = _routed_experts(samples, layout.overlong, layout.keep_p,
+                             layout.width_p + layout.width_r, layout.width_p)
+    if routes is not None:
+        out["routed_experts"] = routes
+    out["masked"] = layout.masked
+    out["overlong"] = layout.overlong
+    if layout.overlong.any():
+        uids = [s.uid for s, o in zip(samples, layout.overlong.tolist(), strict=True) if o]
+        _logger.warning("collate_overlong", count=len(uids), uids=uids[:8],
+                        max_prompt_len=max_prompt_len, max_response_len=max_response_len)
+    return _to_torch(out) if return_tensors == "pt" else out
 
-    prompts = np.full((n, width_p), pad_token_id, dtype=np.int64)
-    prompts[slot_p] = _flat(
-        (s.prompt_ids[len(s.prompt_ids) - k:] for s, k in zip(samples, keep_p.tolist(),
-                                                               strict=True)),
-        int(keep_p.sum()), np.int64)
-    responses = np.full((n, width_r), pad_token_id, dtype=np.int64)
-    responses[slot_r] = _flat((s.response_ids[:k] for s, k in zip(samples, keep_r.tolist(),
-                                                                  strict=True)),
-                              int(keep_r.sum()), np.int64)
-    response_mask = np.zeros((n, width_r), dtype=np.int64)
-    response_mask[slot_r] = _flat((s.response_mask[:k] for s, k in zip(samples, keep_r.tolist(),
-                                                                       strict=True)),
-                                  int(keep_r.sum()), np.int64)
-    response_mask[masked] = 0
 
-    attention_mask = np.concatenate([slot_p, slot_r], axis=1).astype(np.int64)
-    empty = (keep_p + keep_r) == 0
+@dataclass(frozen=True)
+class _Layout:
+    """Where each sample's tokens go: widths, kept lengths, slots, masked and overlong rows."""
+
+    width_p: int
+    width_r: int
+    keep_p: np.ndarray
+    keep_r: np.ndarray
+    slot_p: np.ndarray  # [B, P] True where a prompt token sits (left padding)
+    slot_r: np.ndarray  # [B, R] True where a response token sits (right padding)
+    masked: np.ndarray
+    overlong: np.ndarray
+
+    @classmethod
+    def of(cls, samples: Sequence[RolloutSample], max_prompt_len: int, max_response_len: int,
+           pad_to: PadTo) -> _Layout:
+        n = len(samples)
+        plens = np.fromiter((len(s.prompt_ids) for s in samples), np.int64, n)
+        rlens = np.fromiter((len(s.response_ids) for s in samples), np.int64, n)
+        overlong = (plens > max_prompt_len) | (rlens > max_response_len)
+        masked = np.fromiter((s.masked for s in samples), bool, n) | overlong
+        longest = pad_to == "longest"
+        width_p = int(min(max_prompt_len, plens.max(initial=1))) if longest else max_prompt_len
+        width_r = (int(min(max_response_len, rlens.max(initial=1))) if longest
+                   else max_response_len)
+        keep_p, keep_r = np.minimum(plens, width_p), np.minimum(rlens, width_r)
+        slot_p = np.arange(width_p)[None, :] >= (width_p - keep_p)[:, None]
+        slot_r = np.arange(width_r)[None, :] < keep_r[:, None]
+        return cls(width_p, width_r, keep_p, keep_r, slot_p, slot_r, masked, overlong)
+
+
+def _token_columns(samples: Sequence[RolloutSample], layout: _Layout,
+                   pad_token_id: int) -> dict[str, np.ndarray]:
+    """prompts, responses, input_ids, attention_mask, position_ids and response_mask."""
+    n, keep_p, keep_r = len(samples), layout.keep_p.tolist(), layout.keep_r.tolist()
+    total_p, total_r = int(layout.keep_p.sum()), int(layout.keep_r.sum())
+    prompts = np.full((n, layout.width_p), pad_token_id, dtype=np.int64)
+    prompts[layout.slot_p] = _flat(
+        (s.prompt_ids[len(s.prompt_ids) - k:] for s, k in zip(samples, keep_p, strict=True)),
+        total_p, np.int64)
+    responses = np.full((n, layout.width_r), pad_token_id, dtype=np.int64)
+    responses[layout.slot_r] = _flat(
+        (s.response_ids[:k] for s, k in zip(samples, keep_r, strict=True)), total_r, np.int64)
+    response_mask = np.zeros((n, layout.width_r), dtype=np.int64)
+    response_mask[layout.slot_r] = _flat(
+        (s.response_mask[:k] for s, k in zip(samples, keep_r, strict=True)), total_r, np.int64)
+    response_mask[layout.masked] = 0
+    attention_mask = np.concatenate([layout.slot_p, layout.slot_r], axis=1).astype(np.int64)
+    empty = (layout.keep_p + layout.keep_r) == 0
     if empty.any():
-        attention_mask[empty, width_p] = 1
-    position_ids = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0)
-
-    out: dict[str, np.ndarray] = {
+        attention_mask[empty, layout.width_p] = 1  # one attended pad token: attention stays defined
+    return {
         "prompts": prompts,
         "responses": responses,
         "input_ids": np.concatenate([prompts, responses], axis=1),
         "attention_mask": attention_mask,
-        "position_ids": position_ids,
+        "position_ids": np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0),
         "response_mask": response_mask,
     }
-    logprobs = _logprobs(samples, slot_r, keep_r)
-    if logprobs is not None:
-        out["rollout_log_probs"] = logprobs
-    scores = _rm_scores(samples, masked, keep_r, width_r)
-    if scores is not None:
-        out["rm_scores"] = scores
-    routes = _routed_experts(samples, overlong, keep_p, width_p + width_r, width_p)
-    if routes is not None:
-        out["routed_experts"] = routes
-    out["masked"] = masked
-    out["overlong"] = overlong
-    if overlong.any():
-        uids = [s.uid for s, o in zip(samples, overlong.tolist(), strict=True) if o]
-        _logger.warning("collate_overlong", count=len(uids), uids=uids[:8],
-                        max_prompt_len=max_prompt_len, max_response_len=max_response_len)
-    return _to_torch(out) if return_tensors == "pt" else out
 
 
 def check_alignment(samples: Sequence[RolloutSample]) -> None:
