@@ -247,6 +247,7 @@ class LeasedBucket(FairAsyncTokenBucket):
             while state.waiters:
                 wait = state.waiters.popleft()
                 state.queued -= wait.cost
+                wait.dropped = True
                 if not wait.future.done():
                     wait.future.set_exception(error)
             return
@@ -381,11 +382,11 @@ class FleetLimiterRegistry(LimiterRegistry):
 
 
 def _as_limiter_error(exc: Exception, name: str) -> RateLimitError:
-    if isinstance(exc, RateLimitError):
-        return exc
     cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError keeps the original
     if isinstance(cause, RateLimitError):
         return cause
+    if isinstance(exc, RateLimitError):
+        return exc
     error = RateLimitError(f"fleet rate limiter {name!r} failed: {type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
