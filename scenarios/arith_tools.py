@@ -8,7 +8,7 @@ The stage list is ``BuildPrompt -> Loop([Generate, CallTools]) -> numeric_match_
 default model (:func:`default_model`) is the tiny policy shipped with the package
 (:func:`pipeline.models.tiny_policy_dir`, trained by ``python -m scenarios.train_tiny_policy``):
 a tiny Qwen2 model that calls the calculator in about nine samples of ten and solves about a
-third to a half of the problems, on purpose short of perfect so RL has room to improve it.
+third of the problems, on purpose short of perfect so RL has room to improve it.
 ``--model DIR`` runs another one (the random tiny model shows the machinery, not skill).
 
 Knobs: ``rows(count, seed)`` draws problems; ``stages(max_turns)`` sets how many assistant turns

