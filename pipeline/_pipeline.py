@@ -39,7 +39,7 @@ from pipeline._outcome import (
     force_end,
     uncancel,
 )
-from pipeline._producer import Batch, Producer, SampleCallback, SampleRun
+from pipeline._producer import Batch, Producer, SampleCallback, SampleRun, check_callback
 from pipeline._rows import DatasetRow
 from pipeline._slots import FifoSlots
 from pipeline._stats import safe_stats
@@ -185,6 +185,7 @@ class Pipeline:
             asyncio.CancelledError: the call was cancelled; every sample task is cancelled
                 and awaited first (stage cleanups run), none is left behind.
         """
+        check_callback(on_sample_done)
         items = self.make_items(rows, n)
         check_num_needed(num_needed, len(items))
         started = time.monotonic()
@@ -219,6 +220,7 @@ class Pipeline:
         Raises:
             RowError, ConfigError: bad input, before any work starts.
         """
+        check_callback(on_sample_done)
         items = self.make_items(rows, n)
         check_num_needed(num_needed, len(items))
         return RolloutStream(stream_samples(self, items, num_needed, on_sample_done))
@@ -247,6 +249,7 @@ class Pipeline:
         if dynamic is not None and num_needed is not None:
             raise ConfigError("pass either num_needed= (over-sampling by samples) or dynamic= "
                               "(by informative groups), not both")
+        check_callback(on_sample_done)
         source = RowSource(rows, n, self)
         first = source.draw(None if dynamic is None else dynamic.target_groups)
         check_num_needed(num_needed, len(first))

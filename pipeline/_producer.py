@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline._cancel import wait_through_cancellation
 from pipeline._context import Context
+from pipeline._exceptions import ConfigError
 from pipeline._models import AgentRolloutItem, RolloutSample
 
 
@@ -60,6 +61,13 @@ RunSample = Callable[[SampleRun, Batch], Coroutine[Any, Any, RolloutSample]]
 
 SampleCallback = Callable[[AgentRolloutItem, RolloutSample], None]
 """Called with ``(item, sample)`` as each sample ends (``run_batch(on_sample_done=...)``)."""
+
+
+def check_callback(on_sample_done: object) -> None:
+    """Refuse a sample callback that cannot be called, before any sample starts."""
+    if on_sample_done is not None and not callable(on_sample_done):
+        raise ConfigError(f"field 'on_sample_done': must be callable (item, sample) -> None, "
+                          f"got {on_sample_done!r:.60}", field="on_sample_done")
 
 
 class Producer:

@@ -245,8 +245,6 @@ async def test_run_batch_refuses_wrong_arguments(kwargs, error, text, field):
     assert p.resources.engine.calls == 0 and p.samples_done == 0
 
 
-@pytest.mark.xfail(strict=True, reason="the check belongs in Pipeline.producer / run_batch "
-                   "(the runner's owner wires it; then this mark goes)")
 def test_on_sample_done_must_be_callable():
     """Refused when the batch starts, not logged once per sample."""
     p = pipe()
