@@ -1,5 +1,6 @@
 """Helpers for the proxy tests on the real tiny model: an engine that logs what it was sent,
-scripted replies, mask runs, the token-exact check, and a network audit for agent programs.
+scripted replies, mask runs, the token-exact check, a network audit for agent programs, and
+running an agent program as the ``RemoteAgent`` of a batch (``Served``, ``run_client``).
 
 PYTEST_DONT_REWRITE
 """
@@ -14,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from _model_fixtures import ForcedText
+
+from pipeline import Pipeline, Status
+from pipeline.proxy import SEGMENTS, ProxyServer, RemoteAgent
 
 CLIENTS_DIR = Path(__file__).with_name("proxy_clients")
 
@@ -144,3 +148,48 @@ def audit(log: Path) -> list[dict[str, Any]]:
     refused = [e for e in events if not e["allowed"]]
     assert refused == [], refused
     return events
+
+
+class Served:
+    """A proxy on the recording engine, with every HTTP status it answered."""
+
+    def __init__(self, engine: RecordingEngine, tok: Any, **options: Any) -> None:
+        self.proxy = ProxyServer(engine, tok, model_name="tiny", **options)
+        self.statuses: list[int] = []
+
+        async def seen(request: Any, response: Any) -> None:
+            self.statuses.append(response.status)
+
+        self.proxy.app.on_response_prepare.append(seen)
+
+
+async def run_client(served: Served, engine: RecordingEngine, tok: Any, command: list[str],
+                     data: dict[str, Any], tmp_path: Path, n: int = 1,
+                     **agent_options: Any) -> tuple[Any, list[list[Any]]]:
+    """Run ``command`` as the agent of ``n`` samples; returns the batch and, per sample, the
+    engine's log of its session. Asserts the audit, that no answer was a 5xx, that every
+    sample is token-exact against the engine's log and is its last turn's segment."""
+    log = tmp_path / "net.jsonl"
+    home = tmp_path / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    agent = RemoteAgent(command, proxy=served.proxy, env=audited_env(log, home),
+                        cwd=str(tmp_path), timeout_s=100, **agent_options)
+    pipe = Pipeline([agent], engine=engine, tokenizer=tok, sampling={"max_tokens": 160},
+                    sample_timeout_s=110)
+    result = await pipe.run_batch([data], n=n)
+    assert result.stats.by_status == {"completed": n}, (
+        [s.error for s in result.samples],
+        [i.artifacts.get("proxy.agent_log", "")[-2000:] for i in result.items])
+    events = audit(log)
+    assert {e["host"] for e in events if e["event"] == "connect"
+            and e["target"].startswith("(")} == {"127.0.0.1"}
+    assert served.statuses and max(served.statuses) < 500, served.statuses
+    sent = [session_requests(engine, s.extra_fields["proxy_session"]) for s in result.samples]
+    for item, requests in zip(result.items, sent, strict=True):
+        assert_token_exact(item.artifacts[SEGMENTS], requests)
+    for sample, item in zip(result.samples, result.items, strict=True):
+        main = max(item.artifacts[SEGMENTS], key=lambda s: max(s.turns))  # the last turn's
+        assert (sample.prompt_ids, sample.response_ids, sample.response_mask) == (
+            main.prompt_ids, main.response_ids, main.response_mask)
+        assert sample.logprobs == main.logprobs and sample.status is Status.COMPLETED
+    return result, sent

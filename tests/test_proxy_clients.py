@@ -24,14 +24,14 @@ from _proxy_fixtures import (
     CLIENTS_DIR,
     RecordingEngine,
     Script,
-    assert_token_exact,
+    Served,
     audit,
     audited_env,
-    session_requests,
+    run_client,
 )
 
-from pipeline import Pipeline, Status, artifacts
-from pipeline.proxy import FINAL_ANSWER, SEGMENTS, ProxyServer, RemoteAgent
+from pipeline import artifacts
+from pipeline.proxy import FINAL_ANSWER, SEGMENTS, ProxyServer
 
 pytest_plugins = ["_model_fixtures"]
 pytestmark = pytest.mark.slow
@@ -51,50 +51,6 @@ TOOLS = [{"type": "function", "function": {
 def row(question: str) -> dict[str, Any]:
     return {"messages": [{"role": "system", "content": SYSTEM},
                          {"role": "user", "content": question}], "tools": TOOLS}
-
-
-class Served:
-    """A proxy on the recording engine, with every HTTP status it answered."""
-
-    def __init__(self, engine: RecordingEngine, tok: Any, **options: Any) -> None:
-        self.proxy = ProxyServer(engine, tok, model_name="tiny", **options)
-        self.statuses: list[int] = []
-
-        async def seen(request: Any, response: Any) -> None:
-            self.statuses.append(response.status)
-
-        self.proxy.app.on_response_prepare.append(seen)
-
-
-async def run_client(served: Served, engine: RecordingEngine, tok: Any, command: list[str],
-                     data: dict[str, Any], tmp_path: Path, n: int = 1,
-                     **agent_options: Any) -> tuple[Any, list[list[Any]]]:
-    """Run ``command`` as the agent of ``n`` samples; returns the batch and, per sample, the
-    engine's log of its session. Asserts the audit and that no answer was a 5xx."""
-    log = tmp_path / "net.jsonl"
-    home = tmp_path / "home"
-    home.mkdir(parents=True, exist_ok=True)
-    agent = RemoteAgent(command, proxy=served.proxy, env=audited_env(log, home),
-                        cwd=str(tmp_path), timeout_s=100, **agent_options)
-    pipe = Pipeline([agent], engine=engine, tokenizer=tok, sampling={"max_tokens": 160},
-                    sample_timeout_s=110)
-    result = await pipe.run_batch([data], n=n)
-    assert result.stats.by_status == {"completed": n}, (
-        [s.error for s in result.samples],
-        [i.artifacts.get("proxy.agent_log", "")[-2000:] for i in result.items])
-    events = audit(log)
-    assert {e["host"] for e in events if e["event"] == "connect"
-            and e["target"].startswith("(")} == {"127.0.0.1"}
-    assert served.statuses and max(served.statuses) < 500, served.statuses
-    sent = [session_requests(engine, s.extra_fields["proxy_session"]) for s in result.samples]
-    for item, requests in zip(result.items, sent, strict=True):
-        assert_token_exact(item.artifacts[SEGMENTS], requests)
-    for sample, item in zip(result.samples, result.items, strict=True):
-        main = max(item.artifacts[SEGMENTS], key=lambda s: max(s.turns))  # the last turn's
-        assert (sample.prompt_ids, sample.response_ids, sample.response_mask) == (
-            main.prompt_ids, main.response_ids, main.response_mask)
-        assert sample.logprobs == main.logprobs and sample.status is Status.COMPLETED
-    return result, sent
 
 
 async def test_openai_sdk_agent_retries_after_a_client_timeout(make_engine, tiny_tokenizer,

@@ -6,8 +6,10 @@ generates token in / token out on the pipeline's engine, and records every turn'
 ids and logprobs. When the agent sends its history back, the recorded tokens are reused and
 only the new messages are rendered, so turns merge into one token sequence; a rewritten
 history splits the session into segments. :class:`RemoteAgent` runs an agent per sample and
-fills the standard artifacts from its session. See ``_history`` for the token rules and
-``_server`` for the routes.
+fills the standard artifacts from its session. Chat completions and the Responses API are
+served; every request field is served, enforced by an engine that declares it (its optional
+``enforces`` attribute, :data:`ENFORCEABLE`, :class:`Constraints`) or refused. See
+``_history`` for the token rules, ``_server`` for the routes and ``_policy`` for the fields.
 """
 
 from pipeline._exceptions import AddressInUseError
@@ -30,6 +32,7 @@ from pipeline.proxy._errors import (
     SessionNotFound,
 )
 from pipeline.proxy._history import SPLIT_REASONS, History, Segment, message_key
+from pipeline.proxy._policy import ENFORCEABLE, Constraints
 from pipeline.proxy._records import SegmentRecord, SessionRecord, TurnRecord
 from pipeline.proxy._server import ProxyConfig, ProxyServer
 from pipeline.proxy._sessions import Session, SessionStore
@@ -37,6 +40,7 @@ from pipeline.proxy._wire import ChatCompletionRequest
 
 __all__ = [
     "AGENT_LOG",
+    "ENFORCEABLE",
     "FINAL_ANSWER",
     "PROXY_KEY",
     "SEGMENTS",
@@ -46,6 +50,7 @@ __all__ = [
     "AgentFunction",
     "ChatCompletionRequest",
     "Command",
+    "Constraints",
     "History",
     "ProxyAuthError",
     "ProxyConfig",
