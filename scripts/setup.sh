@@ -46,3 +46,5 @@ fi
 if [ "${ROLLOUT_SKIP_VERL:-0}" != "1" ] && ! fresh verl "from importlib.metadata import version; assert version('verl') == '0.9.1'" scripts/install_verl.sh; then
   bash scripts/install_verl.sh && stamp verl scripts/install_verl.sh  # verl tests
 fi
+# Ray for tests/test_distributed*.py when install_verl.sh (which pins the same version) was skipped.
+if ! .venv/bin/python -c "import ray" 2>/dev/null; then .venv/bin/pip install --quiet "ray==2.60.0"; fi
