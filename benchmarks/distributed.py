@@ -30,11 +30,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import write_result  # noqa: E402
+import ray
+from _common import write_result
 
-import ray  # noqa: E402
-from pipeline import BuildPrompt, Generate, Pipeline, SimulatedEngine  # noqa: E402
-from pipeline.distributed import FleetLimiterRegistry, LimiterActor, RayRolloutPool  # noqa: E402
+from pipeline import BuildPrompt, Generate, Pipeline, SimulatedEngine
+from pipeline.distributed import FleetLimiterRegistry, LimiterActor, RayRolloutPool
 
 
 def templated_pipeline(model_dir: str, concurrency: int) -> Pipeline:
