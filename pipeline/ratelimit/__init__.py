@@ -15,9 +15,10 @@ keys come and go::
 
 :class:`FifoTokenBucket` is the single-queue baseline, kept for the benchmark.
 
-A bucket limits one process. When rollouts run in several processes (Ray workers, several
-pipeline replicas), each has its own buckets: split the configured rate between them (for
-example ``rate / n_workers`` each). A later distributed layer will make the split exact.
+A bucket limits one process. Rollout workers on Ray (:mod:`pipeline.distributed`) share one
+rate per name through a limiter actor that leases token batches to them
+(:meth:`FairAsyncTokenBucket.give_back` takes unused ones back); other multi-process setups
+split the configured rate between their processes (``rate / n_processes`` each).
 """
 
 from pipeline.ratelimit._bucket import FairAsyncTokenBucket
