@@ -365,6 +365,28 @@ needs_clients = pytest.mark.skipif(not CLIENTS, reason="the agent clients (dev e
                                    "not installed")
 
 
+def keep_records(proxy: ProxyServer) -> list[Any]:
+    """The record of each session, taken as ``RemoteAgent`` deletes it."""
+    records: list[Any] = []
+    delete = proxy.delete_session
+
+    async def keep(session_id: str) -> None:
+        records.append(proxy.record(session_id))
+        await delete(session_id)
+
+    proxy.delete_session = keep  # type: ignore[method-assign]
+    return records
+
+
+def check_chaining(records: list[Any], chain: bool) -> None:
+    """Every turn came through the Responses API; chained turns named the previous one."""
+    (record,) = records
+    assert {t.request["api"] for t in record.turns} == {"responses"}
+    previous = [t.request["previous_response_id"] for t in record.turns]
+    ids = [t.request["response_id"] for t in record.turns]
+    assert previous == ([None, *ids[:-1]] if chain else [None] * len(ids))
+
+
 def check_adding_run(result: Any, turns: int = 3) -> None:
     (item,) = result.items
     (segment,) = item.artifacts[SEGMENTS]  # every turn merged into one token sequence
@@ -383,11 +405,13 @@ async def test_openai_agents_on_its_default_responses_model(flags, make_engine, 
     tok = tiny_tokenizer
     engine = RecordingEngine(make_engine(processor_factory=Script(tok)))
     served = Served(engine, tok)
+    records = keep_records(served.proxy)
     async with served.proxy:
         result, sent = await run_client(
             served, engine, tok, [sys.executable, str(CLIENTS_DIR / "agents_default.py"),
                                   *flags], ROW, tmp_path)
     check_adding_run(result)
+    check_chaining(records, "--chain" in flags)
     assert len(sent[0]) == 3
 
 
@@ -423,11 +447,13 @@ async def test_sdk_responses_create_and_stream(flags, make_engine, tiny_tokenize
     tok = tiny_tokenizer
     engine = RecordingEngine(make_engine(processor_factory=Script(tok)))
     served = Served(engine, tok)
+    records = keep_records(served.proxy)
     async with served.proxy:
         result, sent = await run_client(
             served, engine, tok, [sys.executable, str(CLIENTS_DIR / "responses_agent.py"),
                                   *flags], ROW, tmp_path)
     check_adding_run(result)
+    check_chaining(records, "--chain" in flags)
     assert len(sent[0]) == 3
 
 
