@@ -83,7 +83,9 @@ async def own(sandbox_dir: Path) -> AsyncIterator[CodeJudger]:
 
 @pytest.fixture
 async def judger():  # type: ignore[no-untyped-def]
-    judge = CodeJudger(timeout_s=1.0, max_processes=16, memory_mb=512, concurrency=2)
+    # 3 s: a correct or wrong solution must finish well inside it even on a loaded 2-core
+    # machine (1 s timed out there); the infinite-loop cases take that long to end.
+    judge = CodeJudger(timeout_s=3.0, max_processes=16, memory_mb=512, concurrency=2)
     yield judge
     await judge.aclose()
 
@@ -96,7 +98,7 @@ async def test_passing_and_failing_solutions(judger: CodeJudger) -> None:
     assert wrong.score == 0.0 and wrong.payload["status"] == "failed"
     assert wrong.payload["passed"] == 0  # 1*2 != 3 and -1*1 != 0
     assert "AssertionError" in wrong.payload["failures"][0]["error"]
-    partial = CodeJudger(timeout_s=1.0, partial_credit=True, sandbox=judger.sandbox)
+    partial = CodeJudger(timeout_s=3.0, partial_credit=True, sandbox=judger.sandbox)
     half = await partial.judge(item_for(ADD.replace("a + b", "abs(a) + b"), ADD_TESTS))
     assert half.score == 0.5 and half.payload["passed"] == 1
 
