@@ -8,10 +8,12 @@
   (:func:`dump_command`) asks a process for one and prints it.
 - :class:`Watchdog` reports a blocked event loop with the blocking code, and a pipeline
   where no sample finished for a while; optionally it ends the process after a hard limit.
-- :func:`asyncio_run` is the one sync entry point, with all of the above installed.
+- :func:`asyncio_run` is the one sync entry point, with all of the above installed and the
+  collector tuned for a long batch (:func:`rollout_gc`, switchable off).
 - :class:`InflightSample`: a running sample as :meth:`Pipeline.inflight` reports it.
 """
 
+from pipeline._gc import rollout_gc
 from pipeline._pipeline import InflightSample
 from pipeline.diagnostics._cli import add_dump_arguments, run_dump
 from pipeline.diagnostics._dumper import (
@@ -58,5 +60,6 @@ __all__ = [
     "install_task_dumper",
     "render_json",
     "render_text",
+    "rollout_gc",
     "run_dump",
 ]
