@@ -13,8 +13,8 @@ import pytest
 from pipeline import FinishReason, SamplingParams
 from pipeline.proxy import ProxyError, ProxyRequestError, SessionStore
 from pipeline.proxy._errors import FinalError
-from pipeline.proxy._turns import TurnOutcome, TurnRunner
 from pipeline.proxy._policy import CHAT_FIELDS, check_fields
+from pipeline.proxy._turns import TurnOutcome, TurnRunner
 from pipeline.proxy._wire import parse_request
 from pipeline.testing import ByteTokenizer, SimulatedEngine
 from pipeline.tools import HermesToolParser
