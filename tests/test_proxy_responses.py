@@ -3,7 +3,8 @@
 Fast part, over real HTTP on 127.0.0.1 with the simulated engine (named as such) and the
 byte-level tokenizer: every field of both APIs has a rule and a README row, refusals are final
 and reach no engine, an engine that declares a constraint gets it, Responses turns record the
-same tokens as chat turns, ``previous_response_id`` stays inside its session, strict tools.
+same tokens as chat turns, ``previous_response_id`` stays inside its session, strict tools,
+fuzzed bodies never get a 5xx.
 
 Slow part (marked ``slow``, still in CI), on the tiny model: openai-agents on its defaults
 (``OpenAIResponsesModel``) and the official SDK's ``responses.create``/``responses.stream`` as
@@ -14,17 +15,21 @@ sample token-exact against the engine's own request log (``_proxy_fixtures.run_c
 from __future__ import annotations
 
 import asyncio
+import http.client as httpclient
 import importlib.util
 import json
 import os
 import re
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeline.proxy import FINAL_ANSWER, SEGMENTS, Constraints, ProxyServer
 from pipeline.proxy._policy import CHAT_FIELDS, RESPONSES_FIELDS
@@ -495,3 +500,112 @@ async def test_structured_output_is_refused_at_once_by_real_clients(make_engine,
             answers.clear()
     assert engine.log == {}
     audit(log)
+
+
+# ----- fuzzed bodies -------------------------------------------------------------------------
+
+
+class ThreadedProxy:
+    """A ProxyServer on its own event loop in a thread (hypothesis tests are synchronous)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.port = 0
+        self.session: Any = None
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        proxy = ProxyServer(CountingEngine(), TOK, max_body_bytes=65536)
+        self.port = int(self.loop.run_until_complete(proxy.start()).rsplit(":", 1)[1])
+        self.session = proxy.create_session()
+        self.ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(proxy.aclose())
+        self.loop.close()
+
+    def __enter__(self) -> ThreadedProxy:
+        self.thread.start()
+        assert self.ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+scalars = (st.none() | st.booleans() | st.integers(-2**40, 2**40)
+           | st.floats(allow_nan=False) | st.text(max_size=12))
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                           max_leaves=6)
+parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(
+    ["input_text", "output_text", "refusal", "input_image"]), "text": st.text(max_size=8)},
+    optional={"refusal": json_values}), max_size=2)
+items = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "bot"])},
+                          optional={"type": st.just("message"),
+                                    "content": st.text(max_size=16) | parts | json_values}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=6),
+                           "name": st.text(max_size=6) | json_values,
+                           "arguments": st.text(max_size=12) | json_values}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"),
+                           "call_id": st.text(max_size=6) | json_values,
+                           "output": st.text(max_size=8) | parts | json_values}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference"]) | json_values}),
+    json_values)
+RESPONSE_OPTIONS = {
+    "instructions": st.text(max_size=12) | json_values,
+    "tools": st.just(RESP_TOOLS) | st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "web_search"]) | json_values},
+        optional={"name": json_values, "strict": json_values, "parameters": json_values}),
+        max_size=2) | json_values,
+    "tool_choice": st.sampled_from(["none", "auto", "required", "any"]) | json_values,
+    "parallel_tool_calls": json_values, "text": json_values, "include": json_values,
+    "reasoning": json_values, "previous_response_id": st.text(max_size=8) | json_values,
+    "stream": st.booleans() | json_values, "max_output_tokens": st.integers(-2, 50) | json_values,
+    "temperature": st.floats(-1, 3) | json_values, "store": json_values,
+    "metadata": json_values, "truncation": json_values, "top_k": json_values}
+CHAT_OPTIONS = {name: json_values for name in (
+    "response_format", "functions", "function_call", "parallel_tool_calls", "tool_choice",
+    "presence_penalty", "logit_bias", "modalities", "stream_options", "reasoning_effort",
+    "n", "user", "top_k")}
+bodies = st.one_of(
+    st.fixed_dictionaries({"input": st.text(max_size=12) | st.lists(items, max_size=4)},
+                          optional=RESPONSE_OPTIONS).map(lambda v: ("responses", v)),
+    st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "hi"}])},
+                          optional=CHAT_OPTIONS).map(lambda v: ("chat/completions", v)),
+    json_values.map(lambda v: ("responses", v)))
+
+
+def test_fuzzed_bodies_get_4xx_or_a_reply():
+    """Hypothesis bodies near the Responses subset, and chat bodies with every policy field at
+    random values: never a 5xx; a 200 is a whole response (or its event stream)."""
+    with ThreadedProxy() as threaded:
+        fuzz(threaded)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=bodies)
+def fuzz(threaded: ThreadedProxy, case: tuple[str, Any]) -> None:
+    route, body = case
+    conn = httpclient.HTTPConnection("127.0.0.1", threaded.port, timeout=10)
+    try:
+        conn.request("POST", f"/sessions/{threaded.session.id}/v1/{route}",
+                     body=json.dumps(body), headers={
+                         "Content-Type": "application/json",
+                         "Authorization": f"Bearer {threaded.session.api_key}"})
+        response = conn.getresponse()
+        data = response.read().decode()
+    finally:
+        conn.close()
+    assert response.status < 500, data[:300]
+    if response.status >= 400:
+        error = json.loads(data)["error"]
+        assert isinstance(error["message"], str) and error["code"]
+    elif route == "responses":
+        final = (json.loads(data) if not data.startswith("event:")
+                 else sse_events(data)[-1]["response"])
+        assert final["object"] == "response" and final["status"] in ("completed", "incomplete")

@@ -82,7 +82,7 @@ def parse_responses(data: Any) -> ResponsesRequest:
         ProxyRequestError: naming the first invalid field.
     """
     if not isinstance(data, dict):
-        raise ProxyRequestError("the request body must be a JSON object")
+        raise ProxyRequestError("the request body must be a JSON object", code="invalid_value")
     try:
         return ResponsesRequest.model_validate(data)
     except ValidationError as exc:

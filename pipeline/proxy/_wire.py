@@ -164,7 +164,7 @@ def parse_request(data: Any) -> ChatCompletionRequest:
         ProxyRequestError: naming the first invalid field.
     """
     if not isinstance(data, dict):
-        raise ProxyRequestError("the request body must be a JSON object")
+        raise ProxyRequestError("the request body must be a JSON object", code="invalid_value")
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
