@@ -335,6 +335,28 @@ async def test_previous_response_id_stays_in_its_session(http):
     assert engine.requests == 2
 
 
+async def test_logprobs_and_usage_of_a_response_are_the_recorded_ones(http):
+    async with ProxyServer(CountingEngine(), TOK, offload_bytes=0) as proxy:  # all off-loop
+        session = proxy.create_session()
+        url, key = f"{proxy.session_url(session)}/responses", session.api_key
+        status, _, answer = await post(http, url, key, {
+            "input": [{"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": "h\u00e9"}]}],
+            "include": ["message.output_text.logprobs"], "max_output_tokens": 3})
+        record = proxy.record(session.id)
+    assert status == 200
+    (turn,) = record.turns
+    (item,) = answer["output"]
+    (part,) = item["content"]
+    assert [p["logprob"] for p in part["logprobs"]] == turn.logprobs
+    assert answer["usage"]["output_tokens"] == len(turn.response_ids) == 3
+    assert answer["usage"]["input_tokens"] == turn.prompt_len
+    # cut at max_output_tokens: incomplete, as OpenAI reports it
+    assert answer["status"] == "incomplete" and item["status"] == "incomplete"
+    assert answer["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert bytes(b for p in part["logprobs"] for b in p["bytes"]).decode() == part["text"]
+
+
 async def test_a_call_off_a_strict_tools_schema_comes_back_as_text(http):
     strict = [{"type": "function", "name": "add", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],

@@ -458,11 +458,15 @@ class ProxyServer:
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         session = self._session_of(request)
         data, large = await self._body(request)
-        spec = parse_responses(data)
+        spec = (await asyncio.to_thread(parse_responses, data) if large
+                else parse_responses(data))
         features = check_fields(data, RESPONSES_FIELDS, self.enforces)
         prior = conversation_of(session.responses, spec.previous_response_id,
                                 self.config.max_turns)
-        chat, added = to_chat(spec, prior)
+        if large:  # validating many messages would block the loop
+            chat, added = await asyncio.to_thread(to_chat, spec, prior)
+        else:
+            chat, added = to_chat(spec, prior)
         constraints = None
         if features:
             fmt = (spec.text or {}).get("format")
