@@ -30,7 +30,7 @@ from pipeline import (  # noqa: E402
 from pipeline.batch import collate, to_verl_outputs  # noqa: E402
 from pipeline.engines.moe import RouterCapture, find_routers  # noqa: E402
 from pipeline.engines.transformers import TransformersEngine  # noqa: E402
-from pipeline.models.tiny_moe import (  # noqa: E402
+from pipeline.models._moe import (  # noqa: E402
     MARKER,
     TinyMoeSpec,
     build_moe_model,

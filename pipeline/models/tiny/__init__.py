@@ -17,16 +17,11 @@ What is built:
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import shutil
-import uuid
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline._exceptions import ConfigError
+from pipeline.models._cache import ModelKind
 from pipeline.models._template import (
     CHAT_TEMPLATE,
     MARKUP_TOKENS,
@@ -68,24 +63,7 @@ class TinyModelSpec:
 def default_model_dir() -> Path:
     """Where the tiny model is cached: ``$ROLLOUT_TINY_MODEL_DIR``, else
     ``$XDG_CACHE_HOME/rollout-pipeline/tiny-qwen2`` (``~/.cache`` when XDG is unset)."""
-    override = os.environ.get(ENV_DIR)
-    if override:
-        return Path(override).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME")
-    root = Path(base).expanduser() if base else Path.home() / ".cache"
-    return root / "rollout-pipeline" / "tiny-qwen2"
-
-
-def _marker_payload(spec: TinyModelSpec) -> dict[str, Any]:
-    return {"builder_version": _BUILDER_VERSION, "spec": asdict(spec)}
-
-
-def _is_built(directory: Path, spec: TinyModelSpec) -> bool:
-    try:
-        found = json.loads((directory / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return bool(found == _marker_payload(spec))
+    return DENSE.default_dir()
 
 
 def ensure_tiny_model(directory: Path | None = None, spec: TinyModelSpec | None = None, *,
@@ -107,45 +85,7 @@ def ensure_tiny_model(directory: Path | None = None, spec: TinyModelSpec | None 
     Raises:
         ConfigError: ``directory`` exists, is not empty and is not a tiny-model build.
     """
-    spec = spec or TinyModelSpec()
-    directory = Path(directory) if directory is not None else default_model_dir()
-    return build_atomically(directory, lambda d: _is_built(d, spec),
-                            lambda d: build_tiny_model(d, spec), marker=MARKER,
-                            what="tiny-model", env_var=ENV_DIR, rebuild=rebuild)
-
-
-def build_atomically(directory: Path, is_built: Callable[[Path], bool],
-                     build: Callable[[Path], object], *, marker: str, what: str, env_var: str,
-                     rebuild: bool = False) -> Path:
-    """Build into a temporary sibling of ``directory`` and rename it into place.
-
-    Concurrent callers (test workers) never see half-written files; a finished build (its
-    ``marker`` file and ``is_built``) is kept unless ``rebuild``.
-
-    Raises:
-        ConfigError: ``directory`` exists, is not empty and holds no ``marker``.
-    """
-    if not rebuild and is_built(directory):
-        return directory
-    if directory.exists() and any(directory.iterdir()) and not (directory / marker).exists():
-        raise ConfigError(f"{directory} exists and is not a {what} build; "
-                          f"pass an empty or new directory (or set {env_var})")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = directory.parent / f".{directory.name}.build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        build(staging)
-        if not rebuild and is_built(directory):  # another process finished first
-            return directory
-        if directory.exists():
-            shutil.rmtree(directory)
-        try:
-            os.rename(staging, directory)
-        except OSError:
-            if not is_built(directory):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return directory
+    return DENSE.ensure(directory, spec or TinyModelSpec(), rebuild=rebuild)
 
 
 def build_tiny_model(directory: Path, spec: TinyModelSpec | None = None) -> Path:
@@ -157,9 +97,10 @@ def build_tiny_model(directory: Path, spec: TinyModelSpec | None = None) -> Path
     Returns:
         ``directory``.
     """
-    spec = spec or TinyModelSpec()
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    return DENSE.build_into(Path(directory), spec or TinyModelSpec())
+
+
+def _write_model(directory: Path, spec: TinyModelSpec) -> None:
     tokenizer = build_tokenizer(spec)
     tokenizer.save_pretrained(directory)
     model = _build_model(spec, tokenizer)
@@ -171,8 +112,6 @@ def build_tiny_model(directory: Path, spec: TinyModelSpec | None = None) -> Path
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    (directory / MARKER).write_text(json.dumps(_marker_payload(spec), indent=1), encoding="utf-8")
-    return directory
 
 
 def build_tokenizer(spec: TinyModelSpec) -> Any:
@@ -228,3 +167,8 @@ def _build_model(spec: TinyModelSpec, tokenizer: Any) -> Any:
     model.generation_config = hf.GenerationConfig(eos_token_id=eos, pad_token_id=pad,
                                                bos_token_id=None)
     return model.eval()
+
+
+DENSE = ModelKind(label="tiny-model", env_var=ENV_DIR, cache_name="tiny-qwen2", marker=MARKER,
+                  builder_version=_BUILDER_VERSION, build=_write_model)
+"""How the tiny dense model is cached and built (see :class:`~pipeline.models._cache.ModelKind`)."""
