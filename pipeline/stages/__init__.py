@@ -1,5 +1,5 @@
-"""Stages: the protocol, ``Loop``, the built-in stages, and the chat-template rendering they
-tokenize turns with."""
+"""Stages: the protocol, ``Loop``, ``Route``, the built-in stages, and the chat-template
+rendering they tokenize turns with."""
 
 from pipeline._models import TOOL_CALL_ERRORS
 from pipeline._render import (
@@ -15,6 +15,7 @@ from pipeline.stages._base import FunctionStage, Loop, Stage, as_stage, as_stage
 from pipeline.stages._generate import LENGTH_LIMITS, Generate
 from pipeline.stages._judge import Judge, JudgerSpec
 from pipeline.stages._prompt import BuildPrompt
+from pipeline.stages._route import Route, agents_ran
 from pipeline.stages._tools import CallTools
 
 __all__ = [
@@ -30,8 +31,10 @@ __all__ = [
     "Judge",
     "JudgerSpec",
     "Loop",
+    "Route",
     "Stage",
     "TurnDelta",
+    "agents_ran",
     "as_stage",
     "as_stages",
     "chat_form",

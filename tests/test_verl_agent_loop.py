@@ -1,0 +1,293 @@
+"""Our agent loop inside verl 0.9.1's own rollout workers, on a local Ray (2 CPUs, 127.0.0.1).
+
+Only the inference server is a stand-in (``_verl_server.StandInServer``: verl's server
+``generate`` signature over our TransformersEngine on the tiny model). Everything else is
+verl's: its load balancer actor and ``LLMServerClient``, ``AgentLoopWorker.generate_sequences``
+(DataProto path) and the V1 ``AgentLoopWorkerTQ`` with a local TransferQueue, both loading
+our agent loop from an ``agent_loop_config_path`` YAML through ``hydra.utils.instantiate``.
+One Ray cluster, one server and one TransferQueue for the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("verl")
+pytest.importorskip("transfer_queue")
+torch = pytest.importorskip("torch")
+
+import _verl_server  # noqa: E402
+
+from pipeline import ConfigError  # noqa: E402
+from pipeline.integrations.verl import register_agent_loop, register_estimators  # noqa: E402
+from pipeline.models import ensure_tiny_model  # noqa: E402
+
+P, R = 384, 160  # rollout.prompt_length / response_length
+N = 2  # rollouts per prompt
+TIMEOUT_S = 5.0  # the agent's sample_timeout_s; the SLOW sample needs 40 x 0.25 s
+
+AGENTS_YAML = f"""\
+- name: tool_agent
+  _target_: pipeline.integrations.verl.PipelineAgentLoop
+  factory: _verl_agents.tool_agent
+  factory_kwargs: {{max_turns: 2}}
+  sample_timeout_s: {TIMEOUT_S}
+  sampling: {{max_tokens: 40}}
+  judges: true
+  reward_extra_keys: [acc]
+- name: typo_agent
+  _target_: pipeline.integrations.verl.PipelineAgentLoop
+  factory: _verl_agents.tool_agnet
+"""
+
+
+def verl_config(model_dir, agents_yaml):
+    """verl's generated PPO trainer config with the few fields a rollout worker reads."""
+    import verl
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), "trainer", "config",
+                                      "_generated_ppo_trainer.yaml"))
+    rollout = cfg.actor_rollout_ref.rollout
+    rollout.name, rollout.prompt_length, rollout.response_length, rollout.n = "vllm", P, R, N
+    rollout.agent.agent_loop_config_path = str(agents_yaml)
+    rollout.agent.default_agent_loop = "tool_agent"
+    cfg.actor_rollout_ref.model.path = str(model_dir)
+    cfg.data.max_prompt_length, cfg.data.max_response_length = P, R
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def verl_env(tmp_path_factory):
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    register_estimators()  # imports verl without its import-time warnings
+    import ray
+    import transfer_queue
+    from verl.workers.rollout.router import get_router_handle
+
+    model_dir = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+    agents_yaml = tmp_path_factory.mktemp("verl") / "agents.yaml"
+    agents_yaml.write_text(AGENTS_YAML)
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules["_verl_server"])
+    try:
+        transfer_queue.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+        server = ray.remote(_verl_server.StandInServer).options(num_cpus=0).remote(
+            str(model_dir))
+        ray.get(server.generate.remote([1, 2, 3], {"max_tokens": 4}, "warm-up"))  # torch's
+        # first steps take seconds: the samples' timeouts must not pay for them
+        balancer = get_router_handle(servers={"stand-in:0": server})
+        ray.get(balancer.get_all_servers.remote())  # its process has started
+        yield SimpleNamespace(ray=ray, tq=transfer_queue, server=server, balancer=balancer,
+                              config=verl_config(model_dir, agents_yaml))
+        transfer_queue.close()
+    finally:
+        ray.shutdown()
+
+
+def client(env):
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    return LLMServerClient(config=env.config, load_balancer_handle=env.balancer)
+
+
+def rows(n_prompts=3):
+    return [{"raw_prompt": [{"role": "user", "content": f"Q{i}: what is 6 * 7?"}],
+             "data_source": "arith", "reward_model": {"ground_truth": "42"},
+             "extra_info": {"row": i}, "index": i}
+            for i in range(n_prompts)]
+
+
+def dataproto(data, agent):
+    from verl.protocol import DataProto
+
+    cols = {k: [r[k] for r in data] for k in data[0]}
+    non_tensors = {}
+    for key, values in cols.items():
+        column = np.empty(len(values), dtype=object)
+        column[:] = values
+        non_tensors[key] = column
+    non_tensors["index"] = np.array(cols["index"], dtype=np.int64)
+    non_tensors["uid"] = np.array([f"p{r['index']}-{os.urandom(3).hex()}" for r in data],
+                                  dtype=object)
+    non_tensors["agent_name"] = np.array([agent] * len(data), dtype=object)
+    batch = DataProto.from_dict(non_tensors=non_tensors, meta_info={"global_steps": 7})
+    return batch.repeat(N, interleave=True)  # as RayPPOTrainer does before generating
+
+
+def k_of(statuses):
+    """Within each group (consecutive rows), which rollout ended how."""
+    return [statuses[i:i + N] for i in range(0, len(statuses), N)]
+
+
+def slow_call_stopped(env, started):
+    """The SLOW request's server coroutine was cancelled at the sample's timeout and no
+    engine step ran after it."""
+    calls = [c for c in env.ray.get(env.server.slow_calls.remote()).values()
+             if c["start"] >= started]
+    assert len(calls) == 1, calls
+    call = calls[0]
+    assert call["how"] == "cancelled", call
+    assert call["steps"] < call["max_tokens"]
+    assert call["end"] - call["start"] < TIMEOUT_S + 2.0
+    time.sleep(0.6)  # > 2 slow steps: a call still running would have taken another
+    again = next(c for c in env.ray.get(env.server.slow_calls.remote()).values()
+                 if c["start"] >= started)
+    assert again["steps"] == call["steps"]
+    assert env.ray.get(env.server.inflight.remote()) == 0
+
+
+def first_token_advantages(scores, mask, uids, estimator):
+    """verl's GRPO estimator on one score per row (at the row's last token), as the
+    trainer hands it ``token_level_rewards``; returns each row's advantage (0 if masked)."""
+    rewards = torch.zeros_like(mask, dtype=torch.float32)
+    last = (mask.shape[1] - 1 - torch.flip(mask, [1]).argmax(dim=1)).clamp(min=0)
+    rewards[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
+    adv, _ = estimator(token_level_rewards=rewards, response_mask=mask,
+                       index=np.array(uids, dtype=object))
+    return [float(adv[i][mask[i].bool()][0]) if mask[i].any() else 0.0 for i in range(len(adv))]
+
+
+def check_grpo(scores, mask, uids):
+    """The failed and timed-out samples carry no loss; verl's GRPO counts them as reward 0,
+    ours leaves them out."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    from pipeline.batch import masked_grpo_advantage
+
+    verl_adv = first_token_advantages(scores, mask, uids, compute_grpo_outcome_advantage)
+    ours = first_token_advantages(scores, mask, uids, masked_grpo_advantage)
+    # groups: Q0 [0, 1]; Q1 [failed, 1]; Q2 [timed out, 1]
+    assert verl_adv[0] == pytest.approx(-0.7071, abs=1e-3)
+    assert verl_adv[1] == pytest.approx(0.7071, abs=1e-3)
+    assert verl_adv[3] == pytest.approx(0.7071, abs=1e-3)  # the failure counted as a 0
+    assert ours[:2] == pytest.approx([-0.7071, 0.7071], abs=1e-3)
+    assert ours[3] == 0.0 and ours[5] == 0.0  # alone in their group once masked ones leave
+    assert verl_adv[2] == verl_adv[4] == ours[2] == ours[4] == 0.0  # masked: no loss
+
+
+def test_dataproto_worker_runs_our_stage_list_with_isolation(verl_env):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    worker = AgentLoopWorker(verl_env.config, llm_client=client(verl_env))
+    batch = dataproto(rows(), "tool_agent")
+    started = time.time()
+    out = asyncio.run(worker.generate_sequences(batch))  # verl's gather: one raise fails all
+    wall = time.time() - started
+    nt = out.non_tensor_batch
+    assert len(out) == 3 * N and list(nt["uid"]) == list(batch.non_tensor_batch["uid"])
+    statuses = k_of(list(nt["rollout_status"]))
+    assert statuses == [["completed", "completed"], ["failed", "completed"],
+                        ["timeout", "completed"]]
+    assert list(nt["agent"]) == ["tool_agent"] * 6
+    mask = out.batch["response_mask"]
+    masked = [bool(m) for m in nt["rollout_masked"]]
+    assert masked == [False, False, True, False, True, False]
+    assert all(bool(mask[i].any()) != masked[i] for i in range(6))
+    assert all(t >= 4 for t, m in zip(nt["__num_turns__"], masked, strict=True) if not m)
+    scores = out.batch["rm_scores"].sum(dim=1).tolist()
+    assert scores == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert out.meta_info["reward_extra_keys"] == ["acc"]
+    assert [bool(a) for i, a in enumerate(nt["acc"]) if not masked[i]] == [False, True, True,
+                                                                           True]
+    assert np.isnan(nt["acc"][2]) and np.isnan(nt["acc"][4])
+    assert "rollout_log_probs" in out.batch.keys()
+    steps = list(nt["min_global_steps"]), list(nt["max_global_steps"])
+    assert steps[0] == steps[1] == [7, 7, 7, 7, None, 7]  # the timed-out one never got a reply
+    assert [m["num_preempted"] for m in out.meta_info["metrics"]] == [-1] * 6
+    slow_call_stopped(verl_env, started)
+    check_grpo(scores, mask, list(nt["uid"]))
+    print(f"DataProto path: 6 samples in {wall:.1f}s (one waits out its {TIMEOUT_S}s timeout)")
+
+
+def test_v1_worker_stores_every_sample_and_marks_no_group_failed(verl_env):
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+    from verl.utils import tensordict_utils as tu
+
+    tq = verl_env.tq
+    worker = AgentLoopWorkerTQ.__ray_metadata__.modified_class(
+        verl_env.config, llm_client=client(verl_env))
+    data = rows()
+    uids = [f"v1p{r['index']}-{os.urandom(3).hex()}" for r in data]
+    columns = {k: np.array([r[k] for r in data] if k != "raw_prompt" else
+                           [None] * len(data), dtype=object) for k in data[0]}
+    for i, r in enumerate(data):
+        columns["raw_prompt"][i] = r["raw_prompt"]
+    columns["index"] = np.array([r["index"] for r in data], dtype=np.int64)
+    columns["uid"] = np.array(uids, dtype=object)
+    columns["agent_name"] = np.array(["tool_agent"] * len(data), dtype=object)
+    batch = tu.get_tensordict(columns)
+    tu.assign_non_tensor_data(batch, "global_steps", 7)
+    tq.kv_batch_put(keys=uids, partition_id="train",
+                    tags=[{"is_prompt": True, "status": "pending", "global_steps": 7}] * 3)
+    started = time.time()
+
+    async def generate():
+        await worker.generate_sequences(batch)  # fire and forget, as verl's manager calls it
+        await asyncio.gather(*list(worker.background_tasks))
+    asyncio.run(generate())
+    wall = time.time() - started
+
+    listed = tq.kv_list(partition_id="train")["train"]
+    assert [listed[u]["status"] for u in uids] == ["finished"] * 3  # not "failure"
+    keys = [f"{u}_{k}_0" for u in uids for k in range(N)]
+    tags = [listed[key] for key in keys]
+    assert all(t["status"] == "success" for t in tags)
+    assert [t["min_global_steps"] for t in tags] == [7] * 6  # the V1 trainer casts to int
+    assert [t["max_global_steps"] for t in tags] == [7] * 6
+    got = tq.kv_batch_get(keys=keys, partition_id="train",
+                          select_fields=["rm_scores", "response_mask", "extra_fields"])
+    extras = list(got["extra_fields"])
+    statuses = k_of([e["rollout_status"] for e in extras])
+    assert statuses == [["completed", "completed"], ["failed", "completed"],
+                        ["timeout", "completed"]]
+    assert {e["agent"] for e in extras} == {"tool_agent"}
+    assert all(set(e["reward_extra_info"]) == {"acc"} for e in extras)
+    masks = [torch.as_tensor(m) for m in got["response_mask"]]
+    scores = [float(torch.as_tensor(s).sum()) for s in got["rm_scores"]]
+    assert scores == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert [bool(m.any()) for m in masks] == [True, True, False, True, False, True]
+    slow_call_stopped(verl_env, started)
+    mask = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
+    check_grpo(scores, mask, [u for u in uids for _ in range(N)])
+    print(f"V1 path: 6 samples in {wall:.1f}s")
+
+
+def test_a_yaml_entry_naming_a_missing_factory_fails_at_once(verl_env):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    before = verl_env.ray.get(verl_env.server.request_count.remote())
+    worker = AgentLoopWorker(verl_env.config, llm_client=client(verl_env))
+    with pytest.raises(Exception, match="typo_agent") as info:
+        asyncio.run(worker.generate_sequences(dataproto(rows(1), "typo_agent")))
+    assert "_verl_agents" in str(info.value) and "'tool_agnet'" in str(info.value)
+    assert verl_env.ray.get(verl_env.server.request_count.remote()) == before
+
+
+def test_registered_entry_without_judge_leaves_scoring_to_verl(verl_env):
+    """``register_agent_loop`` (verl's registry of this process); no Judge: reward_score
+    None for every sample; a turn cut at max_tokens is ``length`` though verl's server says
+    ``completed``."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    with pytest.raises(ConfigError, match=r"plain_typo.*'_verl_agents' has no attribute "
+                                          "'plain_agnet'"):
+        register_agent_loop("plain_typo", "_verl_agents.plain_agnet")
+    register_agent_loop("plain", "_verl_agents.plain_agent", sampling={"max_tokens": 8})
+    worker = AgentLoopWorker(verl_env.config, llm_client=client(verl_env))
+    out = asyncio.run(worker.generate_sequences(dataproto(rows(2), "plain")))
+    nt = out.non_tensor_batch
+    assert list(nt["rollout_status"]) == ["completed"] * 4
+    assert list(nt["rollout_finish_reason"]) == ["length"] * 4  # forced call cut at 8 tokens
+    assert "rm_scores" not in out.batch.keys()  # verl's reward loop scores them
+    assert [int(m.sum()) for m in out.batch["response_mask"]] == [8] * 4
+    assert list(nt["agent"]) == ["plain"] * 4
