@@ -27,7 +27,8 @@ import _verl_server  # noqa: E402
 
 from pipeline import ConfigError  # noqa: E402
 from pipeline.integrations.verl import register_agent_loop, register_estimators  # noqa: E402
-from pipeline.models import ensure_tiny_model  # noqa: E402
+
+pytest_plugins = ["_model_fixtures"]
 
 P, R = 384, 160  # rollout.prompt_length / response_length
 N = 2  # rollouts per prompt
@@ -65,7 +66,7 @@ def verl_config(model_dir, agents_yaml):
 
 
 @pytest.fixture(scope="module")
-def verl_env(tmp_path_factory):
+def verl_env(tmp_path_factory, tiny_model_dir):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     register_estimators()  # imports verl without its import-time warnings
@@ -73,16 +74,16 @@ def verl_env(tmp_path_factory):
     import transfer_queue
     from verl.workers.rollout.router import get_router_handle
 
-    model_dir = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+    model_dir = tiny_model_dir
     agents_yaml = tmp_path_factory.mktemp("verl") / "agents.yaml"
     agents_yaml.write_text(AGENTS_YAML)
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules["_verl_server"])
     try:
-        transfer_queue.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
         server = ray.remote(_verl_server.StandInServer).options(num_cpus=0).remote(
-            str(model_dir))
+            str(model_dir))  # starts while TransferQueue does
+        transfer_queue.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
         ray.get(server.generate.remote([1, 2, 3], {"max_tokens": 4}, "warm-up"))  # torch's
         # first steps take seconds: the samples' timeouts must not pay for them
         balancer = get_router_handle(servers={"stand-in:0": server})
