@@ -35,12 +35,14 @@ CFG = grpo_tiny.Config(prompts=8, n=4, lr=3e-3, threads=1)
 @async_fixture(scope="module", loop_scope="module")
 async def policy() -> Any:
     """The engine (weight-synced TransformersEngine) and its tokenizer; one per module."""
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine
     engine, tokenizer = await make_engine("transformers", model_dir=tiny_policy_dir(),
                                           notify=lambda _: None,
                                           options={"max_batch_size": 64, "max_model_len": 2048})
     yield engine, tokenizer
     await engine.aclose()
+    torch.set_num_threads(threads)
 
 
 def trainer_model() -> Any:
