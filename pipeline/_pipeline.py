@@ -150,11 +150,25 @@ class Pipeline:
         :class:`AgentRolloutItem` objects (taken as they are). ``n`` defaults to the row's
         ``sampling.n``. Each item gets its own seed.
 
+        A stage with a ``check_row(row, index)`` method (``Route`` has one) checks every row
+        here too, so a row it cannot run is refused before any work starts.
+
         Raises:
             RowError: a malformed row, naming the row and field.
             ConfigError: invalid ``n`` or sampling overrides.
         """
-        return make_items(rows, n, self.config)
+        return self.check_rows(make_items(rows, n, self.config))
+
+    def check_rows(self, items: list[AgentRolloutItem]) -> list[AgentRolloutItem]:
+        """Run the stages' ``check_row(row, index)`` hooks once per row of ``items``."""
+        checks = [check for stage in self.stages
+                  if callable(check := getattr(stage, "check_row", None))]
+        if checks:
+            rows = {id(item.data): item.data for item in items}
+            for index, row in enumerate(rows.values()):
+                for check in checks:
+                    check(row, index)
+        return items
 
     async def run(
         self, item_or_row: AgentRolloutItem | DatasetRow | Mapping[str, Any]

@@ -207,13 +207,14 @@ class RowSource:
     def __init__(self, rows: Iterable[Any], n: int | None, pipeline: Pipeline) -> None:
         self._rows = iter(rows)
         self._n = n
-        self._config = pipeline.config
+        self._pipeline = pipeline
         self.drawn = 0
 
     def draw(self, count: int | None) -> list[AgentRolloutItem]:
         """The next ``count`` rows (all that are left when None) as items."""
         chunk = list(self._rows if count is None else itertools.islice(self._rows, count))
-        items = make_items(chunk, self._n, self._config, start=self.drawn)
+        items = self._pipeline.check_rows(
+            make_items(chunk, self._n, self._pipeline.config, start=self.drawn))
         self.drawn += len(chunk)
         return items
 

@@ -74,12 +74,16 @@ async def test_unknown_agent_is_a_row_error_before_any_work():
     assert info.value.row_index == 1 and info.value.field == "agent"
     engine = SimulatedEngine(latency_s=0.001, latency_sigma=0, tail_prob=0)
     pipe = Pipeline([r], engine=engine, tokenizer=ByteTokenizer())
-    # without the pre-check, the stage refuses it before any routed stage runs
-    result = await pipe.run_batch(rows)
-    failed = result.samples[1]
-    assert failed.status is Status.FAILED and "unknown agent 'sovler'" in (failed.error or "")
-    assert [rec.name for rec in result.items[1].records if rec.phase == "run"] == ["route"]
-    assert not failed.response_ids and CALLS == [("solver", result.samples[0].uid)]
+    # The pipeline runs the stage's check_row on every row: refused before any work.
+    for call in (lambda: pipe.run_batch(rows), lambda: _drain(pipe.stream(rows))):
+        with pytest.raises(RowError, match="unknown agent 'sovler'"):
+            await call()
+    assert CALLS == [] and engine.calls == 0 and pipe.samples_done == 0
+
+
+async def _drain(stream):
+    async with stream as samples:
+        return [s async for s in samples]
 
 
 def test_no_default_refuses_rows_without_agent_and_bad_definitions():

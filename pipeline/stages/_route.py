@@ -88,7 +88,8 @@ class Route:
     def check_rows(self, rows: Iterable[Any]) -> None:
         """Refuse a batch with a row whose agent is unknown, before any work starts.
 
-        Call it on the rows you pass to ``run_batch``/``stream`` (dicts, rows or items).
+        A pipeline whose stage list holds this stage does it by itself (through
+        :meth:`check_row`); call this to check rows elsewhere (dicts, rows or items).
 
         Raises:
             RowError: the first such row (or a malformed one), naming its index and field.
@@ -97,6 +98,11 @@ class Route:
         for i, raw in enumerate(rows):
             row = raw.data if isinstance(raw, AgentRolloutItem) else parse_row(raw, i)
             self.agent_of(row, i)
+
+    def check_row(self, row: DatasetRow, index: int) -> None:
+        """The pipeline's pre-work check (see :meth:`pipeline.Pipeline.make_items`): a row
+        whose agent is unknown is a :class:`RowError` before any sample starts."""
+        self.agent_of(row, index)
 
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
         agent = self.agent_of(item.data)
