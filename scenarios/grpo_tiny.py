@@ -9,7 +9,8 @@ example for trainer authors to copy, not a trainer product. Each iteration:
 
 1. rollouts: ``prompts`` training problems x ``n`` samples through the real agent loop
    (``BuildPrompt -> Loop([Generate, CallTools]) -> numeric reward``) on the engine, with a
-   progress bar, TensorBoard scalars and (every ``dump_every`` iterations) a trajectory dump;
+   progress bar, TensorBoard scalars and a trajectory dump (the first iteration, then every
+   ``dump_every``);
 2. batch: :func:`pipeline.collate` pads the samples into trainer tensors, and
    :func:`pipeline.group_advantages` gives each sample its reward against its group's mean
    and std, masked samples left out; groups whose rewards are all equal carry no signal
@@ -292,8 +293,9 @@ async def run(cfg: Config) -> dict[str, Any]:
             if time.perf_counter() - started + eval_s > cfg.minutes * 60:
                 print(f"time budget: stopping before iteration {it}")
                 break
+            dump = it == 1 or it % cfg.dump_every == 0
             record = await iteration(it, cfg, rollouts, engine, model, optimizer, tokenizer,
-                                     board, writer if it % cfg.dump_every in (0, 1) else None)
+                                     board, writer if dump else None)
             record["elapsed_s"] = round(time.perf_counter() - started, 1)
             history.append(record)
         train_s = time.perf_counter() - started
