@@ -85,7 +85,7 @@ async def test_timeout_kills_the_worker_and_a_fresh_one_takes_over() -> None:
         started = time.monotonic()
         with pytest.raises(JudgerTimeout, match=r"ran past its 0\.2s limit"):
             await pool.call(time.sleep, 30, timeout_s=0.2)
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 10.0  # far below the 30 s sleep: the limit cut it
         assert await wait_until(lambda: not alive(pid))
         assert await pool.call(os.getpid) not in (pid, os.getpid())
         assert pool.killed == 1

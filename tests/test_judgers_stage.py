@@ -183,13 +183,13 @@ async def test_per_judger_policy_and_timeout() -> None:
                   timeout_s=30)
     started = time.monotonic()
     result = await Pipeline([answer, judge]).run_batch([row("x")])
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 10.0  # far below the stage's 30 s: the 0.1 s limit cut it
     sample = result.samples[0]
     assert sample.status is Status.COMPLETED and sample.reward == 0.5
     hang = records(result.items[0])["hang"]
     assert hang.status == "timeout" and hang.error_type == "TimeoutError"
     assert hang.error == "no result within the 0.1s judge timeout"
-    assert 0.1 <= hang.duration_s < 1.0
+    assert 0.1 <= hang.duration_s < 10.0  # upper bound: load-tolerant (it hangs forever)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, "1.0", None, {"no_score": 1}])
@@ -297,7 +297,9 @@ async def test_batch_of_500_with_crashing_hanging_and_slow_judges(monkeypatch) -
         elif source == "async_crash":
             assert rec.status == "error" and rec.error_type == "RuntimeError"
         elif source == "async_hang":
-            assert rec.status == "timeout" and 0.2 <= rec.duration_s < 2.0
+            # The judger hangs forever: ending at all proves the 0.2 s timeout cut it off (the
+            # upper bound leaves room for a loaded 2-core machine; 2 s was hit there).
+            assert rec.status == "timeout" and 0.2 <= rec.duration_s < 15.0
     assert by_source == {
         "ok": Counter(completed=400), "sync_slow": Counter(completed=50),
         "sync_crash": Counter(completed=10), "sync_hang": Counter(failed=10),
@@ -309,7 +311,9 @@ async def test_batch_of_500_with_crashing_hanging_and_slow_judges(monkeypatch) -
     # covers the runner's own burst when the batch starts and a loaded 2-core machine.
     assert len(lag.lags) > 100
     assert lag.quantile(0.99) < 0.05, sorted(lag.lags)[-10:]
-    assert max(lag.lags) < 0.5, sorted(lag.lags)[-10:]
+    # A judge run on the loop would block it for good (they spin or hang); the bound leaves
+    # room for a loaded 2-core machine descheduling the whole process (1.1 s seen there).
+    assert max(lag.lags) < 3.0, sorted(lag.lags)[-10:]
     assert wall < 30
     assert still_there(pids) == []
 
