@@ -310,7 +310,7 @@ async def test_batch_of_500_with_crashing_hanging_and_slow_judges(monkeypatch) -
     # iteration; see the control test below) and each hung one for good. The allowance
     # covers the runner's own burst when the batch starts and a loaded 2-core machine.
     assert len(lag.lags) > 100
-    assert lag.quantile(0.99) < 0.05, sorted(lag.lags)[-10:]
+    assert lag.quantile(0.99) < 0.25, sorted(lag.lags)[-10:]  # 0.09 s seen at load 5
     # A judge run on the loop would block it for good (they spin or hang); the bound leaves
     # room for a loaded 2-core machine descheduling the whole process (1.1 s seen there).
     assert max(lag.lags) < 3.0, sorted(lag.lags)[-10:]
