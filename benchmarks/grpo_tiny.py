@@ -4,12 +4,14 @@ time, and the engine-vs-trainer logprob gap per engine.
 1. ``--seeds``: one full run of the scenario per seed, each in its own process (wall time
    measured around the process: imports, engine start, both held-out evaluations, shutdown),
    on ``--engine``; its summary gives the held-out mean reward before and after (256
-   problems, ``HELDOUT_SEED``, disjoint from the training seeds) with 95% intervals.
+   problems, ``HELDOUT_SEED``, disjoint from the training seeds) with 95% intervals
+   (``results/grpo_tiny.json``; the first seed's plot is ``grpo_tiny_reward_curve.png``).
 2. ``--gap-engines``: for each engine, rollouts of the tiny policy under several sampling
    settings, rescored by a forward pass of the same weights under the trainer's processing
    (logits / temperature, no top-k/top-p); max and mean absolute logprob difference over the
    model tokens. Settings with top-k/top-p are reported apart: there the engine reports the
-   renormalised truncated distribution, which the trainer's processing does not reproduce.
+   renormalised truncated distribution, which the trainer's processing does not reproduce
+   (``results/grpo_tiny_logprob_gap.json``).
 
     python benchmarks/grpo_tiny.py [--seeds 1,2] [--engine vllm]
         [--gap-engines transformers,vllm,vllm-bfloat16]
@@ -94,7 +96,9 @@ async def measure_gap(engine_name: str, count: int = 64, n: int = 2) -> dict[str
             trainer = grpo_tiny.token_logprobs(model, batch, sampling["temperature"])
             gap = grpo_tiny.logprob_gap(batch["rollout_log_probs"], trainer,
                                         batch["response_mask"])
-            out[name] = {"sampling": sampling, **gap}
+            filtered = "top_k" in sampling or "top_p" in sampling
+            out.setdefault("with_top_k_top_p" if filtered else "plain", {})[name] = {
+                "sampling": sampling, **gap}
             print(engine_name, name, json.dumps(gap), flush=True)
     finally:
         await engine.aclose()
@@ -103,21 +107,23 @@ async def measure_gap(engine_name: str, count: int = 64, n: int = 2) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seeds", default="1,2")
+    parser.add_argument("--seeds", default="1,2", help="training seeds ('' skips the runs)")
     parser.add_argument("--engine", default="vllm")
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--gap-engines", default="transformers,vllm,vllm-bfloat16")
+    parser.add_argument("--gap-engines", default="transformers,vllm,vllm-bfloat16",
+                        help="engines whose logprob gap to measure ('' skips it)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "grpo_tiny_bench")
-    parser.add_argument("--name", default="grpo_tiny")
     args = parser.parse_args()
-    figures: dict[str, Any] = {"engine": args.engine, "minutes_budget": args.minutes,
-                               "cpu_threads": 2, "runs": {}, "logprob_gap": {}}
-    for engine_name in filter(None, args.gap_engines.split(",")):
-        figures["logprob_gap"][engine_name] = asyncio.run(measure_gap(engine_name))
+    gaps = {name: asyncio.run(measure_gap(name))
+            for name in filter(None, args.gap_engines.split(","))}
+    if gaps:
+        print(write_result("grpo_tiny_logprob_gap", {"trainer_processing": (
+            "log_softmax(logits / temperature), no top-k/top-p, float32"), "engines": gaps}))
     seeds = [int(s) for s in filter(None, args.seeds.split(","))]
+    runs: dict[str, Any] = {}
     for seed in seeds:
         run = run_seed(seed, args.engine, args.out / f"seed{seed}", args.minutes)
-        figures["runs"][f"seed{seed}"] = run
+        runs[f"seed{seed}"] = run
         if seed == seeds[0]:  # the README shows the first seed's curve
             shutil.copy(args.out / f"seed{seed}" / "reward_curve.png",
                         RESULTS / "grpo_tiny_reward_curve.png")
@@ -125,12 +131,14 @@ def main() -> None:
               f"{run['heldout_after']['mean']:.3f}, gain {run['gain']['mean']:+.3f} "
               f"[{run['gain']['low']:+.3f}, {run['gain']['high']:+.3f}] in "
               f"{run['process_wall_s']:.0f}s ({run['iterations']} iterations)", flush=True)
-    gains = [r["gain"]["mean"] for r in figures["runs"].values()]
-    if gains:
-        figures["gain_mean_over_seeds"] = sum(gains) / len(gains)
-        figures["goal_met"] = all(r["gain"]["mean"] >= 0.15 and r["process_wall_s"] <= 600
-                                  for r in figures["runs"].values())
-    print(write_result(args.name, figures))
+    if runs:
+        gains = [r["gain"]["mean"] for r in runs.values()]
+        print(write_result("grpo_tiny", {
+            "engine": args.engine, "minutes_budget": args.minutes, "cpu_threads": 2,
+            "gain_mean_over_seeds": sum(gains) / len(gains),
+            "goal_met": all(r["gain"]["mean"] >= 0.15 and r["process_wall_s"] <= 600
+                            for r in runs.values()),
+            "runs": runs}))
 
 
 if __name__ == "__main__":
