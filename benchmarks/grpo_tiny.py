@@ -112,8 +112,10 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--gap-engines", default="transformers,vllm,vllm-bfloat16",
                         help="engines whose logprob gap to measure ('' skips it)")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "grpo_tiny_bench")
+    parser.add_argument("--out", type=Path, default=Path("runs") / "grpo_tiny_bench",
+                        help="run folder, relative to the repository root")
     args = parser.parse_args()
+    os.chdir(ROOT)  # run folders are recorded relative to the repository, never a machine path
     gaps = {name: asyncio.run(measure_gap(name))
             for name in filter(None, args.gap_engines.split(","))}
     if gaps:
