@@ -10,29 +10,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from pipeline._config import PipelineConfig
 from pipeline._exceptions import RowError
 from pipeline._items import make_items
 from pipeline._models import AgentRolloutItem
+from pipeline._plain import plain
 from pipeline.batch._verl import VERL_DTYPES, VERL_INPUTS
 
 _ROW_KEYS = ("raw_prompt", "tools_kwargs", "index", "agent_name", "data_source",
              "reward_model", "extra_info")
-
-
-def _plain(value: Any) -> Any:
-    """numpy scalars and arrays from verl's object columns as Python values."""
-    if isinstance(value, np.ndarray):
-        return [_plain(v) for v in value.tolist()]
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
 
 
 def verl_rows(data: Any) -> list[dict[str, Any]]:
@@ -56,7 +42,7 @@ def verl_rows(data: Any) -> list[dict[str, Any]]:
     dtypes = {k: str(v.dtype) for k, v in columns.items() if v.dtype != object}
     rows = []
     for i in range(len(data)):
-        verl_row = {k: _plain(v[i]) for k, v in columns.items()}
+        verl_row = {k: plain(v[i]) for k, v in columns.items()}
         row: dict[str, Any] = {"messages": verl_row["raw_prompt"],
                                "extra": {VERL_INPUTS: verl_row, VERL_DTYPES: dtypes}}
         for key in _ROW_KEYS[1:]:

@@ -23,7 +23,6 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import structlog
 
 from pipeline._config import PipelineConfig, merge_config
@@ -32,6 +31,7 @@ from pipeline._exceptions import ConfigError
 from pipeline._fill import fill_sample, minimal_sample
 from pipeline._models import AgentRolloutItem, RolloutSample, Status
 from pipeline._pipeline import Pipeline
+from pipeline._plain import plain
 from pipeline.batch import reward_extra_info, to_verl_outputs
 from pipeline.integrations.verl._engine import STEPS, StepRange, VerlServerEngine
 from pipeline.integrations.verl._register import import_verl
@@ -51,23 +51,6 @@ AGENT = "agent"
 """``extra_fields`` key naming the YAML entry (verl's ``agent_name``) that ran the sample."""
 
 _ROW_KEYS = ("tools_kwargs", "index", "data_source", "reward_model", "extra_info")
-
-
-def _plain(value: Any) -> Any:
-    """OmegaConf containers, numpy scalars and arrays as plain Python values."""
-    if hasattr(value, "_get_node"):  # an OmegaConf DictConfig / ListConfig
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(value, resolve=True)
-    if isinstance(value, np.ndarray):
-        return [_plain(v) for v in value.tolist()]
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
 
 
 def resolve_factory(path: Any, where: str) -> Any:
@@ -171,7 +154,7 @@ class PipelineAgentLoop:
         if unknown:
             raise ConfigError(f"{where}: unknown option(s) {unknown}; known: {list(OPTIONS)}",
                               field=unknown[0])
-        options = {k: _plain(v) for k, v in kwargs.items()}
+        options = {k: plain(v) for k, v in kwargs.items()}
         if "factory" not in options:
             raise ConfigError(f"{where}: option 'factory' is missing (the dotted path of a "
                               "function returning the stage list)", field="factory")
@@ -209,14 +192,14 @@ class PipelineAgentLoop:
             sample = _unreadable(item, kwargs, agent.pipeline.pad_token_id, error)
         if steps.min_global_steps is None:  # no reply from the server (failed, timed out):
             # the prompt's own step (V1 passes it; its trainer casts these tags to int)
-            step = _plain(kwargs.get("global_steps"))
+            step = plain(kwargs.get("global_steps"))
             if isinstance(step, int):
                 steps.min_global_steps = steps.max_global_steps = step
         return self._output(sample, item, steps)
 
     def _item(self, sampling_params: Mapping[str, Any], kwargs: Mapping[str, Any]
               ) -> AgentRolloutItem:
-        verl_row = {k: _plain(v) for k, v in kwargs.items()}
+        verl_row = {k: plain(v) for k, v in kwargs.items()}
         row: dict[str, Any] = {"messages": verl_row.get("raw_prompt"),
                                "extra": {"verl": verl_row, AGENT: self.name}}
         for key in _ROW_KEYS:
