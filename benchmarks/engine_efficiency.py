@@ -18,19 +18,27 @@ Same prompts, fixed output lengths (eos ignored), the same per-sample seeds on b
 
 Runs alternate raw / pipeline after a warm-up of each; per pair we report both throughputs and
 their ratio, and the median over pairs. The pipeline process's CPU time per sample
-(``time.process_time``) is reported for both sides: with vLLM the model runs in the engine-core
-process, so this is the frontend's cost (vLLM's output processing plus the pipeline's); with
-the transformers engine the model runs in a thread of this process and is included.
+(``time.process_time``) and its time in garbage collection are reported for both sides: with
+vLLM the model runs in the engine-core process, so this is the frontend's cost (vLLM's output
+processing plus the pipeline's); with the transformers engine the model runs in a thread of
+this process and is included.
 ``--config qwen2-0.5b`` builds a Qwen2 model of that shape with random weights (no download);
 the tokenizer is the tiny model's, built locally (for vLLM, saved once under ``.cache/``).
 Several ``--prompts`` counts share one engine start and give one record each
 (``<name>_<prompts>.json``).
+
+``--gc edge`` (the default) measures the process as a rollout application runs it: the
+collector tuned with :func:`pipeline.diagnostics.rollout_gc`, entered once the engine has
+started so that vLLM's and torch's start-up objects are frozen out of every collection (what
+``vllm serve`` does for its own frontend). ``--gc library`` leaves CPython's defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import importlib
 import statistics
 import sys
@@ -43,6 +51,7 @@ from _common import write_result
 
 from pipeline import Pipeline, SamplingParams
 from pipeline._render import render_prompt
+from pipeline.diagnostics import rollout_gc
 from pipeline.models.tiny import ensure_tiny_model
 from pipeline.stages import BuildPrompt, Generate
 from pipeline.stages._judge import Judge
@@ -110,7 +119,9 @@ async def build_engine(args: argparse.Namespace, model_dir: Path) -> tuple[Any, 
                                         cache_root=ROOT / ".cache" / "vllm",
                                         enforce_eager=args.eager, max_model_len=2048,
                                         kv_cache_gib=args.kv_cache_gib,
-                                        request_seeds=not args.unseeded)
+                                        request_seeds=not args.unseeded,
+                                        engine_kwargs={"data_parallel_size": args.data_parallel}
+                                        if args.data_parallel > 1 else None)
         return engine, tokenizer
     tokenizer = hf.AutoTokenizer.from_pretrained(str(model_dir))
     import torch
@@ -134,28 +145,88 @@ async def build_engine(args: argparse.Namespace, model_dir: Path) -> tuple[Any, 
     return engine, tokenizer
 
 
+class GCPauses:
+    """Time the collector ran and how many full collections it made, while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+            self.full += info["generation"] == 2
+
+    @contextlib.contextmanager
+    def installed(self) -> Any:
+        gc.callbacks.append(self)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(self)
+
+
+class Timeline:
+    """An engine wrapper recording when each request was submitted and when it returned
+    (seconds from the last :meth:`reset`): a side that submits late finishes late."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.submitted: list[float] = []
+        self.returned: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    async def generate(self, prompt_ids: Any, sampling: SamplingParams,
+                       request_id: str) -> Any:
+        self.submitted.append(time.perf_counter() - self.start)
+        try:
+            return await self.engine.generate(prompt_ids, sampling, request_id)
+        finally:
+            self.returned.append(time.perf_counter() - self.start)
+
+    def spans(self) -> dict[str, float]:
+        return {"last_submit_s": max(self.submitted), "first_return_s": min(self.returned),
+                "last_return_s": max(self.returned)}
+
+
 async def run_raw(engine: Any, prompts: list[list[int]], sampling: list[SamplingParams],
                   tag: str) -> dict[str, float]:
-    cpu, start = time.process_time(), time.perf_counter()
-    gens = await asyncio.gather(*(engine.generate(p, s, f"{tag}-{i}")
-                                  for i, (p, s) in enumerate(zip(prompts, sampling,
-                                                                 strict=True))))
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    engine.reset()
+    with GCPauses().installed() as pauses:
+        cpu, start = time.process_time(), time.perf_counter()
+        gens = await asyncio.gather(*(engine.generate(p, s, f"{tag}-{i}")
+                                      for i, (p, s) in enumerate(zip(prompts, sampling,
+                                                                     strict=True))))
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(g.token_ids) for g in gens)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "cpu_s_per_sample": cpu / len(prompts)}
+            "cpu_s_per_sample": cpu / len(prompts), "gc_s": pauses.seconds,
+            "gc_full": pauses.full, **engine.spans()}
 
 
-async def run_pipeline(pipeline: Pipeline, data: list[dict[str, Any]]) -> dict[str, float]:
-    cpu, start = time.process_time(), time.perf_counter()
-    result = await pipeline.run_batch(data, n=1)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+async def run_pipeline(pipeline: Pipeline, timeline: Timeline,
+                       data: list[dict[str, Any]]) -> dict[str, float]:
+    timeline.reset()
+    with GCPauses().installed() as pauses:
+        cpu, start = time.process_time(), time.perf_counter()
+        result = await pipeline.run_batch(data, n=1)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     bad = [s.error for s in result.samples if s.status.value != "completed"]
     if bad:
         raise SystemExit(f"pipeline samples failed: {bad[:3]}")
     tokens = sum(len(s.response_ids) for s in result.samples)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "cpu_s_per_sample": cpu / len(data)}
+            "cpu_s_per_sample": cpu / len(data), "gc_s": pauses.seconds,
+            "gc_full": pauses.full, **timeline.spans()}
 
 
 async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
@@ -163,6 +234,7 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
     """Warm-up of each side, then ``args.repeats`` raw / pipeline pairs on ``count`` prompts."""
     data = rows(count)
     build = BuildPrompt(offload=not args.inline_prompt)
+    engine = Timeline(engine)
     pipeline = Pipeline([build, Generate(), Judge("exact_match")], engine=engine,
                         tokenizer=tokenizer, max_concurrency=count,
                         sample_timeout_s=3600, seed=1,
@@ -172,16 +244,19 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
     prompts = [render_prompt(tokenizer, row["messages"], None)[1] for row in data]
     pairs = []
     await run_raw(engine, prompts, sampling, f"warm-raw{count}")
-    await run_pipeline(pipeline, data)
+    await run_pipeline(pipeline, engine, data)
     for rep in range(args.repeats):
         raw = await run_raw(engine, prompts, sampling, f"raw{count}-{rep}")
-        piped = await run_pipeline(pipeline, data)
+        piped = await run_pipeline(pipeline, engine, data)
         pairs.append({"raw": raw, "pipeline": piped,
                       "ratio": piped["tokens_per_s"] / raw["tokens_per_s"]})
         print(f"{count} prompts, pair {rep}: raw {raw['tokens_per_s']:.0f} tok/s, pipeline "
               f"{piped['tokens_per_s']:.0f} tok/s, ratio {pairs[-1]['ratio']:.3f}, CPU ms/sample "
-              f"{1000 * raw['cpu_s_per_sample']:.2f} -> {1000 * piped['cpu_s_per_sample']:.2f}",
-              flush=True)
+              f"{1000 * raw['cpu_s_per_sample']:.2f} -> {1000 * piped['cpu_s_per_sample']:.2f}, "
+              f"GC s {raw['gc_s']:.3f} -> {piped['gc_s']:.3f}, last submit s "
+              f"{raw['last_submit_s']:.3f} -> {piped['last_submit_s']:.3f}, first/last return s "
+              f"{raw['first_return_s']:.2f}/{raw['last_return_s']:.2f} -> "
+              f"{piped['first_return_s']:.2f}/{piped['last_return_s']:.2f}", flush=True)
 
     def median(side: str, key: str) -> float:
         return statistics.median(p[side][key] for p in pairs)
@@ -192,7 +267,8 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
         "engine": args.engine, "device": args.device, "model": args.config or "tiny-qwen2",
         "prompts": count, "output_len": args.output_len, "pairs_count": len(pairs),
         "build_prompt_offload": not args.inline_prompt,
-        "request_seeds": not args.unseeded,
+        "request_seeds": not args.unseeded, "gc": args.gc,
+        "data_parallel": args.data_parallel,
         "raw_tokens_per_s": round(median("raw", "tokens_per_s"), 1),
         "pipeline_tokens_per_s": round(median("pipeline", "tokens_per_s"), 1),
         "ratio_median": round(statistics.median(p["ratio"] for p in pairs), 4),
@@ -200,6 +276,8 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
         "raw_cpu_ms_per_sample": round(raw_cpu, 3),
         "pipeline_cpu_ms_per_sample": round(pipe_cpu, 3),
         "extra_frontend_cpu_ms_per_sample": round(pipe_cpu - raw_cpu, 3),
+        "raw_gc_s": round(median("raw", "gc_s"), 4),
+        "pipeline_gc_s": round(median("pipeline", "gc_s"), 4),
         "pairs": pairs,
     }
 
@@ -214,14 +292,16 @@ async def main(args: argparse.Namespace,
     start_s = time.perf_counter() - started
     records = []
     try:
-        for count in args.prompts:
-            record = await measure(engine, tokenizer, args, count)
-            record["engine_start_s"] = round(start_s, 1)
-            record["accelerator"] = _accelerator(args.device)
-            record.update(_engine_facts(engine))
-            records.append(record)
-            if done is not None:
-                done(record)
+        # Entered once the engine has started (see the module doc), left before it closes.
+        with rollout_gc(args.gc == "edge"):
+            for count in args.prompts:
+                record = await measure(engine, tokenizer, args, count)
+                record["engine_start_s"] = round(start_s, 1)
+                record["accelerator"] = _accelerator(args.device)
+                record.update(_engine_facts(engine))
+                records.append(record)
+                if done is not None:
+                    done(record)
     finally:
         await engine.aclose()
     return records
@@ -262,8 +342,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eager", action="store_true", help="vLLM: skip torch.compile")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="vLLM: KV cache size (default: vLLM's own on a GPU, 1 on CPU)")
+    parser.add_argument("--data-parallel", type=int, default=1,
+                        help="vLLM: data_parallel_size (one engine replica per GPU)")
     parser.add_argument("--unseeded", action="store_true",
                         help="vLLM: request_seeds=False (no per-request seeds)")
+    parser.add_argument("--gc", choices=("edge", "library"), default="edge",
+                        help="collector as a rollout application tunes it, or CPython's "
+                             "defaults (see the module doc)")
     parser.add_argument("--inline-prompt", action="store_true",
                         help="BuildPrompt(offload=False): render on the event loop")
     parser.add_argument("--name", default=None,

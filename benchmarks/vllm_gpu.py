@@ -12,8 +12,10 @@ a subprocess of its own, so one engine's GPU memory is free before the next star
 - ``ceiling``: vLLM's offline ``LLM.generate`` (its throughput upper bound for one batch),
   1024 sequences / 8192 batched tokens, without logprobs, with processed logprobs (dict and
   flat containers), and with per-request seeds;
-- ``knobs``: ``VLLMEngine.generate`` with its defaults, then one knob changed at a time: per
-  request seeds off, vLLM's dict logprobs instead of the flat container, detokenization on,
+- ``knobs``: ``VLLMEngine.generate`` with its defaults, then one knob changed at a time: the
+  collector tuned as a rollout application does (``rollout_gc`` entered after the engine
+  start: vLLM's start-up objects frozen out of collections), per request seeds off, vLLM's
+  dict logprobs instead of the flat container, detokenization on,
   ``DELTA`` output, and the batch limits (an in-process engine's old 128 / 2048 and
   ``LLM``'s 1024 / 16384). Tokens/s is the median of ``--repeats`` runs after a warm-up;
 - ``sync``: a trainer-side state dict (the model perturbed in bf16 on the same card) pushed
@@ -44,6 +46,7 @@ from engine_efficiency import CONFIGS, ROOT, random_model_dir, rows
 
 from pipeline import Pipeline, SamplingParams
 from pipeline._render import render_prompt
+from pipeline.diagnostics import rollout_gc
 from pipeline.models.tiny import ensure_tiny_model
 from pipeline.stages import BuildPrompt, Generate
 
@@ -121,7 +124,7 @@ async def timed(engine: Any, prompts: list[list[int]], sampling: list[SamplingPa
                 tag: str, knob: str) -> float:
     """Tokens/s of one batch of requests, all submitted at once."""
     start = time.perf_counter()
-    if knob in ("", "unseeded"):
+    if knob in ("", "unseeded", "frozen gc"):
         gens = await asyncio.gather(*(engine.generate(p, s, f"{tag}-{i}")
                                       for i, (p, s) in enumerate(zip(prompts, sampling,
                                                                      strict=True))))
@@ -175,8 +178,9 @@ async def knob_engine(args: argparse.Namespace, model_dir: Path, tokenizer: Any,
             await timed(engine, prompts, sampling, f"warm{count}", "")
             for knob in knobs if count <= 256 else [k for k in knobs if k not in LIGHT]:
                 engine.request_seeds = knob != "unseeded"
-                runs = [await timed(engine, prompts, sampling, f"{knob}{count}-{r}", knob)
-                        for r in range(args.repeats)]
+                with rollout_gc(knob == "frozen gc"):
+                    runs = [await timed(engine, prompts, sampling, f"{knob}{count}-{r}", knob)
+                            for r in range(args.repeats)]
                 found[f"{count}/{knob or 'VLLMEngine defaults'}"] = round(
                     statistics.median(runs), 1)
                 print(f"knobs {limits or 'defaults'} {count} {knob or 'defaults'}: "
@@ -188,7 +192,7 @@ async def knob_engine(args: argparse.Namespace, model_dir: Path, tokenizer: Any,
 
 
 def part_knobs(args: argparse.Namespace, model_dir: Path, tokenizer: Any) -> dict[str, Any]:
-    every = ["", "unseeded", "dict logprobs", "detokenize", "delta output",
+    every = ["", "frozen gc", "unseeded", "dict logprobs", "detokenize", "delta output",
              "no logprobs, unseeded"]
 
     async def go() -> list[dict[str, Any]]:
@@ -377,10 +381,12 @@ def main(args: argparse.Namespace) -> None:
             continue
         figures = {**base, **json.loads(part_out.read_text()),
                    "wall_s": round(time.perf_counter() - started, 1)}
-        if out_dir is not None:
+        if out_dir is not None:  # another results folder; the recorded command leaves it out
             import _common
 
             _common.RESULTS = out_dir
+            at = sys.argv.index("--out-dir")
+            del sys.argv[at:at + 2]
         path = write_result(f"vllm_gpu_{part}", figures)
         print(json.dumps(figures)[:3000], flush=True)
         print(f"written to {path}", file=sys.stderr)

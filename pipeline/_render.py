@@ -13,6 +13,7 @@ recorded, never an error.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,32 @@ def render(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
     return text
+
+
+def decode_text(tokenizer: Tokenizer, token_ids: list[int], *,
+                skip_special_tokens: bool) -> str:
+    """``tokenizer.decode(token_ids, ...)``, straight through the Rust tokenizer where that
+    gives the same text: a Hugging Face fast tokenizer whose ``decode``/``_decode`` are the
+    library's own and that does not clean up spaces. ``decode`` itself first converts the ids
+    one by one (about 0.3 µs per token); a 256-token reply decodes in a third of the time.
+    """
+    backend = _plain_fast_backend(tokenizer)
+    if backend is None:
+        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    return str(backend.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+
+def _plain_fast_backend(tokenizer: Tokenizer) -> Any:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` if its decode adds nothing to it."""
+    fast = sys.modules.get("transformers.tokenization_utils_tokenizers")
+    base = sys.modules.get("transformers.tokenization_utils_base")
+    if fast is None or base is None:  # not a transformers tokenizer (or none loaded)
+        return None
+    cls = type(tokenizer)
+    plain = (getattr(cls, "_decode", None) is getattr(fast.TokenizersBackend, "_decode", 0)
+             and getattr(cls, "decode", None) is base.PreTrainedTokenizerBase.decode
+             and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False)
+    return getattr(tokenizer, "_tokenizer", None) if plain else None
 
 
 def chat_form(message: AgentMessage) -> dict[str, Any]:

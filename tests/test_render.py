@@ -1,13 +1,17 @@
-"""The turn-delta shortcut: after an added token that strips no whitespace, the real tokenizer
+"""Rendering shortcuts, each proven equal to the slow path on the real tokenizer.
+
+The turn-delta shortcut: after an added token that strips no whitespace, the real tokenizer
 tokenizes what follows the same with or without that token, so the boundary check's second
-encode can be skipped; a token that may strip whitespace is still checked."""
+encode can be skipped; a token that may strip whitespace is still checked. ``decode_text``
+goes straight to the Rust tokenizer only where ``decode`` would give the same text."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline._render import _splits_cleanly_after
+from pipeline._render import _plain_fast_backend, _splits_cleanly_after, decode_text
+from pipeline.testing import ByteTokenizer
 
 pytest_plugins = ["_model_fixtures"]
 
@@ -38,3 +42,34 @@ def test_ordinary_tokens_and_stripping_tokens_are_still_checked(tiny_model_dir):
     assert tokenizer.encode("<strip>  x", add_special_tokens=False) != [
         stripping, *tokenizer.encode("  x", add_special_tokens=False)]
     assert not _splits_cleanly_after(tokenizer, stripping)
+
+
+IDS = st.lists(st.integers(min_value=0, max_value=1030), max_size=64)
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=IDS, skip=st.booleans())
+def test_decode_text_equals_decode(tiny_tokenizer, ids, skip):
+    assert _plain_fast_backend(tiny_tokenizer) is not None  # the shortcut is taken here
+    assert decode_text(tiny_tokenizer, ids, skip_special_tokens=skip) == tiny_tokenizer.decode(
+        ids, skip_special_tokens=skip)
+
+
+def test_decode_text_leaves_other_tokenizers_to_their_decode(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    cleaning = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cleaning.clean_up_tokenization_spaces = True
+    assert _plain_fast_backend(cleaning) is None
+
+    class Overriding(type(cleaning)):  # type: ignore[misc]
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "overridden"
+
+    custom = AutoTokenizer.from_pretrained(tiny_model_dir)
+    custom.__class__ = Overriding
+    assert decode_text(custom, [5, 6], skip_special_tokens=True) == "overridden"
+    byte = ByteTokenizer()
+    ids = byte.encode("héllo")
+    assert decode_text(byte, ids, skip_special_tokens=True) == "héllo"

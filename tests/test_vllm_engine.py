@@ -36,6 +36,9 @@ from pipeline.testing import ByteTokenizer  # noqa: E402
 pytest_plugins = ["_model_fixtures"]
 
 CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
+# vLLM's float32 attention on a GPU is a Triton kernel whose dot products run in TF32: its
+# logprobs differ from a float32 trainer's by up to 4.2e-3 (H200, vLLM 0.24); on CPU, 2e-3.
+RESCORE_TOLERANCE = 1e-2 if torch.cuda.is_available() else 2e-3
 ROWS = [{"messages": [{"role": "user", "content": "What is 2 + 3?"}]},
         {"messages": [{"role": "system", "content": "Be brief."},
                       {"role": "user", "content": "Name a colour, then count to five."}]}]
@@ -86,7 +89,7 @@ async def test_pipeline_tokens_and_processed_logprobs_match_a_trainer_rescore(
         start = len(sample.prompt_ids)
         expected = processed(torch.log_softmax(logits[start - 1:len(ids) - 1], -1), 0.8, 0.9)
         recomputed = expected.gather(1, torch.tensor(sample.response_ids)[:, None])[:, 0]
-        assert sample.logprobs == pytest.approx(recomputed.tolist(), abs=2e-3)
+        assert sample.logprobs == pytest.approx(recomputed.tolist(), abs=RESCORE_TOLERANCE)
         assert sample.policy_version == 0
     # n rollouts of one prompt differ (own seeds) and the batch is reproducible
     assert result.samples[0].response_ids != result.samples[1].response_ids
@@ -289,7 +292,7 @@ async def test_trainer_state_dict_is_what_samples_afterwards(
         logp = torch.log_softmax(logits, -1)
         return logp.gather(1, torch.tensor(gen.token_ids)[:, None])[:, 0].tolist()
 
-    assert gen.logprobs == pytest.approx(rescore(trainer), abs=2e-3)
+    assert gen.logprobs == pytest.approx(rescore(trainer), abs=RESCORE_TOLERANCE)
     stale = rescore(reference_model)
     assert max(abs(a - b) for a, b in zip(gen.logprobs, stale, strict=True)) > 0.05
     await engine.update_weights(path=tiny_model_dir)

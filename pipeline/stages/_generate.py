@@ -23,6 +23,7 @@ from pipeline._models import (
     ExitReason,
     FinishReason,
 )
+from pipeline._render import decode_text
 from pipeline.tools import HermesToolParser, ToolParser
 
 LENGTH_LIMITS = ("max_tokens", "response_budget", "context")
@@ -134,7 +135,7 @@ class Generate:
     def _message(self, item: AgentRolloutItem, ctx: Context, token_ids: list[int],
                  logprobs: list[float], finish_reason: FinishReason) -> AgentMessage:
         tokenizer = ctx.resources.tokenizer
-        text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer else None
+        text = decode_text(tokenizer, token_ids, skip_special_tokens=True) if tokenizer else None
         if text is None or finish_reason is not FinishReason.STOP:
             return AgentMessage(role="assistant", content=text, token_ids=token_ids,
                                 logprobs=logprobs, finish_reason=finish_reason)
