@@ -17,6 +17,7 @@ from pipeline._cancel import abort_request
 from pipeline._config import PipelineConfig, SamplingParams
 from pipeline._exceptions import ConfigError
 from pipeline._models import AgentRolloutItem, StageRecord, Status
+from pipeline._slice import LoopSlice
 from pipeline._tokenizer import Tokenizer
 from pipeline.engines import Engine, SimulatedEngine
 from pipeline.ratelimit import LimiterRegistry
@@ -168,6 +169,8 @@ class Context:
         stage: name of the stage running now.
         stage_started: monotonic time the current stage started.
         turn: the current ``Loop`` turn (0-based), or None outside loops.
+        loop_slice: the event loop's slice clock the runner yields by (set by the runner;
+            None where the context is not run by a pipeline).
     """
 
     __slots__ = (
@@ -177,6 +180,7 @@ class Context:
         "config",
         "deadline",
         "item",
+        "loop_slice",
         "resources",
         "stage",
         "stage_started",
@@ -200,6 +204,7 @@ class Context:
         self.turn: int | None = None
         self.abort_requested = False
         self._started_stages: dict[int, Stage] = {}
+        self.loop_slice: LoopSlice | None = None
 
     @property
     def exit_stack(self) -> contextlib.AsyncExitStack:

@@ -41,6 +41,7 @@ from pipeline._outcome import (
 )
 from pipeline._producer import Batch, Producer, SampleCallback, SampleRun, check_callback
 from pipeline._rows import DatasetRow
+from pipeline._slice import loop_slice
 from pipeline._slots import FifoSlots
 from pipeline._stats import safe_stats
 from pipeline._stream import (
@@ -369,6 +370,7 @@ class Pipeline:
         deadline = None if timeout is None else loop.time() + timeout
         ctx = run.ctx = Context(self.resources, self.config, item, deadline)
         ctx.abort_requested = run.abort_requested
+        ctx.loop_slice = loop_slice(loop)
         item.started_at = time.monotonic()
         self._inflight[item.uid] = ctx
         try:

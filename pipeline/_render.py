@@ -60,13 +60,13 @@ def decode_text(tokenizer: Tokenizer, token_ids: list[int], *,
     library's own and that does not clean up spaces. ``decode`` itself first converts the ids
     one by one (about 0.3 µs per token); a 256-token reply decodes in a third of the time.
     """
-    backend = _plain_fast_backend(tokenizer)
+    backend = plain_fast_backend(tokenizer)
     if backend is None:
         return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
     return str(backend.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
-def _plain_fast_backend(tokenizer: Tokenizer) -> Any:
+def plain_fast_backend(tokenizer: Tokenizer) -> Any:
     """The ``tokenizers.Tokenizer`` behind ``tokenizer`` if its decode adds nothing to it."""
     fast = sys.modules.get("transformers.tokenization_utils_tokenizers")
     base = sys.modules.get("transformers.tokenization_utils_base")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline._render import _plain_fast_backend, _splits_cleanly_after, decode_text
+from pipeline._render import plain_fast_backend, _splits_cleanly_after, decode_text
 from pipeline.testing import ByteTokenizer
 
 pytest_plugins = ["_model_fixtures"]
@@ -51,7 +51,7 @@ IDS = st.lists(st.integers(min_value=0, max_value=1030), max_size=64)
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ids=IDS, skip=st.booleans())
 def test_decode_text_equals_decode(tiny_tokenizer, ids, skip):
-    assert _plain_fast_backend(tiny_tokenizer) is not None  # the shortcut is taken here
+    assert plain_fast_backend(tiny_tokenizer) is not None  # the shortcut is taken here
     assert decode_text(tiny_tokenizer, ids, skip_special_tokens=skip) == tiny_tokenizer.decode(
         ids, skip_special_tokens=skip)
 
@@ -61,7 +61,7 @@ def test_decode_text_leaves_other_tokenizers_to_their_decode(tiny_model_dir):
 
     cleaning = AutoTokenizer.from_pretrained(tiny_model_dir)
     cleaning.clean_up_tokenization_spaces = True
-    assert _plain_fast_backend(cleaning) is None
+    assert plain_fast_backend(cleaning) is None
 
     class Overriding(type(cleaning)):  # type: ignore[misc]
         def decode(self, token_ids, skip_special_tokens=False, **kwargs):

@@ -129,6 +129,9 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     )
     item.records.append(record)
     try:
+        # Not polling: each pass lets one loop iteration end (see pipeline._slice).
+        while ctx.loop_slice is not None and ctx.loop_slice.spent():  # noqa: ASYNC110
+            await asyncio.sleep(0)
         await stage.run(item, ctx)
         reward = item.artifacts.get(A.REWARD)
         if reward is not None and not is_finite_number(reward):

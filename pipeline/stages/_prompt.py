@@ -10,8 +10,9 @@ from typing import Any
 
 from pipeline import artifacts as A
 from pipeline._context import Context
+from pipeline._encode import batch_encoder
 from pipeline._models import AgentMessage, AgentRolloutItem
-from pipeline._render import render_prompt
+from pipeline._render import render, render_prompt
 
 
 class BuildPrompt:
@@ -20,12 +21,15 @@ class BuildPrompt:
     The row's ``tools`` (OpenAI schemas) are rendered into the prompt by the chat template.
     The ``n`` samples of a prompt (one group) share one rendering. A prompt
     of more than ``offload_chars`` characters is rendered and tokenized in a worker thread,
-    so a long prompt never stalls the event loop that serves every other sample; a short one
-    is rendered inline, where a thread hop would cost more than the work (about 130 us of the
-    160 us a short prompt takes, measured with the tiny model's tokenizer).
+    so a long prompt never stalls the event loop that serves every other sample. A short one
+    is rendered inline (a thread hop per prompt would cost more than the rendering); its
+    tokenizing, the larger part, goes to a worker thread in batches with a Hugging Face fast
+    tokenizer (:mod:`pipeline._encode`: the prompts asked for in one loop iteration are
+    encoded together, off the loop and over the machine's cores). The tokenizer is then used
+    from that thread: do not change its padding or truncation settings while a batch runs.
 
     Args:
-        offload: False renders every prompt inline.
+        offload: False renders and tokenizes every prompt inline.
         offload_chars: the size (message text plus tool schemas) above which a prompt goes
             to a worker thread; 0 sends every prompt there.
     """
@@ -38,20 +42,32 @@ class BuildPrompt:
         self._rendered = _RenderCache()
 
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
-        row = item.data
-        cached = self._rendered.get(item.group_id, row, ctx.tokenizer)
+        row, tokenizer = item.data, ctx.tokenizer
+        cached, ids = self._rendered.get(item.group_id, row, tokenizer)
         if cached is not None:
-            text, ids = cached
+            text = cached
         else:
             if self.offload and prompt_size(row.messages, row.tools) > self.offload_chars:
-                text, ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, row.messages,
+                text, ids = await asyncio.to_thread(render_prompt, tokenizer, row.messages,
                                                     row.tools)
             else:
-                text, ids = render_prompt(ctx.tokenizer, row.messages, row.tools)
-            self._rendered.put(item.group_id, row, ctx.tokenizer, text, ids)
+                text = render(tokenizer, row.messages, row.tools, add_generation_prompt=True)
+            self._rendered.put(item.group_id, row, tokenizer, text, ids)
+        if ids is None:
+            ids = await self._encode(tokenizer, text)
+            self._rendered.put(item.group_id, row, tokenizer, text, ids)
         item.artifacts[A.RAW_PROMPT] = text
         item.artifacts[A.PROMPT_IDS] = list(ids)
         item.artifacts[A.MESSAGES] = [AgentMessage.model_validate(m) for m in row.messages]
+
+    async def _encode(self, tokenizer: Any, text: str) -> list[int]:
+        encoder = batch_encoder(tokenizer) if self.offload else None
+        if encoder is not None:
+            try:
+                return await encoder.encode(text)
+            except Exception:  # the same ids inline (e.g. another thread reconfigured it)
+                pass
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def prompt_size(messages: Sequence[Mapping[str, Any]],
@@ -64,20 +80,23 @@ def prompt_size(messages: Sequence[Mapping[str, Any]],
 
 class _RenderCache:
     """The last renderings by group: a group's ``n`` items share one row object within one
-    batch (group ids are fresh per batch, so a row reused later is rendered again).
-    Bounded, oldest out."""
+    batch (group ids are fresh per batch, so a row reused later is rendered again). The text
+    is kept as soon as it is rendered, so the group's other samples do not render it again
+    while its ids are being tokenized. Bounded, oldest out."""
 
     def __init__(self, size: int = 1024) -> None:
         self.size = size
-        self._entries: OrderedDict[str, tuple[Any, Any, str, list[int]]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[Any, Any, str, list[int] | None]] = OrderedDict()
 
-    def get(self, group_id: str, row: Any, tokenizer: Any) -> tuple[str, list[int]] | None:
+    def get(self, group_id: str, row: Any, tokenizer: Any
+            ) -> tuple[str, list[int] | None] | tuple[None, None]:
         entry = self._entries.get(group_id)
         if entry is None or entry[0] is not row or entry[1] is not tokenizer:
-            return None
+            return None, None
         return entry[2], entry[3]
 
-    def put(self, group_id: str, row: Any, tokenizer: Any, text: str, ids: list[int]) -> None:
+    def put(self, group_id: str, row: Any, tokenizer: Any, text: str,
+            ids: list[int] | None) -> None:
         self._entries[group_id] = (row, tokenizer, text, ids)
         if len(self._entries) > self.size:
             self._entries.popitem(last=False)

@@ -1,0 +1,73 @@
+"""Prompt tokenizing in batches off the event loop (``pipeline._encode``), with the real
+tiny-model tokenizer: the same ids as ``tokenizer.encode``, one rendering per group, each
+caller's cancellation its own, and a failing batch falls back to encoding inline."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import pipeline.stages._prompt as prompt_module
+from pipeline import BuildPrompt, Pipeline, Status
+from pipeline._encode import BatchEncoder, batch_encoder
+from pipeline._render import render_prompt
+from pipeline.testing import ByteTokenizer
+
+pytest_plugins = ["_model_fixtures"]
+
+ROWS = [{"messages": [{"role": "system", "content": "Be brief." * (i % 3)},
+                      {"role": "user", "content": f"What is {i} + {i * 7}? ünïcode {i}"}]}
+        for i in range(40)]
+
+
+@pytest.mark.parametrize("offload", [True, False])
+async def test_prompt_ids_equal_inline_tokenizing_in_groups(tiny_tokenizer, offload,
+                                                            monkeypatch):
+    renders = []
+    real_render = prompt_module.render
+    monkeypatch.setattr(prompt_module, "render",
+                        lambda *a, **k: renders.append(1) or real_render(*a, **k))
+    pipe = Pipeline([BuildPrompt(offload=offload)], tokenizer=tiny_tokenizer)
+    result = await pipe.run_batch(ROWS, n=3)
+    assert [s.status for s in result.samples] == [Status.COMPLETED] * 120
+    for i, sample in enumerate(result.samples):
+        expected = render_prompt(tiny_tokenizer, ROWS[i // 3]["messages"], None)[1]
+        assert sample.prompt_ids == expected
+    assert len(renders) == len(ROWS)  # once per group, not per sample
+
+
+async def test_batches_per_loop_iteration_and_cancelling_one_caller_spares_the_rest(
+        tiny_tokenizer):
+    encoder = batch_encoder(tiny_tokenizer)
+    assert isinstance(encoder, BatchEncoder)
+    assert batch_encoder(tiny_tokenizer) is encoder
+    assert batch_encoder(ByteTokenizer()) is None  # not a fast tokenizer: inline
+    batches = []
+    real = encoder._encode_all
+    encoder._encode_all = lambda texts: batches.append(len(texts)) or real(texts)
+    text = "<|im_start|>user\nhello there<|im_end|>\n"
+    first = asyncio.create_task(encoder.encode(text))
+    doomed = asyncio.create_task(encoder.encode(text))
+    other = asyncio.create_task(encoder.encode("something else"))
+    await asyncio.sleep(0)
+    doomed.cancel()
+    assert await first == tiny_tokenizer.encode(text, add_special_tokens=False)
+    assert await other == tiny_tokenizer.encode("something else", add_special_tokens=False)
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    assert batches == [2]  # one batch, the shared text encoded once
+
+
+async def test_a_failing_batch_falls_back_to_inline_tokenizing(tiny_tokenizer):
+    encoder = batch_encoder(tiny_tokenizer)
+
+    def broken(texts):
+        raise RuntimeError("Already borrowed")
+
+    encoder._encode_all = broken
+    with pytest.raises(RuntimeError, match="Already borrowed"):
+        await encoder.encode("x")
+    result = await Pipeline([BuildPrompt()], tokenizer=tiny_tokenizer).run_batch(ROWS[:4])
+    assert [s.prompt_ids for s in result.samples] == [
+        render_prompt(tiny_tokenizer, row["messages"], None)[1] for row in ROWS[:4]]

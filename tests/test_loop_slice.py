@@ -1,0 +1,47 @@
+"""Samples whose stages never wait do not hold the event loop for a whole batch: the runner
+yields once a loop iteration has run stages for longer than ``SLICE_S``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pipeline import Pipeline, Status
+from pipeline._slice import SLICE_S, loop_slice
+from pipeline.testing import ByteTokenizer
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+async def score(item, ctx) -> None:  # never awaits: a synchronous reward function
+    busy(0.0001)
+    item.artifacts["reward"] = 1.0
+
+
+async def test_a_timer_runs_while_a_batch_of_non_waiting_stages_is_running():
+    samples = 2000  # at least 0.2 s of stage work, 40 slices
+    pipe = Pipeline([score, score], tokenizer=ByteTokenizer(), max_concurrency=256)
+    done_when_timer_ran: list[int] = []
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.001, lambda: done_when_timer_ran.append(pipe.samples_done))
+    result = await pipe.run_batch([{"prompt": f"q{i}"} for i in range(samples)])
+    assert result.stats.by_status == {"completed": samples}
+    assert all(s.status is Status.COMPLETED and s.reward == 1.0 for s in result.samples)
+    # Without slices the whole batch ran in one loop iteration and the timer came last.
+    assert done_when_timer_ran and done_when_timer_ran[0] < samples // 2
+
+
+async def test_the_slice_clock_restarts_each_loop_iteration():
+    clock = loop_slice(asyncio.get_running_loop())
+    assert clock is loop_slice(asyncio.get_running_loop())  # one clock per loop
+    await asyncio.sleep(0)  # a fresh iteration
+    assert not clock.spent()  # the first check of an iteration starts the clock
+    busy(SLICE_S * 1.5)
+    assert clock.spent()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the marker ran: a new iteration, a new clock
+    assert not clock.spent()
