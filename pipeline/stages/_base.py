@@ -129,9 +129,8 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     )
     item.records.append(record)
     try:
-        # Not polling: each pass lets one loop iteration end (see pipeline._slice).
-        while ctx.loop_slice is not None and ctx.loop_slice.spent():  # noqa: ASYNC110
-            await asyncio.sleep(0)
+        if ctx.loop_slice is not None and ctx.loop_slice.spent():
+            await ctx.loop_slice.wait_turn()  # let the loop's timers in (pipeline._slice)
         await stage.run(item, ctx)
         reward = item.artifacts.get(A.REWARD)
         if reward is not None and not is_finite_number(reward):
