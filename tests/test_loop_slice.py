@@ -45,3 +45,23 @@ async def test_the_slice_clock_restarts_each_loop_iteration():
     await asyncio.sleep(0)
     await asyncio.sleep(0)  # the marker ran: a new iteration, a new clock
     assert not clock.spent()
+
+
+async def test_samples_that_time_out_while_parked_end_as_timeouts_and_leave_nothing_parked():
+    async def slow_score(item, ctx) -> None:  # 2 ms of CPU, never awaits
+        busy(0.002)
+        item.artifacts["reward"] = 1.0
+
+    pipe = Pipeline([slow_score, slow_score], tokenizer=ByteTokenizer(), max_concurrency=64,
+                    sample_timeout_s=0.05)
+    result = await pipe.run_batch([{"prompt": f"q{i}"} for i in range(200)])
+    statuses = {s.status for s in result.samples}
+    assert statuses <= {Status.COMPLETED, Status.TIMEOUT}
+    assert Status.TIMEOUT in statuses  # 0.8 s of work cannot fit 0.05 s deadlines
+    for sample in result.samples:
+        if sample.status is Status.TIMEOUT:
+            assert sample.masked and "timed out" in sample.error
+    clock = loop_slice(asyncio.get_running_loop())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not clock._parked  # cancelled turns were dropped, granted ones passed on
