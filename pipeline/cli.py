@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import importlib.util
 import math
@@ -21,6 +22,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from pipeline._exceptions import PipelineError
+from pipeline._gc import gc_tuning_enabled
 from pipeline._logging import configure_logging
 from pipeline._models import ProduceBatchResult, Status
 from pipeline._pipeline import Pipeline
@@ -198,6 +200,10 @@ def _summary(result: ProduceBatchResult) -> str:
 
 async def _run(args: argparse.Namespace, scenario: ModuleType) -> int:
     engine, tokenizer = await _build_engine(args, scenario)
+    if gc_tuning_enabled(None):
+        # asyncio_run froze what existed at start-up; an in-process engine (vLLM, torch) is
+        # built after that: freeze it too, as vLLM's own server does (undone on exit).
+        gc.freeze()
     tools = scenario.tools() if hasattr(scenario, "tools") else {}
     pipeline = Pipeline(
         scenario.stages(),

@@ -41,3 +41,35 @@ def test_the_library_never_changes_the_collector():
     pipe = Pipeline([BuildPrompt()], tokenizer=ByteTokenizer())
     asyncio.run(pipe.run_batch([{"prompt": "hi"}], n=4))
     assert (gc.get_threshold(), gc.get_freeze_count(), gc.isenabled()) == before
+
+
+@pytest.mark.parametrize("tuned", [True, False])
+def test_the_cli_freezes_the_engine_it_built(tuned, monkeypatch, tmp_path):
+    from pipeline import cli
+
+    if not tuned:
+        monkeypatch.setenv("ROLLOUT_GC_TUNING", "0")
+    real_build = cli._build_engine
+    seen: dict[str, int] = {}
+    start_up: list[list[int]] = []
+
+    async def build(args, scenario):
+        built = await real_build(args, scenario)
+        start_up.extend([] for _ in range(20_000))  # an engine's start-up objects (tracked)
+        seen["built"] = gc.get_freeze_count()
+        return built
+
+    class Watched(cli.Pipeline):
+        def __init__(self, *args, **kwargs):
+            seen["running"] = gc.get_freeze_count()
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "_build_engine", build)
+    monkeypatch.setattr(cli, "Pipeline", Watched)
+    assert cli.main(["run", "arith", "--engine", "simulated", "--rows", "2", "--n", "1",
+                     "--out", str(tmp_path / "t.jsonl")]) == 0
+    if tuned:
+        assert seen["running"] >= seen["built"] + 20_000
+    else:
+        assert seen["running"] == seen["built"] == 0
+    assert gc.get_freeze_count() == 0  # unfrozen on exit
