@@ -21,6 +21,9 @@ from typing import Any
 from pipeline._render import plain_fast_backend
 from pipeline._tokenizer import Tokenizer
 
+Waiters = dict[str, list[asyncio.Future[list[int]]]]
+"""The texts of one batch and the futures of the callers waiting for each."""
+
 
 class BatchEncoder:
     """Encodes texts for one Rust tokenizer on one event loop, a batch per loop iteration.
@@ -33,7 +36,7 @@ class BatchEncoder:
     def __init__(self, backend: Any, loop: asyncio.AbstractEventLoop) -> None:
         self._backend = backend
         self._loop = loop
-        self._pending: dict[str, list[asyncio.Future[list[int]]]] = {}
+        self._pending: Waiters = {}
 
     async def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens added."""
@@ -45,28 +48,33 @@ class BatchEncoder:
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, {}
-        texts = list(batch)
-        done = self._loop.run_in_executor(None, self._encode_all, texts)
+        try:
+            done = self._loop.run_in_executor(None, self._encode_all, list(batch))
+        except Exception as exc:  # the loop's executor is shut down: callers encode inline
+            _fail(batch, exc)
+            return
         done.add_done_callback(lambda finished: _deliver(batch, finished))
 
     def _encode_all(self, texts: list[str]) -> list[list[int]]:
         return [list(e.ids) for e in self._backend.encode_batch(texts, add_special_tokens=False)]
 
 
-def _deliver(batch: dict[str, list[asyncio.Future[list[int]]]],
-             finished: asyncio.Future[list[list[int]]]) -> None:
+def _deliver(batch: Waiters, finished: asyncio.Future[list[list[int]]]) -> None:
     error = None if finished.cancelled() else finished.exception()
     if finished.cancelled() or error is not None:
-        failure = error or RuntimeError("tokenizing the prompts was cancelled")
-        for futures in batch.values():
-            for future in futures:
-                if not future.done():
-                    future.set_exception(failure)
+        _fail(batch, error or RuntimeError("tokenizing the prompts was cancelled"))
         return
     for ids, futures in zip(finished.result(), batch.values(), strict=True):
         for future in futures:
             if not future.done():
                 future.set_result(list(ids))
+
+
+def _fail(batch: Waiters, error: BaseException) -> None:
+    for futures in batch.values():
+        for future in futures:
+            if not future.done():
+                future.set_exception(error)
 
 
 _ENCODERS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, BatchEncoder]] = (

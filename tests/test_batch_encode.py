@@ -71,3 +71,20 @@ async def test_a_failing_batch_falls_back_to_inline_tokenizing(tiny_tokenizer):
     result = await Pipeline([BuildPrompt()], tokenizer=tiny_tokenizer).run_batch(ROWS[:4])
     assert [s.prompt_ids for s in result.samples] == [
         render_prompt(tiny_tokenizer, row["messages"], None)[1] for row in ROWS[:4]]
+
+
+async def test_an_executor_that_is_gone_fails_the_batch_not_the_samples(tiny_tokenizer):
+    loop = asyncio.get_running_loop()
+    encoder = batch_encoder(tiny_tokenizer)
+
+    def refuse(*args):
+        raise RuntimeError("Executor shutdown has been called")
+
+    loop.run_in_executor = refuse  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="shutdown"):
+            await asyncio.wait_for(encoder.encode("x"), 5)  # failed, never left hanging
+        result = await Pipeline([BuildPrompt()], tokenizer=tiny_tokenizer).run_batch(ROWS[:2])
+        assert [s.status for s in result.samples] == [Status.COMPLETED] * 2
+    finally:
+        del loop.run_in_executor
