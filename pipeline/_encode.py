@@ -30,26 +30,28 @@ class BatchEncoder:
 
     Identical texts in one batch are encoded once (the ``n`` samples of a group share their
     prompt). Each caller awaits a future of its own, so cancelling one sample cancels nobody
-    else's encoding.
+    else's encoding. It holds no reference to its loop, so the registry's entry goes with
+    the loop.
     """
 
-    def __init__(self, backend: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, backend: Any) -> None:
         self._backend = backend
-        self._loop = loop
         self._pending: Waiters = {}
 
     async def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens added."""
-        future: asyncio.Future[list[int]] = self._loop.create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[int]] = loop.create_future()
         if not self._pending:
-            self._loop.call_soon(self._flush)
+            loop.call_soon(self._flush)
         self._pending.setdefault(text, []).append(future)
         return await future
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, {}
         try:
-            done = self._loop.run_in_executor(None, self._encode_all, list(batch))
+            done = asyncio.get_running_loop().run_in_executor(None, self._encode_all,
+                                                              list(batch))
         except Exception as exc:  # the loop's executor is shut down: callers encode inline
             _fail(batch, exc)
             return
@@ -94,7 +96,7 @@ def batch_encoder(tokenizer: Tokenizer) -> BatchEncoder | None:
             per_loop = _ENCODERS[loop] = weakref.WeakKeyDictionary()
         encoder = per_loop.get(tokenizer)
         if encoder is None:
-            encoder = per_loop[tokenizer] = BatchEncoder(backend, loop)
+            encoder = per_loop[tokenizer] = BatchEncoder(backend)
     except TypeError:  # a tokenizer that cannot be weakly referenced
         return None
     return encoder

@@ -32,12 +32,12 @@ FIRST_RELEASE = 64
 
 
 class LoopSlice:
-    """The slice clock and parked samples of one event loop (shared by its pipelines)."""
+    """The slice clock and parked samples of one event loop (shared by its pipelines). It
+    holds no reference to its loop, so the loop's entry in the registry goes with the loop."""
 
-    __slots__ = ("__weakref__", "_loop", "_marked", "_parked", "_release_size", "_started")
+    __slots__ = ("__weakref__", "_marked", "_parked", "_release_size", "_started")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:
         self._marked = False
         self._started = 0.0
         self._release_size = FIRST_RELEASE
@@ -53,7 +53,7 @@ class LoopSlice:
 
     async def wait_turn(self) -> None:
         """Park until a later iteration lets this sample go (FIFO)."""
-        turn: asyncio.Future[None] = self._loop.create_future()
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._parked.append(turn)
         try:
             await turn
@@ -65,7 +65,7 @@ class LoopSlice:
     def _mark(self, now: float) -> None:
         self._marked = True
         self._started = now
-        self._loop.call_soon(self._next_iteration)
+        asyncio.get_running_loop().call_soon(self._next_iteration)
 
     def _next_iteration(self) -> None:
         self._marked = False
@@ -97,5 +97,5 @@ def loop_slice(loop: asyncio.AbstractEventLoop) -> LoopSlice:
     """The slice clock of ``loop``."""
     found = _SLICES.get(loop)
     if found is None:
-        found = _SLICES[loop] = LoopSlice(loop)
+        found = _SLICES[loop] = LoopSlice()
     return found

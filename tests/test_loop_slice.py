@@ -10,6 +10,8 @@ from pipeline import Pipeline, Status
 from pipeline._slice import SLICE_S, loop_slice
 from pipeline.testing import ByteTokenizer
 
+pytest_plugins = ["_model_fixtures"]
+
 
 def busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
@@ -65,3 +67,19 @@ async def test_samples_that_time_out_while_parked_end_as_timeouts_and_leave_noth
     for _ in range(5):
         await asyncio.sleep(0)
     assert not clock._parked  # cancelled turns were dropped, granted ones passed on
+
+
+def test_per_loop_state_goes_with_its_loop(tiny_tokenizer):
+    import gc
+
+    import pipeline._encode as encode
+    import pipeline._slice as slices
+    from pipeline import BuildPrompt
+
+    gc.collect()
+    before = len(slices._SLICES), len(encode._ENCODERS)  # loops other tests still hold
+    pipe = Pipeline([BuildPrompt(), score], tokenizer=tiny_tokenizer)
+    for _ in range(5):  # each asyncio.run makes and closes a loop
+        asyncio.run(pipe.run_batch([{"prompt": "hello"}], n=2))
+    gc.collect()
+    assert (len(slices._SLICES), len(encode._ENCODERS)) <= before
