@@ -86,7 +86,7 @@ _ENCODERS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, BatchEn
 def batch_encoder(tokenizer: Tokenizer) -> BatchEncoder | None:
     """The running loop's batch encoder for ``tokenizer``, or None where it has no plain fast
     backend (or cannot be weakly referenced): encode inline then."""
-    backend = plain_fast_backend(tokenizer)
+    backend = plain_fast_backend(tokenizer, encoding=True)
     if backend is None:
         return None
     loop = asyncio.get_running_loop()

@@ -66,17 +66,32 @@ def decode_text(tokenizer: Tokenizer, token_ids: list[int], *,
     return str(backend.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
-def plain_fast_backend(tokenizer: Tokenizer) -> Any:
-    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` if its decode adds nothing to it."""
+def plain_fast_backend(tokenizer: Tokenizer, *, encoding: bool = False) -> Any:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` if its ``decode`` (with
+    ``encoding=True``: also its ``encode(text, add_special_tokens=False)``) adds nothing to
+    the Rust tokenizer's: the library's own methods, not overridden on the class or the
+    instance, no space clean-up, and for encoding no special-token splitting and no padding or
+    truncation configured on the Rust side (``encode`` would switch those off first)."""
     fast = sys.modules.get("transformers.tokenization_utils_tokenizers")
     base = sys.modules.get("transformers.tokenization_utils_base")
     if fast is None or base is None:  # not a transformers tokenizer (or none loaded)
         return None
-    cls = type(tokenizer)
-    plain = (getattr(cls, "_decode", None) is getattr(fast.TokenizersBackend, "_decode", 0)
-             and getattr(cls, "decode", None) is base.PreTrainedTokenizerBase.decode
-             and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False)
-    return getattr(tokenizer, "_tokenizer", None) if plain else None
+    cls, own = type(tokenizer), getattr(tokenizer, "__dict__", {})
+    backend = getattr(tokenizer, "_tokenizer", None)
+    methods = [("_decode", fast.TokenizersBackend), ("decode", base.PreTrainedTokenizerBase)]
+    if encoding:
+        methods += [("_encode_plus", fast.TokenizersBackend),
+                    ("encode", base.PreTrainedTokenizerBase)]
+    if backend is None or any(getattr(cls, name, None) is not getattr(where, name, 0)
+                              or name in own for name, where in methods):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False:
+        return None
+    if encoding and (getattr(tokenizer, "split_special_tokens", True) is not False
+                     or getattr(backend, "truncation", 0) is not None
+                     or getattr(backend, "padding", 0) is not None):
+        return None
+    return backend
 
 
 def chat_form(message: AgentMessage) -> dict[str, Any]:

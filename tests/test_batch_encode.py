@@ -88,3 +88,26 @@ async def test_an_executor_that_is_gone_fails_the_batch_not_the_samples(tiny_tok
         assert [s.status for s in result.samples] == [Status.COMPLETED] * 2
     finally:
         del loop.run_in_executor
+
+
+def test_tokenizers_whose_encode_differs_from_the_rust_one_encode_inline(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from pipeline._render import plain_fast_backend
+
+    def fresh():
+        return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    assert plain_fast_backend(fresh(), encoding=True) is not None
+    wrapped = fresh()
+    wrapped.encode = lambda text, **kw: [7]  # an instance override is honoured
+    splitting = fresh()
+    splitting.split_special_tokens = True
+    truncating = fresh()
+    truncating._tokenizer.enable_truncation(max_length=4)  # encode() would switch it off
+    for tokenizer in (wrapped, splitting, truncating):
+        assert plain_fast_backend(tokenizer, encoding=True) is None
+        assert batch_encoder(tokenizer) is None
+    decoding = fresh()
+    decoding.decode = lambda ids, **kw: "mine"
+    assert plain_fast_backend(decoding) is None
