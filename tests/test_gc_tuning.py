@@ -7,6 +7,7 @@ import asyncio
 import gc
 
 import pytest
+import structlog
 
 from pipeline import BuildPrompt, Pipeline, asyncio_run
 from pipeline.testing import ByteTokenizer
@@ -66,8 +67,11 @@ def test_the_cli_freezes_the_engine_it_built(tuned, monkeypatch, tmp_path):
 
     monkeypatch.setattr(cli, "_build_engine", build)
     monkeypatch.setattr(cli, "Pipeline", Watched)
-    assert cli.main(["run", "arith", "--engine", "simulated", "--rows", "2", "--n", "1",
-                     "--out", str(tmp_path / "t.jsonl")]) == 0
+    try:
+        assert cli.main(["run", "arith", "--engine", "simulated", "--rows", "2", "--n", "1",
+                         "--out", str(tmp_path / "t.jsonl")]) == 0
+    finally:
+        structlog.reset_defaults()  # the CLI configured logging for the whole process
     if tuned:
         assert seen["running"] >= seen["built"] + 20_000
     else:
