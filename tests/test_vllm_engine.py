@@ -296,3 +296,20 @@ async def test_trainer_state_dict_is_what_samples_afterwards(
     stale = rescore(reference_model)
     assert max(abs(a - b) for a, b in zip(gen.logprobs, stale, strict=True)) > 0.05
     await engine.update_weights(path=tiny_model_dir)
+
+
+async def test_aclose_stops_the_output_handler_before_the_engine_core():
+    """vLLM's ``shutdown`` stops its output handler after the engine core; run in a thread,
+    the handler saw the core die and logged EngineDeadError. ``aclose`` stops it first."""
+    seen: dict[str, bool] = {}
+
+    class FakeLLM:  # the two parts of AsyncLLM that aclose touches
+        def __init__(self) -> None:
+            self.output_handler = asyncio.create_task(asyncio.sleep(3600))
+
+        def shutdown(self) -> None:
+            seen["handler_done_at_shutdown"] = self.output_handler.done()
+
+    engine = VLLMEngine(FakeLLM())
+    await engine.aclose()
+    assert seen == {"handler_done_at_shutdown": True}

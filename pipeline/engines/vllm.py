@@ -272,6 +272,12 @@ class VLLMEngine:
             return
         self._closed = True
         llm, self.llm = self.llm, None
+        # vLLM stops its output handler only after the engine core; with shutdown in a thread
+        # the handler would see the core die first and log EngineDeadError. Stop it here.
+        handler = getattr(llm, "output_handler", None)
+        if isinstance(handler, asyncio.Task) and not handler.done():
+            handler.cancel()
+            await asyncio.wait([handler])
         await asyncio.to_thread(llm.shutdown)  # joins the engine processes: seconds
         close_zmq_context(llm)
         del llm
