@@ -24,6 +24,8 @@ import collections
 import time
 import weakref
 
+from pipeline._slots import wait_in_line
+
 SLICE_S = 0.005
 """How long one loop iteration may run stages before samples start parking (seconds)."""
 
@@ -53,14 +55,7 @@ class LoopSlice:
 
     async def wait_turn(self) -> None:
         """Park until a later iteration lets this sample go (FIFO)."""
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._parked.append(turn)
-        try:
-            await turn
-        except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled():
-                self._release(1)  # our turn was granted: pass it on
-            raise
+        await wait_in_line(self._parked, self._release_one)
 
     def _mark(self, now: float) -> None:
         self._marked = True
@@ -80,6 +75,9 @@ class LoopSlice:
         self._release(self._release_size)
         if self._parked:  # nobody else may check this iteration: keep them moving
             self._mark(now)
+
+    def _release_one(self) -> None:
+        self._release(1)
 
     def _release(self, count: int) -> None:
         while count and self._parked:

@@ -1,9 +1,11 @@
-"""A FIFO concurrency limit that stays cheap with thousands of waiters."""
+"""A FIFO concurrency limit that stays cheap with thousands of waiters, and the FIFO wait it
+and the loop slices (:mod:`pipeline._slice`) share."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 
 
 class FifoSlots:
@@ -24,14 +26,7 @@ class FifoSlots:
         if self.free > 0 and not self.waiters:
             self.free -= 1
             return
-        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(granted)
-        try:
-            await granted
-        except asyncio.CancelledError:
-            if granted.done() and not granted.cancelled():
-                self._release()  # the slot was ours already: hand it on
-            raise
+        await wait_in_line(self.waiters, self._release)
 
     async def __aexit__(self, *exc_info: object) -> None:
         self._release()
@@ -43,3 +38,17 @@ class FifoSlots:
                 waiter.set_result(None)
                 return
         self.free += 1
+
+
+async def wait_in_line(line: collections.deque[asyncio.Future[None]],
+                       pass_on: Callable[[], None]) -> None:
+    """Join ``line`` and wait until granted (someone sets this waiter's result); a waiter
+    cancelled after being granted calls ``pass_on`` so the grant is not lost."""
+    granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    line.append(granted)
+    try:
+        await granted
+    except asyncio.CancelledError:
+        if granted.done() and not granted.cancelled():
+            pass_on()
+        raise
