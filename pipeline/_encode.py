@@ -67,9 +67,9 @@ def _deliver(batch: Waiters, finished: asyncio.Future[list[list[int]]]) -> None:
         _fail(batch, error or RuntimeError("tokenizing the prompts was cancelled"))
         return
     for ids, futures in zip(finished.result(), batch.values(), strict=True):
-        for future in futures:
+        for future in futures:  # one list per text: callers copy what they keep
             if not future.done():
-                future.set_result(list(ids))
+                future.set_result(ids)
 
 
 def _fail(batch: Waiters, error: BaseException) -> None:
