@@ -13,24 +13,31 @@ from pipeline._cancel import shielded
 from pipeline._context import Context
 from pipeline._models import AgentRolloutItem, StageRecord, Status
 
+Steps = list[tuple[str, Callable[[], Awaitable[Any]]]]
 
-async def run_cleanups(item: AgentRolloutItem, ctx: Context, limit: float | None) -> None:
-    """Run each started stage's cleanup once, then the exit stack, shielded: whatever
-    cancels the sample meanwhile waits until they are done. Never raises for them."""
-    steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+
+def cleanup_steps(item: AgentRolloutItem, ctx: Context) -> Steps:
+    """The cleanups a finished sample needs: each started stage's ``cleanup`` (last started
+    first), then the exit stack if a stage used it. Usually none, and then nothing is awaited."""
+    steps: Steps = [
         (stage.name, functools.partial(stage.cleanup, item, ctx))
         for stage in reversed(ctx.started_stages)
         if hasattr(stage, "cleanup")
     ]
     if ctx.has_exit_stack:
         steps.append(("exit_stack", ctx.exit_stack.aclose))
-    if steps:
-        await shielded(lambda: _run_steps(steps, item, ctx, limit), None)
+    return steps
 
-async def _run_steps(
-    steps: list[tuple[str, Callable[[], Awaitable[Any]]]], item: AgentRolloutItem, ctx: Context,
-    limit: float | None,
-) -> None:
+
+async def run_cleanups(steps: Steps, item: AgentRolloutItem, ctx: Context,
+                       limit: float | None) -> None:
+    """Run ``steps`` (see :func:`cleanup_steps`) once each, shielded: whatever cancels the
+    sample meanwhile waits until they are done. Never raises for them."""
+    await shielded(lambda: _run_steps(steps, item, ctx, limit), None)
+
+
+async def _run_steps(steps: Steps, item: AgentRolloutItem, ctx: Context,
+                     limit: float | None) -> None:
     for name, step in steps:
         record = StageRecord(
             name=name,

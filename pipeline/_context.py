@@ -171,6 +171,8 @@ class Context:
         turn: the current ``Loop`` turn (0-based), or None outside loops.
         loop_slice: the event loop's slice clock the runner yields by (set by the runner;
             None where the context is not run by a pipeline).
+        timed_out: set when the runner's deadline timer fired for this sample (it then
+            cancels the sample's task).
     """
 
     __slots__ = (
@@ -184,6 +186,7 @@ class Context:
         "resources",
         "stage",
         "stage_started",
+        "timed_out",
         "turn",
     )
 
@@ -205,6 +208,7 @@ class Context:
         self.abort_requested = False
         self._started_stages: dict[int, Stage] = {}
         self.loop_slice: LoopSlice | None = None
+        self.timed_out = False
 
     @property
     def exit_stack(self) -> contextlib.AsyncExitStack:
@@ -249,7 +253,9 @@ class Context:
         return self.deadline - asyncio.get_running_loop().time()
 
     def deadline_passed(self) -> bool:
-        """Whether the sample's deadline has passed."""
+        """Whether the sample's deadline has passed (or its deadline timer fired)."""
+        if self.timed_out:
+            return True
         left = self.time_left()
         return left is not None and left <= 0
 

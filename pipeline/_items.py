@@ -7,7 +7,8 @@ import zlib
 from collections.abc import Iterable
 from typing import Any
 
-from pipeline._config import PipelineConfig
+from pipeline._config import PipelineConfig, SamplingParams
+from pipeline._construct import construct
 from pipeline._exceptions import ConfigError
 from pipeline._models import AgentRolloutItem
 from pipeline._rows import DatasetRow, check_rows_argument, parse_row
@@ -30,27 +31,26 @@ def make_items(rows: Iterable[Any], n: int | None, config: PipelineConfig,
         sampling = config.sampling.with_overrides(row.sampling, where=f"row {i}: sampling")
         base_seed = config.seed if sampling.seed is None else sampling.seed
         group_id = os.urandom(8).hex()  # 64 random bits; uuid4() costs 7x more
+        sampling_values = dict(sampling.__dict__)
         for k in range(n or sampling.n):
-            seed = zlib.crc32(f"{base_seed}:{i}:{k}".encode())
-            items.append(
-                AgentRolloutItem(
-                    uid=f"{group_id}-{k}",
-                    group_id=group_id,
-                    index=len(items),
-                    sample_index=k,
-                    data=row,
-                    sampling=sampling.model_copy(update={"seed": seed}),
-                    artifacts={},
-                    records=[],
-                    status=None,
-                    finish_reason=None,
-                    raw_finish_reason=None,
-                    exit_reason=None,
-                    error=None,
-                    error_stage=None,
-                    queued_at=None,
-                    started_at=None,
-                    ended_at=None,
-                )
-            )
+            sampling_values["seed"] = zlib.crc32(f"{base_seed}:{i}:{k}".encode())
+            items.append(construct(AgentRolloutItem, {
+                "uid": f"{group_id}-{k}",
+                "group_id": group_id,
+                "index": len(items),
+                "sample_index": k,
+                "data": row,
+                "sampling": construct(SamplingParams, sampling_values.copy()),
+                "artifacts": {},
+                "records": [],
+                "status": None,
+                "finish_reason": None,
+                "raw_finish_reason": None,
+                "exit_reason": None,
+                "error": None,
+                "error_stage": None,
+                "queued_at": None,
+                "started_at": None,
+                "ended_at": None,
+            }))
     return items

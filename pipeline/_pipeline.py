@@ -14,9 +14,10 @@ from typing import Any
 import structlog
 
 from pipeline._cancel import cancel_requested
-from pipeline._cleanup import run_cleanups
+from pipeline._cleanup import cleanup_steps, run_cleanups
 from pipeline._config import PipelineConfig, merge_config
 from pipeline._context import Context, Resources
+from pipeline._deadline import deadline_wheel, disarm
 from pipeline._exceptions import ConfigError, ContractError, SampleAborted
 from pipeline._fill import SampleBuilder, fill_sample, minimal_sample
 from pipeline._items import make_items
@@ -335,8 +336,12 @@ class Pipeline:
         if slots is None:
             slots = self._slots[loop] = FifoSlots(self.config.max_concurrency)
         try:
-            async with slots:
-                await self._execute(run, batch)
+            if not slots.take_now():
+                await slots.wait()
+            try:
+                await self._execute(run, batch, loop)
+            finally:
+                slots.release()
         except asyncio.CancelledError:
             # Cancelled while queued for a slot (no stage ran yet), or re-raised by
             # _settle because the batch itself was cancelled.
@@ -363,9 +368,9 @@ class Pipeline:
                 _logger.error("on_sample_done_failed", uid=item.uid, error=repr(exc))
         return sample
 
-    async def _execute(self, run: SampleRun, batch: Batch) -> None:
+    async def _execute(self, run: SampleRun, batch: Batch,
+                       loop: asyncio.AbstractEventLoop) -> None:
         item = run.item
-        loop = asyncio.get_running_loop()
         timeout = self.config.sample_timeout_s
         deadline = None if timeout is None else loop.time() + timeout
         ctx = run.ctx = Context(self.resources, self.config, item, deadline)
@@ -374,18 +379,28 @@ class Pipeline:
         item.started_at = time.monotonic()
         self._inflight[item.uid] = ctx
         try:
-            scope = asyncio.timeout_at(deadline)
+            task = asyncio.current_task()
+            window = None
+            if deadline is not None and task is not None:
+                window = deadline_wheel(loop).arm(ctx, task)
             try:
-                async with scope:
+                try:
                     for stage in self.stages:
                         await run_stage(stage, item, ctx)
+                finally:
+                    if window is not None:
+                        disarm(window, ctx)
+                    if ctx.timed_out and task is not None:
+                        task.uncancel()  # the deadline's cancel, taken back as asyncio.timeout does
             except (Exception, asyncio.CancelledError) as exc:
-                self._settle(exc, run, batch, scope.expired() or ctx.deadline_passed())
+                self._settle(exc, run, batch, ctx.deadline_passed())
             else:
                 end(item, Status.COMPLETED, None)
         finally:
             try:
-                await run_cleanups(item, ctx, self.config.cleanup_timeout_s)
+                steps = cleanup_steps(item, ctx)
+                if steps:
+                    await run_cleanups(steps, item, ctx, self.config.cleanup_timeout_s)
             finally:
                 item.ended_at = time.monotonic()
                 self._inflight.pop(item.uid, None)

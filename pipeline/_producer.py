@@ -118,7 +118,9 @@ class Producer:
         Raises:
             BaseExceptionGroup: a sample raised a ``BaseException`` that is not ours to stop.
         """
-        run = await self._finished.get()
+        return await self._checked(await self._finished.get())
+
+    async def _checked(self, run: SampleRun) -> SampleRun:
         self.unfinished -= 1
         task = run.task
         assert task is not None
@@ -141,7 +143,7 @@ class Producer:
             finally:
                 self._all_done = None
         while self.unfinished and not self._finished.empty():
-            await self.next_finished()
+            await self._checked(self._finished.get_nowait())
         if self.unfinished:  # woken early by a fatal error already handled above, or more runs
             await self.wait_all()
 

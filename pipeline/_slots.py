@@ -23,15 +23,25 @@ class FifoSlots:
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def __aenter__(self) -> None:
-        if self.free > 0 and not self.waiters:
-            self.free -= 1
-            return
-        await wait_in_line(self.waiters, self._release)
+        if not self.take_now():
+            await self.wait()
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self._release()
+        self.release()
 
-    def _release(self) -> None:
+    def take_now(self) -> bool:
+        """Take a free slot without waiting, if one is free and nobody queues for one."""
+        if self.free > 0 and not self.waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def wait(self) -> None:
+        """Queue for a slot (FIFO) and hold it once granted; :meth:`release` gives it back."""
+        await wait_in_line(self.waiters, self.release)
+
+    def release(self) -> None:
+        """Give a held slot back: to the first waiter still waiting, else to the pool."""
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():

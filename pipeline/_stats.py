@@ -34,6 +34,8 @@ def compute_stats(
     rewards = np.array([s.reward for s in samples if s.reward is not None], dtype=float)
     latencies = np.array([lat for it in items if (lat := _latency(it)) is not None], dtype=float)
     pct = np.percentile(latencies, [50, 95, 99]).tolist() if latencies.size else [None, None, None]
+    counters = _totals(items, (A.TOOL_CALLS, A.TOOL_ERRORS, A.TEMPLATE_DRIFT, A.LIMITER_WAIT_S),
+                       skipped)
     return BatchStats(
         num_samples=len(samples),
         by_status=dict(Counter(s.status.value for s in samples)),
@@ -51,10 +53,10 @@ def compute_stats(
         prompt_tokens=sum(len(s.prompt_ids) for s in samples),
         response_tokens=sum(len(s.response_ids) for s in samples),
         model_tokens=sum(sum(s.response_mask) for s in samples),
-        tool_calls=int(_total(items, A.TOOL_CALLS, skipped)),
-        tool_errors=int(_total(items, A.TOOL_ERRORS, skipped)),
-        template_drift=int(_total(items, A.TEMPLATE_DRIFT, skipped)),
-        limiter_wait_s=float(_total(items, A.LIMITER_WAIT_S, skipped)),
+        tool_calls=int(counters[0]),
+        tool_errors=int(counters[1]),
+        template_drift=int(counters[2]),
+        limiter_wait_s=float(counters[3]),
         wall_time_s=wall_time_s,
         skipped_values=dict(skipped),
     )
@@ -85,17 +87,22 @@ def _latency(item: AgentRolloutItem) -> float | None:
     return latency if is_finite_number(latency) else None
 
 
-def _total(items: Sequence[AgentRolloutItem], key: str, skipped: Counter[str]) -> float:
-    """Sum of a numeric counter artifact over items; values that are not finite numbers in
-    ``[0, COUNTER_LIMIT]`` (a custom stage's own meaning, or a bug) are skipped and counted."""
-    total = 0.0
+def _totals(items: Sequence[AgentRolloutItem], keys: tuple[str, ...],
+            skipped: Counter[str]) -> list[float]:
+    """Sums of numeric counter artifacts over items (one pass); values that are not finite
+    numbers in ``[0, COUNTER_LIMIT]`` (a custom stage's own meaning, or a bug) are skipped
+    and counted."""
+    totals = [0.0] * len(keys)
     for item in items:
         artifacts: Any = item.artifacts
-        value = artifacts.get(key) if isinstance(artifacts, dict) else None
-        if value is None:
+        if not isinstance(artifacts, dict):
             continue
-        if is_finite_number(value) and 0 <= value <= COUNTER_LIMIT:
-            total += float(value)
-        else:
-            skipped[key] += 1
-    return total if math.isfinite(total) else 0.0
+        for k, key in enumerate(keys):
+            value = artifacts.get(key)
+            if value is None:
+                continue
+            if is_finite_number(value) and 0 <= value <= COUNTER_LIMIT:
+                totals[k] += float(value)
+            else:
+                skipped[key] += 1
+    return [total if math.isfinite(total) else 0.0 for total in totals]

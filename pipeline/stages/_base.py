@@ -42,14 +42,13 @@ class Stage(Protocol):
 
 
 class FunctionStage:
-    """Adapts a bare ``async def f(item, ctx)`` to the :class:`Stage` protocol."""
+    """Adapts a bare ``async def f(item, ctx)`` to the :class:`Stage` protocol: ``run`` is
+    the function itself (no wrapping coroutine per stage run)."""
 
     def __init__(self, fn: StageFunction, name: str | None = None) -> None:
         self.fn = fn
+        self.run = fn
         self.name: str = name or str(getattr(fn, "__name__", type(fn).__name__))
-
-    async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
-        await self.fn(item, ctx)
 
     def __repr__(self) -> str:
         return f"FunctionStage({self.name})"
@@ -84,7 +83,7 @@ def as_stage(obj: Any, position: int | str = "?") -> Stage:
     if inspect.iscoroutinefunction(obj) or (
         callable(obj) and inspect.iscoroutinefunction(type(obj).__call__)
     ):
-        return FunctionStage(obj)
+        return FunctionStage(obj)  # type: ignore[return-value]  # run: the async function
     raise StageDefinitionError(
         f"stage {position} ({obj!r}) is not a stage: pass an object with 'name' and "
         f"'async def run(item, ctx)', or an 'async def f(item, ctx)' function"

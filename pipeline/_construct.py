@@ -1,0 +1,40 @@
+"""Models built on the hot path from values that are valid by construction.
+
+``make_items`` builds one :class:`~pipeline.AgentRolloutItem` and one sampling copy per sample
+from parts that were validated a moment before (the row, the merged sampling parameters) and
+values the runner made itself (uids, seeds, empty lists). Running pydantic's validation again
+cost 4-6 µs per sample; :func:`construct` does what ``model_construct`` does without its
+per-field Python loop (which is slower than validating).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+M = TypeVar("M", bound=BaseModel)
+
+_new = object.__new__
+_set = object.__setattr__
+_ALL_FIELDS: dict[type[BaseModel], set[str]] = {}
+
+
+def construct(cls: type[M], values: dict[str, Any]) -> M:
+    """An instance of ``cls`` holding ``values`` (every field, each already valid), unvalidated.
+
+    The instances share one set of field names as their "fields set": every field is set, so
+    pydantic's assignment (which adds the assigned name) never changes it, and each sample
+    keeps one object less for the collector to walk. Only for models without private
+    attributes or extra fields.
+    """
+    fields = _ALL_FIELDS.get(cls)
+    if fields is None:
+        fields = _ALL_FIELDS[cls] = set(cls.model_fields)
+    assert len(values) == len(fields), f"{cls.__name__}: every field must be given"
+    obj = _new(cls)
+    _set(obj, "__dict__", values)
+    _set(obj, "__pydantic_fields_set__", fields)
+    _set(obj, "__pydantic_extra__", None)
+    _set(obj, "__pydantic_private__", None)
+    return obj
