@@ -22,6 +22,8 @@ from pipeline._models import (
     is_finite_number,
 )
 
+_ERROR = ExitReason.ERROR.value
+
 SampleBuilder = Callable[[AgentRolloutItem, Context], RolloutSample]
 """Turns a finished item into its trainer view; pass your own to ``Pipeline(fill=...)``."""
 
@@ -37,10 +39,11 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
     """
     art = item.artifacts
     status = item.status or Status.FAILED
-    response_ids: list[int] = list(art.get(A.RESPONSE_IDS, ()))
-    mask: list[int] = list(art.get(A.RESPONSE_MASK, ()))
+    # The model's validation copies lists and dicts; only other iterables are listed here.
+    response_ids: list[int] = _as_list(art.get(A.RESPONSE_IDS, ()))
+    mask: list[int] = _as_list(art.get(A.RESPONSE_MASK, ()))
     logprobs_raw = art.get(A.LOGPROBS)
-    logprobs: list[float] | None = None if logprobs_raw is None else list(logprobs_raw)
+    logprobs: list[float] | None = None if logprobs_raw is None else _as_list(logprobs_raw)
     if len(mask) != len(response_ids):
         raise ContractError(
             f"sample {item.uid}: response_mask has {len(mask)} entries for "
@@ -59,23 +62,31 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
         uid=item.uid,
         group_id=item.group_id,
         index=item.index,
-        prompt_ids=list(art.get(A.PROMPT_IDS, ())),
+        prompt_ids=_as_list(art.get(A.PROMPT_IDS, ())),
         response_ids=response_ids,
         response_mask=[0] * len(mask) if masked else mask,
         logprobs=logprobs,
         reward=None if masked or reward is None else float(reward),
-        reward_payload=dict(art.get(A.REWARD_PAYLOAD) or {}),
+        reward_payload=_as_dict(art.get(A.REWARD_PAYLOAD) or {}),
         status=status,
         finish_reason=item.finish_reason or FinishReason.ERROR,
         raw_finish_reason=item.raw_finish_reason,
         masked=masked,
-        exit_reason=item.exit_reason or ExitReason.ERROR.value,
+        exit_reason=item.exit_reason or _ERROR,
         error=item.error,
         policy_version=art.get(A.POLICY_VERSION),
         routed_experts=art.get(A.ROUTED_EXPERTS),
         tool_turns=int(art.get(A.TOOL_TURNS, 0)),
-        extra_fields=dict(art.get(A.EXTRA_FIELDS) or {}),
+        extra_fields=_as_dict(art.get(A.EXTRA_FIELDS) or {}),
     )
+
+
+def _as_list(values: Any) -> list[Any]:
+    return values if type(values) is list else list(values)
+
+
+def _as_dict(values: Any) -> dict[Any, Any]:
+    return values if type(values) is dict else dict(values)
 
 
 def minimal_sample(item: AgentRolloutItem, pad_token_id: int, error: str) -> RolloutSample:

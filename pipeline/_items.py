@@ -23,11 +23,14 @@ def make_items(rows: Iterable[Any], n: int | None, config: PipelineConfig,
     check_rows_argument(rows)
     items: list[AgentRolloutItem] = []
     for i, raw in enumerate(rows, start):
-        if isinstance(raw, AgentRolloutItem):
+        if type(raw) is dict:  # the common case first: the model classes' checks cost more
+            row = parse_row(raw, i)
+        elif isinstance(raw, AgentRolloutItem):
             raw.index = len(items)
             items.append(raw)
             continue
-        row = parse_row(raw, i) if not isinstance(raw, DatasetRow) else raw
+        else:
+            row = raw if isinstance(raw, DatasetRow) else parse_row(raw, i)
         sampling = config.sampling.with_overrides(row.sampling, where=f"row {i}: sampling")
         base_seed = config.seed if sampling.seed is None else sampling.seed
         group_id = os.urandom(8).hex()  # 64 random bits; uuid4() costs 7x more

@@ -19,6 +19,8 @@ from pipeline._rows import DatasetRow
 
 def is_finite_number(value: Any) -> bool:
     """Whether ``value`` is a real number (not a bool) that is neither NaN nor infinite."""
+    if type(value) is float:  # the common case, before the costlier ABC check
+        return math.isfinite(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False
     try:

@@ -27,6 +27,8 @@ _EXIT = {
     Status.TIMEOUT: ExitReason.TIMEOUT,
     Status.ABORTED: ExitReason.ABORT,
 }
+_EXIT_TEXT = {status: reason.value for status, reason in _EXIT.items()}
+_DONE = ExitReason.DONE.value  # read once: an Enum member's .value is a Python property
 
 
 def end(item: AgentRolloutItem, status: Status, error: str | None) -> None:
@@ -39,10 +41,10 @@ def end(item: AgentRolloutItem, status: Status, error: str | None) -> None:
             raise ContractError("a stage replaced item.records or item.artifacts")
         if status is Status.COMPLETED:
             item.finish_reason = item.finish_reason or FinishReason.STOP
-            item.exit_reason = item.artifacts.get(A.EXIT_REASON) or ExitReason.DONE.value
+            item.exit_reason = item.artifacts.get(A.EXIT_REASON) or _DONE
         else:
             item.finish_reason = _FINISH[status]
-            item.exit_reason = _EXIT[status].value
+            item.exit_reason = _EXIT_TEXT[status]
             item.error_stage = failed_stage(item)
     except Exception as exc:
         force_end(item, Status.FAILED, f"{error or 'ending the sample'}; the item is "

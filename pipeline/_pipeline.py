@@ -75,6 +75,18 @@ class InflightSample:
     in_stage_s: float | None
 
 
+class _LoopState:
+    """What a pipeline's samples on one event loop share: its concurrency slots, and the
+    loop's slice clock and deadline wheel (looked up once per loop, not per sample)."""
+
+    __slots__ = ("deadlines", "slice", "slots")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_concurrency: int) -> None:
+        self.slots = FifoSlots(max_concurrency)
+        self.slice = loop_slice(loop)
+        self.deadlines = deadline_wheel(loop)
+
+
 _RUNNING: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 
 
@@ -123,7 +135,7 @@ class Pipeline:
             raise ConfigError(f"fill must be callable, got {fill!r}")
         self.fill = fill
         # Slots are per event loop: a pipeline may serve a trainer's loop and a thread's loop.
-        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, FifoSlots] = (
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
             weakref.WeakKeyDictionary()
         )
         self._inflight: dict[str, Context] = {}
@@ -298,7 +310,10 @@ class Pipeline:
         """The sample a finished run produced; a task that ended without one (cancelled
         from outside, or raised through every guard) still yields a masked sample."""
         task = run.task
-        if task is not None and task.done() and not task.cancelled():
+        if task is None:  # its batch was cancelled before its task was made
+            force_end(run.item, Status.ABORTED, BATCH_CANCELLED)
+            return self._build(run.item, run.ctx)
+        if task.done() and not task.cancelled():
             exc = task.exception()
             if exc is None:
                 return task.result()
@@ -332,27 +347,30 @@ class Pipeline:
         item = run.item
         item.queued_at = time.monotonic()
         loop = asyncio.get_running_loop()
-        slots = self._slots.get(loop)
-        if slots is None:
-            slots = self._slots[loop] = FifoSlots(self.config.max_concurrency)
-        try:
-            if not slots.take_now():
-                await slots.wait()
+        state = self._loops.get(loop)
+        if state is None:
+            state = self._loops[loop] = _LoopState(loop, self.config.max_concurrency)
+        if run.abort_requested:  # over-sampling had enough before this task was made
+            force_end(item, Status.ABORTED, ENOUGH)
+        else:
             try:
-                await self._execute(run, batch, loop)
-            finally:
-                slots.release()
-        except asyncio.CancelledError:
-            # Cancelled while queued for a slot (no stage ran yet), or re-raised by
-            # _settle because the batch itself was cancelled.
-            if batch.cancelled:
+                if not state.slots.take_now():
+                    await state.slots.wait()
+                try:
+                    await self._execute(run, batch, loop, state)
+                finally:
+                    state.slots.release()
+            except asyncio.CancelledError:
+                # Cancelled while queued for a slot (no stage ran yet), or re-raised by _settle
+                # because the batch itself was cancelled.
+                if batch.cancelled:
+                    if item.status is None:
+                        force_end(item, Status.ABORTED, BATCH_CANCELLED)
+                    raise
+                uncancel()
                 if item.status is None:
-                    force_end(item, Status.ABORTED, BATCH_CANCELLED)
-                raise
-            uncancel()
-            if item.status is None:
-                force_end(item, Status.ABORTED,
-                           ENOUGH if run.abort_requested else OUTSIDE_CANCEL)
+                    force_end(item, Status.ABORTED,
+                               ENOUGH if run.abort_requested else OUTSIDE_CANCEL)
         sample = self._build(item, run.ctx)
         with self._lock:
             self.samples_done += 1
@@ -368,21 +386,21 @@ class Pipeline:
                 _logger.error("on_sample_done_failed", uid=item.uid, error=repr(exc))
         return sample
 
-    async def _execute(self, run: SampleRun, batch: Batch,
-                       loop: asyncio.AbstractEventLoop) -> None:
+    async def _execute(self, run: SampleRun, batch: Batch, loop: asyncio.AbstractEventLoop,
+                       state: _LoopState) -> None:
         item = run.item
         timeout = self.config.sample_timeout_s
         deadline = None if timeout is None else loop.time() + timeout
         ctx = run.ctx = Context(self.resources, self.config, item, deadline)
         ctx.abort_requested = run.abort_requested
-        ctx.loop_slice = loop_slice(loop)
+        ctx.loop_slice = state.slice
         item.started_at = time.monotonic()
         self._inflight[item.uid] = ctx
         try:
-            task = asyncio.current_task()
+            task = run.task or asyncio.current_task()  # the producer made run.task
             window = None
             if deadline is not None and task is not None:
-                window = deadline_wheel(loop).arm(ctx, task)
+                window = state.deadlines.arm(ctx, task)
             try:
                 try:
                     for stage in self.stages:

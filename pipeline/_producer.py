@@ -10,6 +10,7 @@ task group would.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
@@ -22,12 +23,15 @@ from pipeline._models import AgentRolloutItem, RolloutSample
 class SampleRun:
     """One sample's task and what the runner knows of it."""
 
-    __slots__ = ("abort_requested", "ctx", "item", "task")
+    __slots__ = ("abort_requested", "begun", "ctx", "item", "task")
 
     def __init__(self, item: AgentRolloutItem) -> None:
         self.item = item
         self.ctx: Context | None = None
         self.task: asyncio.Task[RolloutSample] | None = None
+        self.begun = False
+        """Whether the task has taken its first step (a task cancelled before it never
+        runs its coroutine, so it would never be handed over)."""
         self.abort_requested = False
 
 
@@ -43,14 +47,14 @@ class Batch:
         self.runs: list[SampleRun] = []
 
     def abort_rest(self) -> None:
-        """Abort every sample still running or queued (over-sampling had enough)."""
+        """Abort every sample still running or queued (over-sampling had enough); one whose
+        task has not been made or has not started yet ends as aborted as soon as it starts."""
         for run in self.runs:
-            if (
-                run.task is not None
-                and not run.task.done()
-                and not run.abort_requested
-                and run.item.status is None
-            ):
+            if run.abort_requested or run.item.status is not None:
+                continue
+            if run.task is None or not run.begun:  # it sees the flag when it starts
+                run.abort_requested = True
+            elif not run.task.done():
                 run.abort_requested = True
                 if run.ctx is not None:
                     run.ctx.abort_requested = True
@@ -70,6 +74,13 @@ def check_callback(on_sample_done: object) -> None:
                           f"got {on_sample_done!r:.60}", field="on_sample_done")
 
 
+START_CHUNK = 256
+"""Sample tasks a producer makes per event-loop iteration. A 10,000-sample batch then starts
+over 40 iterations instead of making 10,000 tasks in one go: the loop's timers run in
+between, and samples that only queue for a concurrency slot do not yet hold a task, its
+coroutines and a waiter each (objects the collector would walk)."""
+
+
 class Producer:
     """Starts sample tasks and hands each back once it has finished, in finishing order."""
 
@@ -80,24 +91,35 @@ class Producer:
         self._finished: asyncio.Queue[SampleRun] = asyncio.Queue()
         self._running = 0
         self._all_done: asyncio.Future[None] | None = None
+        self._unstarted: collections.deque[SampleRun] = collections.deque()
 
     def start(self, items: Iterable[AgentRolloutItem]) -> list[SampleRun]:
-        """Start one task per item; they run until done, aborted, or :meth:`cancel`."""
+        """Start one task per item (the first :data:`START_CHUNK` now, the rest in later
+        loop iterations); they run until done, aborted, or :meth:`cancel`."""
+        runs = [SampleRun(item) for item in items]
+        self.batch.runs.extend(runs)
+        self.unfinished += len(runs)
+        self._running += len(runs)
+        idle = not self._unstarted
+        self._unstarted.extend(runs)
+        if idle:
+            self._start_chunk()
+        return runs
+
+    def _start_chunk(self) -> None:
         loop = asyncio.get_running_loop()
-        started = []
-        for item in items:
-            run = SampleRun(item)
-            run.task = loop.create_task(self._run(run), name=f"sample:{item.uid}")
-            self.batch.runs.append(run)
-            started.append(run)
-        self.unfinished += len(started)
-        self._running += len(started)
-        return started
+        unstarted = self._unstarted
+        for _ in range(min(START_CHUNK, len(unstarted))):
+            run = unstarted.popleft()
+            run.task = loop.create_task(self._run(run), name=f"sample:{run.item.uid}")
+        if unstarted:
+            loop.call_soon(self._start_chunk)
 
     async def _run(self, run: SampleRun) -> RolloutSample:
         # Handed over from the task's last step (no done-callback, one loop handle less per
         # sample): the task is done by the time the consumer wakes up to look at it.
         fatal = False
+        run.begun = True
         try:
             return await self.run_sample(run, self.batch)
         except (Exception, asyncio.CancelledError):
@@ -151,6 +173,10 @@ class Producer:
         """Cancel every unfinished sample and wait for all of them (cleanups run), even if
         the caller is cancelled meanwhile; re-raises that cancellation afterwards."""
         self.batch.cancelled = True
+        never_started = len(self._unstarted)
+        self._unstarted.clear()  # the scheduled _start_chunk then finds nothing to start
+        self.unfinished -= never_started
+        self._running -= never_started
         tasks = [run.task for run in self.batch.runs if run.task is not None]
         for task in tasks:
             task.cancel()

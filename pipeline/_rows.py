@@ -55,10 +55,10 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
     Raises:
         RowError: naming the row and the field that is missing or invalid.
     """
-    if isinstance(raw, DatasetRow):
+    if type(raw) is not dict and isinstance(raw, DatasetRow):  # dicts: skip the ABC checks
         return raw
     where = f"row {index}" if index is not None else "row"
-    if not isinstance(raw, Mapping):
+    if type(raw) is not dict and not isinstance(raw, Mapping):
         hint = ("; rows are dicts: a single row or a path? pass [row] or load_rows(path)"
                 if isinstance(raw, str | bytes) else "")
         raise RowError(f"{where}: expected a mapping, got {type(raw).__name__} {raw!r:.40}{hint}",
@@ -122,7 +122,7 @@ def _check_messages(messages: Any, where: str, index: int | None,
         )
     for i, msg in enumerate(messages):
         field = f"{source}.{i}"
-        if not isinstance(msg, Mapping):
+        if type(msg) is not dict and not isinstance(msg, Mapping):
             raise RowError(
                 f"{where}: field '{field}' must be a mapping with 'role' and 'content'",
                 row_index=index,

@@ -12,7 +12,14 @@ import numpy as np
 import structlog
 
 from pipeline import artifacts as A
-from pipeline._models import AgentRolloutItem, BatchStats, RolloutSample, is_finite_number
+from pipeline._models import (
+    AgentRolloutItem,
+    BatchStats,
+    FinishReason,
+    RolloutSample,
+    Status,
+    is_finite_number,
+)
 
 _logger = structlog.get_logger("pipeline")
 
@@ -30,17 +37,32 @@ def compute_stats(
     sums and counted in ``skipped_values``.
     """
     skipped: Counter[str] = Counter()
-    turns = [s.tool_turns for s in samples]
-    rewards = np.array([s.reward for s in samples if s.reward is not None], dtype=float)
+    statuses: list[Status] = []
+    finishes: list[FinishReason] = []
+    exits: list[str] = []
+    turns: list[int] = []
+    reward_list: list[float] = []
+    prompt_tokens = response_tokens = model_tokens = 0
+    for s in samples:  # one pass: a batch holds thousands of samples
+        statuses.append(s.status)  # the members, not .value: Enum's property is slow
+        finishes.append(s.finish_reason)
+        exits.append(s.exit_reason)
+        turns.append(s.tool_turns)
+        if s.reward is not None:
+            reward_list.append(s.reward)
+        prompt_tokens += len(s.prompt_ids)
+        response_tokens += len(s.response_ids)
+        model_tokens += sum(s.response_mask)
+    rewards = np.array(reward_list, dtype=float)
     latencies = np.array([lat for it in items if (lat := _latency(it)) is not None], dtype=float)
     pct = np.percentile(latencies, [50, 95, 99]).tolist() if latencies.size else [None, None, None]
     counters = _totals(items, (A.TOOL_CALLS, A.TOOL_ERRORS, A.TEMPLATE_DRIFT, A.LIMITER_WAIT_S),
                        skipped)
     return BatchStats(
         num_samples=len(samples),
-        by_status=dict(Counter(s.status.value for s in samples)),
-        by_finish_reason=dict(Counter(s.finish_reason.value for s in samples)),
-        by_exit_reason=dict(Counter(s.exit_reason for s in samples)),
+        by_status={key.value: count for key, count in Counter(statuses).items()},
+        by_finish_reason={key.value: count for key, count in Counter(finishes).items()},
+        by_exit_reason=dict(Counter(exits)),
         tool_turns_mean=float(np.mean(turns)) if turns else 0.0,
         tool_turns_min=min(turns, default=0),
         tool_turns_max=max(turns, default=0),
@@ -50,9 +72,9 @@ def compute_stats(
         latency_p95_s=pct[1],
         latency_p99_s=pct[2],
         latency_max_s=float(latencies.max()) if latencies.size else None,
-        prompt_tokens=sum(len(s.prompt_ids) for s in samples),
-        response_tokens=sum(len(s.response_ids) for s in samples),
-        model_tokens=sum(sum(s.response_mask) for s in samples),
+        prompt_tokens=prompt_tokens,
+        response_tokens=response_tokens,
+        model_tokens=model_tokens,
         tool_calls=int(counters[0]),
         tool_errors=int(counters[1]),
         template_drift=int(counters[2]),

@@ -115,17 +115,7 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     """
     ctx.mark_started(stage)
     start = ctx.stage_started or time.monotonic()
-    record = StageRecord(
-        name=stage.name,
-        phase="run",
-        turn=ctx.turn,
-        start=start,
-        start_wall=time.time(),
-        end=None,
-        status=Status.COMPLETED,
-        error_type=None,
-        error_message=None,
-    )
+    record = StageRecord(name=stage.name, turn=ctx.turn, start=start, start_wall=time.time())
     item.records.append(record)
     try:
         if ctx.loop_slice is not None and ctx.loop_slice.spent():
