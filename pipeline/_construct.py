@@ -1,4 +1,4 @@
-"""Models built on the hot path from values that are valid by construction.
+"""Models built and updated on the hot path from values that are valid by construction.
 
 ``make_items`` builds one :class:`~pipeline.AgentRolloutItem` and one sampling copy per sample
 from parts that were validated a moment before (the row, the merged sampling parameters) and
@@ -38,3 +38,10 @@ def construct(cls: type[M], values: dict[str, Any]) -> M:
     _set(obj, "__pydantic_extra__", None)
     _set(obj, "__pydantic_private__", None)
     return obj
+
+
+def set_fields(model: BaseModel, values: dict[str, Any]) -> None:
+    """Assign runner-made values (timestamps, end states) to fields of a model that validates
+    nothing on assignment, as one dict update: pydantic's ``__setattr__`` costs about 0.4 µs
+    a field, paid several times per sample."""
+    model.__dict__.update(values)

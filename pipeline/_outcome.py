@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 from pipeline import artifacts as A
+from pipeline._construct import set_fields
 from pipeline._exceptions import ContractError
 from pipeline._models import AgentRolloutItem, ExitReason, FinishReason, Status
 
@@ -35,13 +36,12 @@ def end(item: AgentRolloutItem, status: Status, error: str | None) -> None:
     """Record how the sample ended; falls back to :func:`_force_end` when a stage left the
     item in a state this cannot read (wrongly typed artifacts or records)."""
     try:
-        item.status = status
-        item.error = error
+        set_fields(item, {"status": status, "error": error})
         if not isinstance(item.records, list) or not isinstance(item.artifacts, dict):
             raise ContractError("a stage replaced item.records or item.artifacts")
         if status is Status.COMPLETED:
-            item.finish_reason = item.finish_reason or FinishReason.STOP
-            item.exit_reason = item.artifacts.get(A.EXIT_REASON) or _DONE
+            set_fields(item, {"finish_reason": item.finish_reason or FinishReason.STOP,
+                              "exit_reason": item.artifacts.get(A.EXIT_REASON) or _DONE})
         else:
             item.finish_reason = _FINISH[status]
             item.exit_reason = _EXIT_TEXT[status]

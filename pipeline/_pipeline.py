@@ -16,6 +16,7 @@ import structlog
 from pipeline._cancel import cancel_requested
 from pipeline._cleanup import cleanup_steps, run_cleanups
 from pipeline._config import PipelineConfig, merge_config
+from pipeline._construct import set_fields
 from pipeline._context import Context, Resources
 from pipeline._deadline import deadline_wheel, disarm
 from pipeline._exceptions import ConfigError, ContractError, SampleAborted
@@ -309,6 +310,8 @@ class Pipeline:
     def sample_of(self, run: SampleRun) -> RolloutSample:
         """The sample a finished run produced; a task that ended without one (cancelled
         from outside, or raised through every guard) still yields a masked sample."""
+        if run.sample is not None:
+            return run.sample
         task = run.task
         if task is None:  # its batch was cancelled before its task was made
             force_end(run.item, Status.ABORTED, BATCH_CANCELLED)
@@ -345,7 +348,7 @@ class Pipeline:
         ``CancelledError`` when the batch itself is cancelled (and ``BaseException``s that
         are not ours to stop, such as ``KeyboardInterrupt``)."""
         item = run.item
-        item.queued_at = time.monotonic()
+        set_fields(item, {"queued_at": time.monotonic()})
         loop = asyncio.get_running_loop()
         state = self._loops.get(loop)
         if state is None:
@@ -394,7 +397,7 @@ class Pipeline:
         ctx = run.ctx = Context(self.resources, self.config, item, deadline)
         ctx.abort_requested = run.abort_requested
         ctx.loop_slice = state.slice
-        item.started_at = time.monotonic()
+        set_fields(item, {"started_at": time.monotonic()})
         self._inflight[item.uid] = ctx
         try:
             task = run.task or asyncio.current_task()  # the producer made run.task
@@ -420,7 +423,7 @@ class Pipeline:
                 if steps:
                     await run_cleanups(steps, item, ctx, self.config.cleanup_timeout_s)
             finally:
-                item.ended_at = time.monotonic()
+                set_fields(item, {"ended_at": time.monotonic()})
                 self._inflight.pop(item.uid, None)
         if item.status is not Status.COMPLETED and item.status is not None:
             ctx.log.debug("sample_ended", status=item.status.value, error=item.error)

@@ -23,12 +23,15 @@ from pipeline._models import AgentRolloutItem, RolloutSample
 class SampleRun:
     """One sample's task and what the runner knows of it."""
 
-    __slots__ = ("abort_requested", "begun", "ctx", "item", "task")
+    __slots__ = ("abort_requested", "begun", "ctx", "item", "sample", "task")
 
     def __init__(self, item: AgentRolloutItem) -> None:
         self.item = item
         self.ctx: Context | None = None
         self.task: asyncio.Task[RolloutSample] | None = None
+        """The sample's task; dropped (with ``ctx``) once it returned its sample, so a big
+        batch does not keep every finished task, coroutine and context alive."""
+        self.sample: RolloutSample | None = None
         self.begun = False
         """Whether the task has taken its first step (a task cancelled before it never
         runs its coroutine, so it would never be handed over)."""
@@ -52,9 +55,9 @@ class Batch:
         for run in self.runs:
             if run.abort_requested or run.item.status is not None:
                 continue
-            if run.task is None or not run.begun:  # it sees the flag when it starts
+            if not run.begun:  # its task, once made, sees the flag when it starts
                 run.abort_requested = True
-            elif not run.task.done():
+            elif run.task is not None and not run.task.done():
                 run.abort_requested = True
                 if run.ctx is not None:
                     run.ctx.abort_requested = True
@@ -121,12 +124,16 @@ class Producer:
         fatal = False
         run.begun = True
         try:
-            return await self.run_sample(run, self.batch)
+            sample = await self.run_sample(run, self.batch)
         except (Exception, asyncio.CancelledError):
             raise
         except BaseException:
             fatal = True
             raise
+        else:
+            run.sample = sample
+            run.task = run.ctx = None
+            return sample
         finally:
             self._finished.put_nowait(run)
             self._running -= 1
@@ -145,11 +152,11 @@ class Producer:
     async def _checked(self, run: SampleRun) -> SampleRun:
         self.unfinished -= 1
         task = run.task
-        assert task is not None
-        if not task.done():  # only a run that raised past every guard gets here unfinished
-            await asyncio.wait((task,))
-        if not task.cancelled() and not isinstance(exc := task.exception(), Exception | None):
-            raise BaseExceptionGroup("a sample raised a BaseException", [exc])
+        if task is not None:  # it ended without a sample: look at how
+            if not task.done():  # only a run that raised past every guard gets here unfinished
+                await asyncio.wait((task,))
+            if not task.cancelled() and not isinstance(exc := task.exception(), Exception | None):
+                raise BaseExceptionGroup("a sample raised a BaseException", [exc])
         return run
 
     async def wait_all(self) -> None:
