@@ -83,8 +83,11 @@ async def test_cancelling_a_batch_before_all_its_tasks_exist_leaves_nothing_behi
         await batch
     await asyncio.sleep(0.01)  # a chunk scheduled before the cancel must not start anything
     assert not sample_tasks()
-    assert sorted(cleaned) == sorted(started)  # cleanups ran for every started sample
-    assert len(started) < len(ROWS)
+    # Cleanups ran for every sample whose stage began (some parked at the stage's start by
+    # the loop slice, before run() was entered: their cleanup runs too), never for samples
+    # whose tasks were never made.
+    assert set(started) <= set(cleaned)
+    assert len(cleaned) < len(ROWS)
 
 
 async def test_leaving_a_stream_early_cancels_samples_not_made_yet():
