@@ -259,11 +259,13 @@ class Context:
         left = self.time_left()
         return left is not None and left <= 0
 
-    def mark_started(self, stage: Stage) -> None:
-        """Note that ``stage`` ran on this sample, so its cleanup runs once at the end."""
+    def mark_started(self, stage: Stage) -> float:
+        """Note that ``stage`` ran on this sample, so its cleanup runs once at the end;
+        returns the ``time.monotonic()`` it started at."""
         self._started_stages.setdefault(id(stage), stage)
         self.stage = stage.name
-        self.stage_started = time.monotonic()
+        self.stage_started = now = time.monotonic()
+        return now
 
     async def abort_engine_request(self, request_id: str) -> None:
         """Abort ``request_id`` on the engine from a cancellation path (timeout, abort).

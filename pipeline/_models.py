@@ -107,7 +107,7 @@ class AgentMessage(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-@dataclasses.dataclass(slots=True, kw_only=True)
+@dataclasses.dataclass(slots=True)
 class StageRecord:
     """One run of one stage on one sample (or the cleanup of a stage).
 

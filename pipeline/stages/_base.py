@@ -113,9 +113,8 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     A stage that leaves a reward that is not a finite number fails here, so the error names
     the stage that wrote it.
     """
-    ctx.mark_started(stage)
-    start = ctx.stage_started or time.monotonic()
-    record = StageRecord(name=stage.name, turn=ctx.turn, start=start, start_wall=time.time())
+    start = ctx.mark_started(stage)
+    record = StageRecord(stage.name, start, time.time(), "run", ctx.turn)  # positional: faster
     item.records.append(record)
     try:
         if ctx.loop_slice is not None and ctx.loop_slice.spent():
