@@ -23,6 +23,7 @@ from pipeline._models import (
 )
 
 _ERROR = ExitReason.ERROR.value
+_validate_sample = RolloutSample.__pydantic_validator__.validate_python
 
 SampleBuilder = Callable[[AgentRolloutItem, Context], RolloutSample]
 """Turns a finished item into its trainer view; pass your own to ``Pipeline(fill=...)``."""
@@ -58,7 +59,7 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
     reward = art.get(A.REWARD)
     if reward is not None and not is_finite_number(reward):
         raise ContractError(f"sample {item.uid}: reward is not a finite number: {reward!r}")
-    return RolloutSample(
+    return _validate_sample(dict(  # type: ignore[no-any-return]  # RolloutSample(...)'s core
         uid=item.uid,
         group_id=item.group_id,
         index=item.index,
@@ -78,7 +79,7 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
         routed_experts=art.get(A.ROUTED_EXPERTS),
         tool_turns=int(art.get(A.TOOL_TURNS, 0)),
         extra_fields=_as_dict(art.get(A.EXTRA_FIELDS) or {}),
-    )
+    ))
 
 
 def _as_list(values: Any) -> list[Any]:

@@ -43,6 +43,7 @@ class DatasetRow(BaseModel):
 
 
 _ROW_FIELDS = frozenset(DatasetRow.model_fields)  # the class property costs ~5 us a read
+_validate_row = DatasetRow.__pydantic_validator__.validate_python  # model_validate's core
 
 
 def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> DatasetRow:
@@ -101,7 +102,7 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
     _check_messages(data["messages"], where, index, source)
     _check_fields(data, where, index)
     try:
-        return DatasetRow.model_validate(data)
+        return _validate_row(data)  # type: ignore[no-any-return]
     except ValidationError as exc:
         raise RowError(
             f"{where}: {describe_validation_error(exc)}",
