@@ -13,7 +13,6 @@ deadline therefore fires at most :data:`RESOLUTION_S` late, never early.
 from __future__ import annotations
 
 import asyncio
-import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,10 +26,10 @@ Window = dict["Context", "asyncio.Task[object]"]
 
 
 class DeadlineWheel:
-    """The deadline windows of one event loop. It holds no reference to its loop, so the
-    loop's entry in the registry goes with the loop."""
+    """The deadline windows of one pipeline's samples on one event loop (it holds no
+    reference to the loop, so it goes with the loop's entry in the pipeline)."""
 
-    __slots__ = ("__weakref__", "_windows")
+    __slots__ = ("_windows",)
 
     def __init__(self) -> None:
         self._windows: dict[int, Window] = {}
@@ -57,15 +56,3 @@ class DeadlineWheel:
 def disarm(window: Window, ctx: Context) -> None:
     """Withdraw ``ctx``'s deadline (its stages ended); a no-op once the window fired."""
     window.pop(ctx, None)
-
-
-_WHEELS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DeadlineWheel] = (
-    weakref.WeakKeyDictionary())
-
-
-def deadline_wheel(loop: asyncio.AbstractEventLoop) -> DeadlineWheel:
-    """The deadline wheel of ``loop``."""
-    found = _WHEELS.get(loop)
-    if found is None:
-        found = _WHEELS[loop] = DeadlineWheel()
-    return found

@@ -18,7 +18,7 @@ from pipeline._cleanup import cleanup_steps, run_cleanups
 from pipeline._config import PipelineConfig, merge_config
 from pipeline._construct import set_fields
 from pipeline._context import Context, Resources
-from pipeline._deadline import deadline_wheel, disarm
+from pipeline._deadline import DeadlineWheel, disarm
 from pipeline._exceptions import ConfigError, ContractError, SampleAborted
 from pipeline._fill import SampleBuilder, fill_sample, minimal_sample
 from pipeline._items import make_items
@@ -77,15 +77,15 @@ class InflightSample:
 
 
 class _LoopState:
-    """What a pipeline's samples on one event loop share: its concurrency slots, and the
-    loop's slice clock and deadline wheel (looked up once per loop, not per sample)."""
+    """What a pipeline's samples on one event loop share: concurrency slots, deadline
+    windows and the loop's slice clock (looked up once per loop, not per sample)."""
 
     __slots__ = ("deadlines", "slice", "slots")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, max_concurrency: int) -> None:
         self.slots = FifoSlots(max_concurrency)
         self.slice = loop_slice(loop)
-        self.deadlines = deadline_wheel(loop)
+        self.deadlines = DeadlineWheel()
 
 
 _RUNNING: weakref.WeakSet[Pipeline] = weakref.WeakSet()
