@@ -89,15 +89,17 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
             )
         data.setdefault("ground_truth", reward_model.get("ground_truth"))
     extra = data.pop("extra", None) or {}
-    if not isinstance(extra, Mapping):
+    if type(extra) is not dict and not isinstance(extra, Mapping):
         raise RowError(f"{where}: field 'extra' must be a mapping, got {type(extra).__name__}",
                        row_index=index, field="extra")
-    extra = dict(extra)
     extra_info = data.pop("extra_info", None)
-    if extra_info is not None:
-        extra.setdefault("extra_info", extra_info)
-    for key in [k for k in data if k not in _ROW_FIELDS]:
-        extra[key] = data.pop(key)
+    unknown = data.keys() - _ROW_FIELDS
+    if extra_info is not None or unknown:
+        extra = dict(extra)  # the caller's mapping stays as it was
+        if extra_info is not None:
+            extra.setdefault("extra_info", extra_info)
+        for key in unknown:
+            extra[key] = data.pop(key)
     data["extra"] = extra
     _check_messages(data["messages"], where, index, source)
     _check_fields(data, where, index)
@@ -122,8 +124,8 @@ def _check_messages(messages: Any, where: str, index: int | None,
             field=source,
         )
     for i, msg in enumerate(messages):
-        field = f"{source}.{i}"
         if type(msg) is not dict and not isinstance(msg, Mapping):
+            field = f"{source}.{i}"
             raise RowError(
                 f"{where}: field '{field}' must be a mapping with 'role' and 'content'",
                 row_index=index,
@@ -131,17 +133,18 @@ def _check_messages(messages: Any, where: str, index: int | None,
             )
         if msg.get("role") not in _ROLES:
             raise RowError(
-                f"{where}: field '{field}.role' must be one of {_ROLES}, got {msg.get('role')!r}",
+                f"{where}: field '{source}.{i}.role' must be one of {_ROLES}, got "
+                f"{msg.get('role')!r}",
                 row_index=index,
-                field=f"{field}.role",
+                field=f"{source}.{i}.role",
             )
         content = msg.get("content")
         if content is not None and not isinstance(content, str | list):
             raise RowError(
-                f"{where}: field '{field}.content' must be a string, a list of parts "
+                f"{where}: field '{source}.{i}.content' must be a string, a list of parts "
                 f"or null, got {type(content).__name__}",
                 row_index=index,
-                field=f"{field}.content",
+                field=f"{source}.{i}.content",
             )
     if not any(m.get("role") == "user" and _has_text(m.get("content")) for m in messages):
         raise RowError(
