@@ -20,9 +20,9 @@ def cleanup_steps(item: AgentRolloutItem, ctx: Context) -> Steps:
     """The cleanups a finished sample needs: each started stage's ``cleanup`` (last started
     first), then the exit stack if a stage used it. Usually none, and then nothing is awaited."""
     steps: Steps = [
-        (stage.name, functools.partial(stage.cleanup, item, ctx))
+        (stage.name, functools.partial(cleanup, item, ctx))
         for stage in reversed(ctx.started_stages)
-        if hasattr(stage, "cleanup")
+        if (cleanup := getattr(stage, "cleanup", None)) is not None
     ]
     if ctx.has_exit_stack:
         steps.append(("exit_stack", ctx.exit_stack.aclose))

@@ -59,27 +59,27 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
     reward = art.get(A.REWARD)
     if reward is not None and not is_finite_number(reward):
         raise ContractError(f"sample {item.uid}: reward is not a finite number: {reward!r}")
-    return _validate_sample(dict(  # type: ignore[no-any-return]  # RolloutSample(...)'s core
-        uid=item.uid,
-        group_id=item.group_id,
-        index=item.index,
-        prompt_ids=_as_list(art.get(A.PROMPT_IDS, ())),
-        response_ids=response_ids,
-        response_mask=[0] * len(mask) if masked else mask,
-        logprobs=logprobs,
-        reward=None if masked or reward is None else float(reward),
-        reward_payload=_as_dict(art.get(A.REWARD_PAYLOAD) or {}),
-        status=status,
-        finish_reason=item.finish_reason or FinishReason.ERROR,
-        raw_finish_reason=item.raw_finish_reason,
-        masked=masked,
-        exit_reason=item.exit_reason or _ERROR,
-        error=item.error,
-        policy_version=art.get(A.POLICY_VERSION),
-        routed_experts=art.get(A.ROUTED_EXPERTS),
-        tool_turns=int(art.get(A.TOOL_TURNS, 0)),
-        extra_fields=_as_dict(art.get(A.EXTRA_FIELDS) or {}),
-    ))
+    return _validate_sample({  # type: ignore[no-any-return]  # RolloutSample(...)'s core
+        "uid": item.uid,
+        "group_id": item.group_id,
+        "index": item.index,
+        "prompt_ids": _as_list(art.get(A.PROMPT_IDS, ())),
+        "response_ids": response_ids,
+        "response_mask": [0] * len(mask) if masked else mask,
+        "logprobs": logprobs,
+        "reward": None if masked or reward is None else float(reward),
+        "reward_payload": _as_dict(art.get(A.REWARD_PAYLOAD) or {}),
+        "status": status,
+        "finish_reason": item.finish_reason or FinishReason.ERROR,
+        "raw_finish_reason": item.raw_finish_reason,
+        "masked": masked,
+        "exit_reason": item.exit_reason or _ERROR,
+        "error": item.error,
+        "policy_version": art.get(A.POLICY_VERSION),
+        "routed_experts": art.get(A.ROUTED_EXPERTS),
+        "tool_turns": int(art.get(A.TOOL_TURNS, 0)),
+        "extra_fields": _as_dict(art.get(A.EXTRA_FIELDS) or {}),
+    })
 
 
 def _as_list(values: Any) -> list[Any]:
