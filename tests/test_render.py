@@ -3,14 +3,15 @@
 The turn-delta shortcut: after an added token that strips no whitespace, the real tokenizer
 tokenizes what follows the same with or without that token, so the boundary check's second
 encode can be skipped; a token that may strip whitespace is still checked. ``decode_text``
-goes straight to the Rust tokenizer only where ``decode`` would give the same text."""
+goes straight to the Rust tokenizer only where ``decode`` would give the same text, and
+``encode_text`` only where ``encode`` would give the same ids."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline._render import plain_fast_backend, _splits_cleanly_after, decode_text
+from pipeline._render import _splits_cleanly_after, decode_text, encode_text, plain_fast_backend
 from pipeline.testing import ByteTokenizer
 
 pytest_plugins = ["_model_fixtures"]
@@ -73,3 +74,29 @@ def test_decode_text_leaves_other_tokenizers_to_their_decode(tiny_model_dir):
     byte = ByteTokenizer()
     ids = byte.encode("héllo")
     assert decode_text(byte, ids, skip_special_tokens=True) == "héllo"
+
+
+SPECIAL_TEXT = st.lists(st.one_of(TEXT, st.sampled_from(
+    ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "\n", " ", "assistant\n"])), max_size=6)
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=SPECIAL_TEXT)
+def test_encode_text_equals_encode(tiny_tokenizer, parts):
+    text = "".join(parts)
+    assert plain_fast_backend(tiny_tokenizer, encoding=True) is not None  # the shortcut
+    assert encode_text(tiny_tokenizer, text) == tiny_tokenizer.encode(
+        text, add_special_tokens=False)
+
+
+def test_encode_text_leaves_other_tokenizers_to_their_encode(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    splitting = AutoTokenizer.from_pretrained(tiny_model_dir)
+    splitting.split_special_tokens = True  # encode then splits "<|im_end|>" into pieces
+    assert plain_fast_backend(splitting, encoding=True) is None
+    assert encode_text(splitting, "<|im_end|>") == splitting.encode(
+        "<|im_end|>", add_special_tokens=False)
+    byte = ByteTokenizer()
+    assert encode_text(byte, "héllo") == byte.encode("héllo")
