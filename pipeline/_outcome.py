@@ -43,9 +43,9 @@ def end(item: AgentRolloutItem, status: Status, error: str | None) -> None:
             set_fields(item, {"finish_reason": item.finish_reason or FinishReason.STOP,
                               "exit_reason": item.artifacts.get(A.EXIT_REASON) or _DONE})
         else:
-            item.finish_reason = _FINISH[status]
-            item.exit_reason = _EXIT_TEXT[status]
-            item.error_stage = failed_stage(item)
+            set_fields(item, {"finish_reason": _FINISH[status],
+                              "exit_reason": _EXIT_TEXT[status],
+                              "error_stage": failed_stage(item)})
     except Exception as exc:
         force_end(item, Status.FAILED, f"{error or 'ending the sample'}; the item is "
                    f"malformed: {type(exc).__name__}: {exc}")

@@ -12,7 +12,7 @@ from pipeline import artifacts as A
 from pipeline._context import Context
 from pipeline._encode import batch_encoder
 from pipeline._models import AgentMessage, AgentRolloutItem
-from pipeline._render import render, render_prompt
+from pipeline._render import encode_text, render, render_prompt
 
 
 class BuildPrompt:
@@ -67,7 +67,7 @@ class BuildPrompt:
                 return await encoder.encode(text)
             except Exception:  # the same ids inline (e.g. another thread reconfigured it)
                 pass
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return encode_text(tokenizer, text)
 
 
 def prompt_size(messages: Sequence[Mapping[str, Any]],
