@@ -162,12 +162,22 @@ class SessionRecord(BaseModel):
     conversations: int = 1
 
 
-TOKEN_PAYLOADS: dict[str, Any] = {
-    "segments": {"__all__": {"prompt_ids", "response_ids", "response_mask", "logprobs",
-                             "raw_prompt"}},
-    "turns": {"__all__": {"prompt_ids", "response_ids", "logprobs"}},
+_MESSAGE_TOKENS = {"__all__": set(_TOKEN_FIELDS)}
+AGENT_VIEW: dict[str, Any] = {
+    "segments": {"__all__": {"prompt_ids": True, "response_ids": True, "response_mask": True,
+                             "logprobs": True, "raw_prompt": True,
+                             "messages": _MESSAGE_TOKENS}},
+    "turns": {"__all__": {"prompt_ids": True, "response_ids": True, "logprobs": True,
+                          "messages": _MESSAGE_TOKENS, "reply": set(_TOKEN_FIELDS)}},
 }
-"""``model_dump(exclude=...)`` of a record without token payloads (what an agent may read)."""
+"""``model_dump(exclude=...)`` of a record without any token payload (what an agent's own
+key reads, ``_access``): the segments' and turns' token lists, the rendered prompt, and the
+token ids, logprobs and engine finish reason of every message in them."""
+
+
+def agent_view(record: SessionRecord) -> dict[str, Any]:
+    """``record`` in its JSON form without token payloads (see :data:`AGENT_VIEW`)."""
+    return record.model_dump(mode="json", exclude=AGENT_VIEW)
 
 
 def session_record(session: Session, *, with_turns: bool = True,

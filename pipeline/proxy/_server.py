@@ -15,17 +15,21 @@ Routes (``{sid}`` is a session id)::
     POST   /sessions/{sid}/complete              mark completed; returns the record
     DELETE /sessions/{sid}                       forget it; aborts its engine requests
 
-Auth: every session has its own key; a session's routes take that key or the server's
-``api_key``, never another session's key. ``/health``, ``/v1/models`` and creating sessions
-need the server's ``api_key`` when one is configured (``/v1/models`` also takes any session
-key). Every error is an OpenAI-style JSON body with a 4xx/5xx status; an unexpected error is
-logged with its traceback and answered 500 without one; errors an agent must not retry are
-*final* (404 with ``x-should-retry: false``, see ``_errors``). A client that goes away
-mid-answer is logged as such, not as an error.
+Auth: one table, ``_access.ROUTE_ACCESS``, says per route what the server's ``api_key``, the
+session's own key and anyone else get; the middleware applies it and nothing else decides
+access. In short: a session's routes take that key or the server's key, never another
+session's; ``/health``, ``/v1/models`` and creating sessions need the server's key when one is
+configured (``/v1/models`` also takes any session key).
+
+Every error is an OpenAI-style JSON body with a 4xx/5xx status; an unexpected error is logged
+with its traceback and answered 500 without one; errors an agent must not retry are *final*
+(404 with ``x-should-retry: false``, see ``_errors``). A client that goes away mid-answer is
+logged as such, not as an error.
 
 The record: with the server's key, segments with their token ids and turns with their
 lengths (``?turn_tokens=true`` adds each turn's prompt ids: large, the prompt repeats per turn);
-with the session's own key, the same without any token payload (an agent can afford to read it).
+with the session's own key (``GET`` and ``complete``), the same without any token payload
+(``_records.AGENT_VIEW``: no token lists, rendered prompt, or message token ids/logprobs).
 
 Hostile or buggy agents: a reply is capped at ``max_tokens`` (default 16384), a request body
 must arrive within ``read_timeout_s`` (408), bodies over ``offload_bytes`` are decoded,
@@ -56,6 +60,7 @@ from pipeline._exceptions import ConfigError
 from pipeline._net import start_site
 from pipeline._tokenizer import Tokenizer
 from pipeline.engines import Engine
+from pipeline.proxy._access import AGENT, DENIED, FULL, ROUTE_ACCESS, SESSION_ROUTES, Grant
 from pipeline.proxy._errors import ProxyAuthError, ProxyError, ProxyRequestError
 from pipeline.proxy._policy import (
     CHAT_FIELDS,
@@ -64,7 +69,7 @@ from pipeline.proxy._policy import (
     check_fields,
     engine_enforces,
 )
-from pipeline.proxy._records import TOKEN_PAYLOADS, SessionRecord, session_record
+from pipeline.proxy._records import SessionRecord, agent_view, session_record
 from pipeline.proxy._responses import (
     ResponseLink,
     conversation_of,
@@ -337,34 +342,48 @@ class ProxyServer:
             return _error(ProxyError("internal error in the proxy; see its log",
                                      code="internal_error"))
 
-    def _authorize(self, request: web.Request) -> None:
+    def _authorize(self, request: web.Request) -> Grant:
+        """The request's grant under its route's rule (``_access.ROUTE_ACCESS``, the one
+        place access is decided; handlers that serve records ask again for the view).
+
+        Raises:
+            ProxyAuthError: the rule denies this caller (401).
+            SessionNotFound: the key is of a session that expired (404, final).
+        """
         name = request.match_info.route.name
         if name is None:
-            return  # no route: the handler answers 404/405
+            return FULL  # no route: the handler answers 404/405
+        rule = ROUTE_ACCESS.get(name)
+        if rule is None:  # a route without a rule is served to nobody
+            raise ProxyAuthError(f"route {name!r} has no access rule", code="invalid_api_key")
         token = _bearer(request)
         admin = self.config.api_key
-        is_admin = admin is not None and token is not None and hmac.compare_digest(
-            token.encode(), admin.encode())
-        if name in ("chat", "responses"):
-            session = self.sessions.by_key(token) if token else None
-            if session is None:
-                if token:
-                    self.sessions.raise_expired(token)
-                raise ProxyAuthError("a session key is required (Authorization: Bearer ...)",
-                                     code="invalid_api_key")
-        elif name.startswith("session_"):
-            sid = request.match_info["sid"]
-            session = self.sessions.find(sid)
-            own = session is not None and token is not None and hmac.compare_digest(
-                token.encode(), session.api_key.encode())
-            if session is None and token is not None:
+        if admin is not None and token is not None and hmac.compare_digest(
+                token.encode(), admin.encode()):
+            grant = rule.grant("admin", server_key=True)
+        elif self._opens(name, request, token):
+            grant = rule.grant("own", server_key=admin is not None)
+        else:
+            grant = rule.grant("anyone", server_key=admin is not None)
+        if grant == DENIED:
+            if token is not None and rule.own != DENIED and (
+                    name not in SESSION_ROUTES
+                    or self.sessions.find(request.match_info["sid"]) is None):
                 self.sessions.raise_expired(token)  # its own key: tell it the session expired
-            if not own and not is_admin:
-                raise ProxyAuthError("this route needs the session's key or the server's key",
-                                     code="invalid_api_key")
-        elif admin is not None and not is_admin and not (
-                name == "models" and token is not None and self.sessions.by_key(token)):
-            raise ProxyAuthError("this route needs the server's key", code="invalid_api_key")
+            raise ProxyAuthError(f"this route needs {rule.needs()} (Authorization: Bearer ...)",
+                                 code="invalid_api_key")
+        return grant
+
+    def _opens(self, name: str, request: web.Request, token: str | None) -> bool:
+        """Whether ``token`` is the route's session's own key (on a route without ``{sid}``:
+        any live session's key, the session it opens)."""
+        if token is None:
+            return False
+        if name not in SESSION_ROUTES:
+            return self.sessions.by_key(token) is not None
+        session = self.sessions.find(request.match_info["sid"])
+        return session is not None and hmac.compare_digest(token.encode(),
+                                                            session.api_key.encode())
 
     def _session_of(self, request: web.Request) -> Session:
         """The session an authorised request is for (by its id, or by the key it sent)."""
@@ -397,21 +416,16 @@ class ProxyServer:
 
     async def _get(self, request: web.Request) -> web.Response:
         session = self._session_of(request)
-        if not self._is_admin(request):  # the agent's own key: no token payloads
-            record = session_record(session, turn_tokens=False)
-            return _json(record.model_dump(mode="json", exclude=TOKEN_PAYLOADS))
+        if self._authorize(request) == AGENT:  # the agent's own key: no token payloads
+            return _json(agent_view(session_record(session, turn_tokens=False)))
         turn_tokens = request.query.get("turn_tokens", "").lower() in ("1", "true")
         return _json(session_record(session, turn_tokens=turn_tokens).model_dump(mode="json"))
 
-    def _is_admin(self, request: web.Request) -> bool:
-        token, admin = _bearer(request), self.config.api_key
-        if admin is None:
-            return False
-        return token is not None and hmac.compare_digest(token.encode(), admin.encode())
-
     async def _complete(self, request: web.Request) -> web.Response:
-        session = self._session_of(request)
+        session, grant = self._session_of(request), self._authorize(request)
         record = await self.complete_session(session.id)
+        if grant == AGENT:
+            return _json(agent_view(record))
         return _json(record.model_dump(mode="json"))
 
     async def _delete(self, request: web.Request) -> web.Response:
