@@ -89,7 +89,9 @@ def check_resources(resources: Resources) -> None:
     """Check each resource's type and protocol, so a wrong one fails at construction.
 
     A :class:`SimulatedEngine` built without ``eos_token_id`` takes the tokenizer's eos here;
-    one whose eos differs from the tokenizer's is refused (its replies would never stop).
+    one whose eos differs from the tokenizer's is refused (its replies would never stop). Every
+    entry point that pairs an engine with a tokenizer runs this check by building
+    :class:`Resources` (``Pipeline``, ``ProxyServer``, ``make_engine``).
 
     Raises:
         ConfigError: naming the resource (``engine``, ``tokenizer``, ``tools[...]``, ...)
@@ -139,11 +141,21 @@ def check_resources(resources: Resources) -> None:
     if not isinstance(resources.extras, dict):
         raise ConfigError(f"extras must be a dict, got {type(resources.extras).__name__}",
                           field="extras")
-    if isinstance(engine, SimulatedEngine) and tokenizer is not None:
+    if engine is not None and tokenizer is not None:
         _match_eos(engine, tokenizer)
 
 
-def _match_eos(engine: SimulatedEngine, tokenizer: Any) -> None:
+def _match_eos(engine: Any, tokenizer: Any) -> None:
+    """Pair a :class:`SimulatedEngine` (also one inside a wrapper that holds its engine in
+    ``.engine``, as test recorders do) with the tokenizer's eos."""
+    for _ in range(8):  # a bounded walk down wrappers
+        if isinstance(engine, SimulatedEngine):
+            break
+        engine = vars(engine).get("engine") if hasattr(engine, "__dict__") else None
+        if engine is None:
+            return
+    else:
+        return
     eos = getattr(tokenizer, "eos_token_id", None)
     if not isinstance(eos, int):
         return

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pipeline._config import describe_validation_error
 from pipeline._models import AgentMessage
 from pipeline.proxy._errors import FinalError, ProxyRequestError
-from pipeline.proxy._wire import ChatCompletionRequest, message_body
+from pipeline.proxy._wire import ChatCompletionRequest, invalid, message_body, value_repr
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -86,10 +86,7 @@ def parse_responses(data: Any) -> ResponsesRequest:
     try:
         return ResponsesRequest.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        raise ProxyRequestError(describe_validation_error(exc),
-                                param=".".join(str(p) for p in first["loc"]) or None,
-                                code="invalid_value") from None
+        raise invalid(exc, data) from None
 
 
 def conversation_of(links: dict[str, ResponseLink], response_id: str | None,
@@ -183,10 +180,10 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _ROLES:
                 raise _bad_item(i, f"role {role!r} is not one of {list(_ROLES)}")
-            out.append({"role": role, "content": _text(item.get("content"), i)})
+            out.append({"role": role, "content": _text(item.get("content"), f"input.{i}.content")})
             calls_open = role == "assistant"
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id") or f"call_{i}",
+            call = {"id": _call_id(item, i),
                     "type": "function",
                     "function": {"name": _string(item, "name", i),
                                  "arguments": _string(item, "arguments", i)}}
@@ -197,7 +194,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                 calls_open = True
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
-                        "content": _text(item.get("output"), i)})
+                        "content": _text(item.get("output"), f"input.{i}.output")})
             calls_open = False
         else:
             raise _bad_item(i, f"items of type {kind!r} are not served (messages, "
@@ -205,30 +202,47 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _text(content: Any, index: int) -> str:
+def _text(content: Any, where: str) -> str:
+    """The text of a content (a string or a list of text parts), every part's text checked:
+    a null or non-string text is refused naming its path, never turned into "None"."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad_item(index, "content is a string or a list of text parts")
+        raise _bad(where, f"must be a string or a list of text parts, got {value_repr(content)}")
     texts = []
-    for part in content:
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS:
-            raise _bad_item(index, f"content parts of type {kind!r} are not served (only text)")
-        texts.append(str(part.get("refusal" if kind == "refusal" else "text", "")))
+            raise _bad(f"{where}.{j}", f"content parts of type {kind!r} are not served "
+                                       "(only text)")
+        name = "refusal" if kind == "refusal" else "text"
+        texts.append(_string(part, name, f"{where}.{j}"))
     return "".join(texts)
 
 
-def _string(item: dict[str, Any], name: str, index: int) -> str:
+def _call_id(item: dict[str, Any], index: int) -> str:
+    """A ``function_call``'s id: ``call_id``, else ``id``, else one made up; a given one must
+    be a string."""
+    for name in ("call_id", "id"):
+        if item.get(name) is not None:
+            return _string(item, name, f"input.{index}")
+    return f"call_{index}"
+
+
+def _string(item: dict[str, Any], name: str, where: str | int) -> str:
+    where = f"input.{where}" if isinstance(where, int) else where
     value = item.get(name)
     if not isinstance(value, str):
-        raise _bad_item(index, f"{name} must be a string")
+        raise _bad(f"{where}.{name}", f"must be a string, got {value_repr(value)}")
     return value
 
 
 def _bad_item(index: int, why: str) -> ProxyRequestError:
-    return ProxyRequestError(f"input.{index}: {why}", param=f"input.{index}",
-                             code="invalid_value")
+    return _bad(f"input.{index}", why)
+
+
+def _bad(where: str, why: str) -> ProxyRequestError:
+    return ProxyRequestError(f"{where}: {why}", param=where, code="invalid_value")
 
 
 # ----- the answer ----------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams, describe_validation_error
+from pipeline._context import Resources
 from pipeline._exceptions import ConfigError
 from pipeline._net import start_site
 from pipeline._tokenizer import Tokenizer
@@ -159,14 +160,20 @@ class ProxyServer:
         parser: finds tool calls in replies (default :class:`HermesToolParser`).
         eos_token_id: the template's end-of-turn token (default: the tokenizer's eos).
 
+    The engine and tokenizer go through the same check as a ``Pipeline``'s
+    (:func:`pipeline._context.check_resources`): a :class:`~pipeline.SimulatedEngine` built
+    without ``eos_token_id`` takes the tokenizer's, one with another eos is refused.
+
     Raises:
-        ConfigError: an invalid option, naming the field.
+        ConfigError: an invalid option, naming the field; an engine or tokenizer a
+            ``Pipeline`` would refuse.
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer,
                  config: ProxyConfig | Mapping[str, Any] | None = None, *,
                  parser: ToolParser | None = None, eos_token_id: int | None = None,
                  **options: Any) -> None:
+        Resources(engine=engine, tokenizer=tokenizer)  # the Pipeline's check (eos pairing)
         base = (config.model_dump() if isinstance(config, ProxyConfig)
                 else dict(config or {}))
         try:

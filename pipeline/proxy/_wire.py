@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -161,30 +162,71 @@ def parse_request(data: Any) -> ChatCompletionRequest:
     """Validate a decoded JSON body.
 
     Raises:
-        ProxyRequestError: naming the first invalid field.
+        ProxyRequestError: naming the invalid field's path (:func:`invalid`).
     """
     if not isinstance(data, dict):
         raise ProxyRequestError("the request body must be a JSON object", code="invalid_value")
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        raise ProxyRequestError(describe_validation_error(exc),
-                                param=".".join(str(p) for p in first["loc"]) or None,
-                                code="invalid_value") from None
+        raise invalid(exc, data) from None
 
 
 def parse_message(raw: Any, index: int) -> WireMessage:
     """Validate one request message.
 
     Raises:
-        ProxyRequestError: naming ``messages.<index>`` and the field.
+        ProxyRequestError: naming the field's path (``messages.<index>.content.0.text``).
     """
     try:
         return WireMessage.model_validate(raw)
     except ValidationError as exc:
-        raise ProxyRequestError(describe_validation_error(exc, f"messages.{index}"),
-                                param=f"messages.{index}", code="invalid_value") from None
+        raise invalid(exc, raw, f"messages.{index}") from None
+
+
+def invalid(exc: ValidationError, raw: Any, prefix: str = "") -> ProxyRequestError:
+    """The 400 for a request value that failed validation: its ``param`` and message name the
+    most specific field's path in the request as sent (``input.0.content.1.text``: pydantic's
+    union labels such as ``list[TextPart]`` dropped), and what was wrong with it."""
+    best: tuple[int, str, dict[str, Any]] | None = None
+    for err in exc.errors(include_url=False):
+        depth, path = field_path(raw, err["loc"], missing=err["type"] == "missing")
+        if best is None or depth > best[0]:
+            best = (depth, path, dict(err))
+    if best is None:  # pragma: no cover - a ValidationError has at least one error
+        return ProxyRequestError(describe_validation_error(exc, prefix), param=prefix or None,
+                                 code="invalid_value")
+    _, path, chosen = best
+    where = ".".join(p for p in (prefix, path) if p)
+    got = "" if chosen["type"] == "missing" else f" (got {value_repr(chosen.get('input'))})"
+    return ProxyRequestError(f"{where or 'the body'}: {chosen['msg']}{got}",
+                             param=where or None, code="invalid_value")
+
+
+def field_path(raw: Any, loc: Sequence[int | str], *, missing: bool = False) -> tuple[int, str]:
+    """How deep ``loc`` (a pydantic error location) goes into ``raw``, and its path there.
+
+    Steps that are no key or index of the value at that point are pydantic's union labels
+    and are dropped, except the last step of a ``missing`` error (the absent field).
+    """
+    parts: list[str] = []
+    value = raw
+    for i, step in enumerate(loc):
+        if isinstance(value, dict) and step in value:
+            value = value[step]
+        elif isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value):
+            value = value[step]
+        elif not (missing and i == len(loc) - 1 and isinstance(value, dict)):
+            continue
+        parts.append(str(step))
+    return len(parts), ".".join(parts)
+
+
+def value_repr(value: Any) -> str:
+    """A request value as an error message shows it: its JSON type and a short repr."""
+    kind = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string",
+            list: "array", dict: "object"}.get(type(value), type(value).__name__)
+    return f"{kind} {value!r:.60}" if value is not None else "null"
 
 
 def _arguments_text(arguments: str | dict[str, Any]) -> str:
