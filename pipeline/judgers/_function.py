@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+from pipeline._callables import check_callable, plain_result
 from pipeline._models import AgentRolloutItem
 from pipeline.judgers._base import JudgeResult, response_text
 from pipeline.judgers._pool import ProcessPool
@@ -25,8 +26,10 @@ class FunctionJudger:
     """Runs a synchronous reward function on the final answer.
 
     Args:
-        fn: ``fn(data_source, solution_str, ground_truth, extra_info)``; in ``"process"`` mode
-            it must be an importable top-level function (it is pickled by reference).
+        fn: ``fn(data_source, solution_str, ground_truth, extra_info)``, a plain function
+            (an ``async def`` is refused: nothing would await it in a worker process); in
+            ``"process"`` mode it must be an importable top-level function (it is pickled by
+            reference). A value that is awaitable fails the judge call.
         name: the judger's name (default: the function's name).
         mode: ``"process"`` (default): run in a worker process, killed past ``timeout_s``;
             ``"inline"``: call it on the event loop (only for functions that take
@@ -36,13 +39,16 @@ class FunctionJudger:
         pool: a shared pool (the caller closes it); default: the judger starts its own
             pool of ``pool_size`` workers, closed by :meth:`aclose`.
         pool_size: size of the judger's own pool.
+
+    Raises:
+        ConfigError: ``fn`` is not callable, is async or a generator function (``field="fn"``).
     """
 
     def __init__(self, fn: RewardFunction, *, name: str | None = None,
                  mode: Literal["process", "inline"] = "process", timeout_s: float | None = 10.0,
                  pool: ProcessPool | None = None, pool_size: int | None = None) -> None:
-        if not callable(fn):
-            raise TypeError(f"FunctionJudger needs a callable, got {fn!r}")
+        check_callable(fn, "fn", "sync", owner="FunctionJudger",
+                       shape="(data_source, solution_str, ground_truth, extra_info)")
         if mode not in ("process", "inline"):
             raise ValueError(f"mode must be 'process' or 'inline', got {mode!r}")
         self.fn = fn
@@ -67,11 +73,12 @@ class FunctionJudger:
             JudgerTimeout: the call ran past ``timeout_s`` (its worker was killed).
             WorkerError: the function raised in its worker or the worker died.
             JudgeError: the function returned something that is not a score.
+            ContractError: the function returned an awaitable (inline mode; closed).
         """
         args = (item.data.data_source, response_text(item), item.data.ground_truth,
                 dict(item.data.extra))
         if self.mode == "inline":
-            value = self.fn(*args)
+            value = plain_result(self.fn(*args), f"FunctionJudger {self.name!r}: fn")
         else:
             value = await self.pool.call(self.fn, *args, timeout_s=self.timeout_s)
         return JudgeResult.coerce(value)

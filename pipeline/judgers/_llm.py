@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from pipeline._callables import check_callable, plain_result
 from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams
 from pipeline._models import AgentRolloutItem, FinishReason
@@ -74,13 +75,17 @@ class LLMJudger:
         tokenizer: the judge model's tokenizer (chat template, encode, decode).
         template: the prompt; see :func:`fill_template` for the fields.
         system: an optional system message.
-        parse: reply -> raw score (default :func:`parse_score`).
+        parse: ``reply -> raw score``, a plain function (an ``async def`` is refused;
+            default :func:`parse_score`). One that returns an awaitable fails the call.
         max_score: the raw score is divided by it (default 10: scores land in [0, 1]); a raw
             score outside ``[0, max_score]`` is an error.
         sampling: the judge's sampling (default: greedy, 512 tokens).
         name: the judger's name.
         abort_timeout_s: bound on aborting the judge request when judging is cancelled (a
             failed or slow abort is logged, never replaces the outcome).
+
+    Raises:
+        ConfigError: ``parse`` is not a plain callable (``field="parse"``).
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, *, template: str = DEFAULT_TEMPLATE,
@@ -93,6 +98,7 @@ class LLMJudger:
         self.tokenizer = tokenizer
         self.template = template
         self.system = system
+        check_callable(parse, "parse", "sync", owner="LLMJudger", shape="(reply) -> float")
         self.parse = parse
         self.max_score = max_score
         self.sampling = sampling or SamplingParams(temperature=0.0, max_tokens=512)
@@ -107,6 +113,7 @@ class LLMJudger:
             JudgeError: the engine aborted, or the reply holds no valid score (the reply is
                 kept in the error's payload).
             EngineError: the engine failed.
+            ContractError: ``parse`` returned an awaitable (closed, never run).
         """
         truth = item.data.ground_truth
         prompt = fill_template(self.template, {
@@ -128,7 +135,7 @@ class LLMJudger:
         reply = decode_text(self.tokenizer, gen.token_ids, skip_special_tokens=True)
         payload: dict[str, Any] = {"reply": reply[-2000:], "finish_reason": gen.finish_reason.value}
         try:
-            raw = float(self.parse(reply))
+            raw = float(plain_result(self.parse(reply), f"LLMJudger {self.name!r}: parse"))
         except ValueError as exc:
             raise JudgeError(f"could not parse a score from the judge's reply: {exc}",
                              payload=payload) from exc

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any, TypeVar, overload
 
+from pipeline._callables import check_callable, is_async_callable, plain_result
+from pipeline._exceptions import ContractError
 from pipeline.judgers._base import Judger, JudgerRegistryError
 
 ENTRY_POINT_GROUP = "pipeline.judgers"
@@ -62,15 +64,16 @@ class JudgerRegistry:
 
         Raises:
             JudgerRegistryError: ``name`` is taken by another factory and ``replace`` is false,
-                the name is malformed, or ``factory`` is not callable.
+                the name is malformed, or ``factory`` is not a plain callable (an
+                ``async def`` factory is refused: ``create`` calls it synchronously).
         """
         if not isinstance(name, str) or not _NAME.match(name):
             raise JudgerRegistryError(
                 f"judger name {name!r} is invalid: use letters, digits and '_.:-'")
 
         def decorate(obj: F) -> F:
-            if not callable(obj):
-                raise JudgerRegistryError(f"judger {name!r}: {obj!r} is not callable")
+            check_callable(obj, "factory", "sync", owner=f"judger {name!r}",
+                           shape="(**config) -> judger", error=JudgerRegistryError)
             existing = self._factories.get(name)
             if existing is not None and existing is not obj and not replace:
                 raise JudgerRegistryError(
@@ -134,7 +137,11 @@ class JudgerRegistry:
                 raise JudgerRegistryError(
                     f"judger {name!r}: {exc} (it accepts: {params})") from None
         judger = factory(**config)
-        if not inspect.iscoroutinefunction(getattr(judger, "judge", None)):
+        try:
+            plain_result(judger, f"judger {name!r}: its factory")
+        except ContractError as exc:  # closed; a registry error, like any bad factory
+            raise JudgerRegistryError(str(exc)) from None
+        if not is_async_callable(getattr(judger, "judge", None)):
             raise JudgerRegistryError(
                 f"judger {name!r}: {self._origins.get(name, _describe(factory))} built "
                 f"{type(judger).__name__}, which has no 'async def judge(item)'")
@@ -155,6 +162,8 @@ class JudgerRegistry:
                 f"judger plugin failed to load: {where}: {type(exc).__name__}: {exc}") from exc
         if not callable(obj):
             raise JudgerRegistryError(f"judger plugin {where} is {obj!r}, not a class or factory")
+        check_callable(obj, "factory", "sync", owner=f"judger plugin {where}",
+                       shape="(**config) -> judger", error=JudgerRegistryError)
         # Importing the plugin may have registered it already (a decorator in its module).
         self.register(point.name, obj, replace=False)
         self._origins[point.name] = where

@@ -81,6 +81,19 @@ def _error(exc: BaseException) -> tuple[str, str, str, str]:
     return ("err", type(exc).__name__, message, text[-8000:])
 
 
+def _plain(value: Any) -> Any:
+    """A plain function's value; an awaitable (a plain function that returned a coroutine)
+    is closed and refused, the rule of ``pipeline._callables.plain_result``."""
+    if hasattr(type(value), "__await__"):  # not inspect: the worker stays lean
+        close = getattr(value, "close", None)
+        if callable(close):
+            close()
+        raise TypeError(f"the function returned {type(value).__name__}, an awaitable, from a "
+                        "plain function: nothing awaits it in a worker process; return the "
+                        "value itself")
+    return value
+
+
 def main() -> None:
     proto_in, proto_out = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -116,7 +129,7 @@ def main() -> None:
             _send(proto_out, ("started",))
         reply: tuple[Any, ...]
         try:
-            reply = ("ok", fn(*args, **kwargs))
+            reply = ("ok", _plain(fn(*args, **kwargs)))
         except BaseException as exc:
             reply = _error(exc)
         try:

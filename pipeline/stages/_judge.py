@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pipeline import artifacts as A
+from pipeline._callables import is_async_callable
 from pipeline._cancel import run_owned
 from pipeline._context import Context
 from pipeline._exceptions import ConfigError
@@ -135,8 +136,9 @@ class Judge:
                 self._owned.append(judger)
             else:
                 default_name = getattr(judger, "name", None) or type(judger).__name__
-            if not callable(getattr(judger, "judge", None)):
-                raise ConfigError(f"Judge {where}: {judger!r} has no 'async def judge(item)'")
+            if not is_async_callable(getattr(judger, "judge", None)):
+                raise ConfigError(f"Judge {where}: {judger!r} has no 'async def judge(item)' "
+                                  "(a plain 'def judge' would never be awaited)", field=where)
             if not isinstance(spec.weight, int | float) or not spec.weight >= 0:
                 raise ConfigError(f"Judge {where}: weight must be a number >= 0, "
                                   f"got {spec.weight!r}")

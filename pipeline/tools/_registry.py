@@ -8,11 +8,11 @@ declared here and read by the tool-calling stage where it acquires before callin
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from pipeline._callables import check_callable, is_async_callable
 from pipeline._exceptions import ConfigError
 
 
@@ -43,7 +43,9 @@ class FunctionTool:
         name: what the model calls it.
         description: shown to the model with the schema.
         parameters: JSON schema of the arguments object.
-        fn: the implementation, called with the arguments as keywords.
+        fn: the implementation, called with the arguments as keywords and awaited: an
+            ``async def`` function, a ``functools.partial`` of one, or an object whose
+            ``__call__`` is ``async def`` (a plain function is refused).
         timeout_s: a call that takes longer ends with a timeout error for the model.
         rate: sustained calls per second allowed (None: unlimited).
         burst: calls allowed at once above ``rate``.
@@ -67,9 +69,8 @@ class FunctionTool:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"tool name must be a non-empty string, got {self.name!r}",
                               field="name")
-        if not inspect.iscoroutinefunction(self.fn):
-            raise ConfigError(f"tool {self.name!r}: fn must be an 'async def' function",
-                              field="fn")
+        check_callable(self.fn, "fn", "async", owner=f"tool {self.name!r}",
+                       shape="(**arguments)")
         if not isinstance(self.parameters, Mapping):
             raise ConfigError(f"tool {self.name!r}: parameters must be a JSON schema (a dict)",
                               field="parameters")
@@ -99,13 +100,17 @@ def make_registry(tools: Iterable[Tool]) -> dict[str, Tool]:
     """Build the registry for ``Pipeline(tools=...)`` from tools, checking names.
 
     Raises:
-        ConfigError: a tool lacks the protocol's members, or two tools share a name.
+        ConfigError: a tool lacks the protocol's members or its ``__call__`` is not async,
+            or two tools share a name.
     """
     registry: dict[str, Tool] = {}
     for tool in tools:
         if not isinstance(tool, Tool):
             raise ConfigError(f"{tool!r} is not a tool: it needs name, description, "
                               "parameters, timeout_s and 'async __call__(arguments)'")
+        if not is_async_callable(tool):
+            raise ConfigError(f"tool {tool.name!r} ({type(tool).__name__}): its __call__ "
+                              "must be 'async def __call__(arguments)'", field=tool.name)
         if tool.name in registry:
             raise ConfigError(f"two tools are named {tool.name!r}")
         registry[tool.name] = tool
