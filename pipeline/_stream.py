@@ -193,9 +193,10 @@ class StreamReport:
 
     def started(self, items: Sequence[AgentRolloutItem], round_index: int) -> None:
         """Count a wave of items just started."""
-        self.samples += len(items)
-        self.groups_started += len({item.group_id for item in items})
-        self.rounds = max(self.rounds, round_index + 1)
+        if items:
+            self.samples += len(items)
+            self.groups_started += len({item.group_id for item in items})
+            self.rounds = max(self.rounds, round_index + 1)
 
     def ended_with(self, exc: BaseException) -> None:
         """Record how an exception ended the stream (a close, or an error)."""
@@ -476,7 +477,10 @@ async def _judge_group(dynamic: DynamicSampling, group: GroupResult,
         verdict = await call_either(dynamic.keep, dynamic._keep_is_async,
                                     "DynamicSampling.keep", group.samples)
         return bool(verdict)
-    except Exception:
+    except asyncio.CancelledError:  # the stream was closed while an async rule ran
+        report.aborted.append(group)
+        raise
+    except BaseException:
         _tag(group, "keep_failed")
         report.failed.append(group)
         raise

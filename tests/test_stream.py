@@ -486,3 +486,26 @@ async def test_item10_stream_parameters_refuse_bools_as_counts():
                  lambda: pipe.stream_groups([row()], n=2, num_needed=True)):
         with pytest.raises(ConfigError):
             call()
+
+
+async def test_item4_closing_while_an_async_keep_rule_runs_reports_the_group_as_aborted():
+    stage = Delays()
+    pipe = make(stage)
+    judging = asyncio.Event()
+
+    async def slow_keep(samples):
+        judging.set()
+        await asyncio.sleep(30)
+        return True
+
+    rows = [row(0.01, [0.0, 1.0])] + [row(30.0, [0.0, 1.0]) for _ in range(2)]
+    stream = pipe.stream_groups(rows, n=2, dynamic=DynamicSampling(target_groups=3,
+                                                                    keep=slow_keep))
+    consumer = asyncio.create_task(anext(stream, None))
+    await judging.wait()
+    await stream.aclose()
+    assert await asyncio.wait_for(consumer, 5) is None  # the consumer's wait ended quietly
+    report = stream.report
+    assert len(report.aborted) == 3 and report.failed == [] and report.stopped_by == "closed"
+    assert_report_adds_up(report, started_groups=3)
+    assert leftover_tasks() == []
