@@ -231,3 +231,31 @@ def test_item7_a_wrapped_simulated_engine_is_paired_too():
     assert inner.eos_token_id == TOK.eos_token_id
     with pytest.raises(ConfigError, match="eos"):
         ProxyServer(Wrapper(SimulatedEngine(eos_token_id=TOK.eos_token_id + 1)), TOK)
+
+
+class EnforcingEngine(CountingEngine):
+    """Declares every constraint, so a named tool_choice reaches the engine if let through."""
+
+    enforces = ("tool_choice_function",)
+
+
+@pytest.mark.parametrize(("route", "choice"), [
+    ("chat/completions", {"type": "function", "function": {"name": None}}),
+    ("chat/completions", {"type": "function", "function": {"name": 5}}),
+    ("chat/completions", {"type": "function"}),
+    ("responses", {"type": "function", "name": None}),
+    ("responses", {"type": "function"}),
+])
+async def test_item7_a_named_tool_choice_without_a_string_name_is_a_400(route, choice):
+    """The same class: a null name reached the engine's constraint as None."""
+    engine = EnforcingEngine(latency_s=0.0, latency_sigma=0.0, tail_prob=0.0, responder=ok,
+                             eos_token_id=TOK.eos_token_id)
+    tools = ([{"type": "function", "function": {"name": "add"}}] if route.startswith("chat")
+             else [{"type": "function", "name": "add"}])
+    body = {"tools": tools, "tool_choice": choice, **(
+        {"messages": [{"role": "user", "content": "hi"}]} if route.startswith("chat")
+        else {"input": "hi"})}
+    async with ProxyServer(engine, TOK) as proxy, aiohttp.ClientSession() as http:
+        status, answer = await post(proxy, http, route, body)
+    assert status == 400 and answer["error"]["param"].startswith("tool_choice"), answer
+    assert engine.prompts == []

@@ -138,6 +138,9 @@ def _tool_choice(value: Any, body: Mapping[str, Any]) -> str | None:
     if value == "required":
         return TOOL_REQUIRED
     if isinstance(value, Mapping) and value.get("type") == "function":
+        named = value.get("function", value)  # chat nests the name, Responses does not
+        if not isinstance(named, Mapping) or not isinstance(named.get("name"), str):
+            raise ValueError("a named tool_choice needs a string name")  # a 400
         return TOOL_NAMED
     raise _Refuse(f"tool_choice {value!r} names no function tool the proxy serves")
 
