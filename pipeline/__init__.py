@@ -27,6 +27,7 @@ from pipeline._context import Context, Resources
 from pipeline._exceptions import (
     ConfigError,
     ContractError,
+    DeadlineExceeded,
     EngineError,
     PipelineError,
     RowError,
@@ -97,6 +98,7 @@ __all__ = [
     "Context",
     "ContractError",
     "DatasetRow",
+    "DeadlineExceeded",
     "DynamicSampling",
     "Engine",
     "EngineError",

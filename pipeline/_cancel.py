@@ -35,41 +35,98 @@ def cancel_requested() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+CANCEL_GRACE_S = 1.0
+"""How long :func:`shielded` waits for work it cancelled at its timeout to end before it
+abandons it (work that swallows its cancellation would otherwise hold its caller forever)."""
+
+
+
+def stage_grace(cleanup_timeout_s: float) -> float:
+    """How long cancelled stages may take to end before they are abandoned: their own
+    cancellation path (an engine abort, bounded by ``cleanup_timeout_s`` plus
+    :data:`CANCEL_GRACE_S`) with as much again to spare."""
+    return 2 * cleanup_timeout_s + CANCEL_GRACE_S
+
+
+_ABANDONED: dict[asyncio.Task[Any], str] = {}
+
+
+def abandon(task: asyncio.Task[Any], what: str) -> None:
+    """Own ``task``, which ignored its cancellation, until it ends on its own: logged now
+    and when it ends (its exception retrieved), listed by :func:`abandoned_tasks`."""
+    _ABANDONED[task] = what
+    _logger.error("task_abandoned", task=task.get_name(), what=what)
+    task.add_done_callback(_abandoned_done)
+
+
+def _abandoned_done(task: asyncio.Task[Any]) -> None:
+    what = _ABANDONED.pop(task, "")
+    error = None if task.cancelled() else task.exception()
+    _logger.warning("abandoned_task_ended", task=task.get_name(), what=what,
+                    error=None if error is None else repr(error))
+
+
+def abandoned_tasks() -> dict[asyncio.Task[Any], str]:
+    """Tasks abandoned because they ignored their cancellation and still running, with what
+    each was (diagnostics read it)."""
+    return dict(_ABANDONED)
+
+
 async def shielded(make: Callable[[], Awaitable[T]], timeout_s: float | None) -> T:
     """Run ``make()`` to its end in a task of its own, bounded by ``timeout_s``.
 
     A cancellation of the caller while it runs is deferred: ``CancelledError`` is raised once
-    the work has ended, so a cleanup is never cut short and never runs twice.
+    the work has ended, so a cleanup is never cut short and never runs twice. Work still
+    running at ``timeout_s`` is cancelled; if it ignores that for :data:`CANCEL_GRACE_S`
+    more, it is abandoned (:func:`abandon`) and the caller goes on.
 
     Raises:
-        TimeoutError: the work did not end within ``timeout_s``.
+        TimeoutError: the work did not end within ``timeout_s`` (the message says whether it
+            was abandoned).
         asyncio.CancelledError: the caller was cancelled meanwhile.
         Exception: whatever the work raised (when the caller was not cancelled).
     """
-
-    async def bounded() -> T:
-        async with asyncio.timeout(timeout_s):
-            return await make()
-
-    inner = asyncio.get_running_loop().create_task(bounded())
-    if await wait_through_cancellation([inner]):
-        if not inner.cancelled():
-            inner.exception()  # retrieved: the caller's cancellation takes precedence
+    inner = asyncio.get_running_loop().create_task(_as_coroutine(make()))
+    cancelled = await wait_through_cancellation([inner], timeout_s)
+    timed_out = not inner.done()
+    if timed_out:
+        inner.cancel()
+        cancelled = await wait_through_cancellation([inner], CANCEL_GRACE_S) or cancelled
+    error: BaseException | None
+    if not inner.done():
+        abandon(inner, f"work still running {timeout_s}s after it started and "
+                       f"{CANCEL_GRACE_S}s after its cancellation")
+        error = TimeoutError(f"did not end within {timeout_s}s and ignored its cancellation "
+                             "(abandoned)")
+    else:
+        # Retrieved in every case: the caller's cancellation, then the timeout, take precedence.
+        exc = None if inner.cancelled() else inner.exception()
+        error = TimeoutError(f"did not end within {timeout_s}s") if timed_out else exc
+    if cancelled:
         raise asyncio.CancelledError
+    if error is not None:
+        raise error
     return inner.result()
 
 
-async def wait_through_cancellation(tasks: Sequence[asyncio.Future[Any]]) -> bool:
-    """Wait until every task is done, even if the caller is cancelled meanwhile.
+async def wait_through_cancellation(tasks: Sequence[asyncio.Future[Any]],
+                                    timeout_s: float | None = None) -> bool:
+    """Wait until every task is done (or ``timeout_s`` passed), even if the caller is
+    cancelled meanwhile.
 
     Returns:
         Whether the caller was cancelled while waiting (it should re-raise
         ``CancelledError`` once it has looked at the tasks).
     """
+    loop = asyncio.get_running_loop()
+    until = None if timeout_s is None else loop.time() + timeout_s
     cancelled = False
     while not all(task.done() for task in tasks):
+        left = None if until is None else until - loop.time()
+        if left is not None and left <= 0:
+            break
         try:
-            await asyncio.wait(tasks)
+            await asyncio.wait(tasks, timeout=left)
         except asyncio.CancelledError:
             cancelled = True
     return cancelled
@@ -107,8 +164,19 @@ async def run_owned(awaitables: Sequence[Awaitable[T]]) -> list[T]:
     return [task.result() for task in tasks]
 
 
+class EscapedBaseException(Exception):
+    """A ``SystemExit``, ``KeyboardInterrupt`` or other ``BaseException`` raised by work in a
+    task of its own, as an ordinary error (its ``__cause__``): asyncio re-raises the first two
+    out of the event loop itself, which would end every sample and the caller's program."""
+
+
 async def _as_coroutine(awaitable: Awaitable[T]) -> T:
-    return await awaitable
+    try:
+        return await awaitable
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as exc:
+        raise EscapedBaseException(f"{type(exc).__name__}: {exc}") from exc
 
 
 class _Aborting(Protocol):

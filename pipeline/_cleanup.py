@@ -12,6 +12,7 @@ from typing import Any
 from pipeline._cancel import shielded
 from pipeline._context import Context
 from pipeline._models import AgentRolloutItem, StageRecord, Status
+from pipeline._outcome import capped
 
 Steps = list[tuple[str, Callable[[], Awaitable[Any]]]]
 
@@ -53,15 +54,17 @@ async def _run_steps(steps: Steps, item: AgentRolloutItem, ctx: Context,
         with contextlib.suppress(Exception):  # a stage may have replaced the list
             item.records.append(record)
         try:
-            async with asyncio.timeout(limit):
-                await step()
-        except TimeoutError:
+            await shielded(step, limit)  # a step that swallows its cancellation is abandoned
+        except TimeoutError as exc:
             record.status, record.error_type = Status.TIMEOUT, "TimeoutError"
-            record.error_message = f"cleanup exceeded {limit}s"
+            record.error_message = f"cleanup {exc}"
         except (Exception, asyncio.CancelledError) as exc:
             # Shielded: a CancelledError here came from inside the cleanup.
             record.status, record.error_type = Status.FAILED, type(exc).__name__
-            record.error_message = str(exc) or repr(exc)
+            record.error_message = capped(str(exc) or repr(exc))
+        except BaseException as exc:  # a cleanup's SystemExit fails the cleanup, not the batch
+            record.status, record.error_type = Status.FAILED, type(exc).__name__
+            record.error_message = capped(str(exc) or repr(exc))
         finally:
             record.end = time.monotonic()
         if record.status is not Status.COMPLETED:

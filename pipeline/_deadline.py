@@ -15,27 +15,32 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from pipeline._models import Status
+
 if TYPE_CHECKING:
     from pipeline._context import Context
+    from pipeline._producer import SampleRun
 
 RESOLUTION_S = 0.005
 """Width of one window of deadlines sharing a loop timer (seconds)."""
 
-Window = dict["Context", "asyncio.Task[object]"]
-"""The samples of one window still running: context -> its task."""
+Window = dict["Context", "SampleRun"]
+"""The samples of one window still running: context -> its run."""
 
 
 class DeadlineWheel:
     """The deadline windows of one pipeline's samples on one event loop (it holds no
     reference to the loop, so it goes with the loop's entry in the pipeline)."""
 
-    __slots__ = ("_windows",)
+    __slots__ = ("_windows", "grace_s")
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float) -> None:
         self._windows: dict[int, Window] = {}
+        self.grace_s = grace_s
+        """How long stages may run on after their deadline fired before being abandoned."""
 
-    def arm(self, ctx: Context, task: asyncio.Task[object]) -> Window:
-        """Cancel ``task`` once ``ctx.deadline`` has passed, setting ``ctx.timed_out``
+    def arm(self, ctx: Context, run: SampleRun) -> Window:
+        """Cancel ``run``'s task once ``ctx.deadline`` has passed, setting ``ctx.timed_out``
         first; returns the window to :func:`disarm` it from when the sample's stages end."""
         assert ctx.deadline is not None
         key = int(ctx.deadline // RESOLUTION_S)
@@ -44,13 +49,25 @@ class DeadlineWheel:
             window = self._windows[key] = {}
             # The window's end lies past every deadline in it (floor division).
             asyncio.get_running_loop().call_at((key + 1) * RESOLUTION_S, self._fire, key)
-        window[ctx] = task
+        window[ctx] = run
         return window
 
     def _fire(self, key: int) -> None:
-        for ctx, task in self._windows.pop(key).items():
+        fired = list(self._windows.pop(key).items())
+        for ctx, run in fired:
             ctx.timed_out = True
-            task.cancel()
+            if run.task is not None:
+                run.task.cancel()
+        asyncio.get_running_loop().call_later(self.grace_s, self._give_up, fired)
+
+    def _give_up(self, fired: list[tuple[Context, SampleRun]]) -> None:
+        for ctx, run in fired:
+            if run.in_stages:  # a stage swallowed the cancellation and went on
+                run.owner.abandon(run, Status.TIMEOUT, (
+                    f"sample timed out after {ctx.config.sample_timeout_s}s in stage "
+                    f"'{ctx.stage}', which ignored the deadline's cancellation for "
+                    f"{self.grace_s}s more (abandoned: it runs on, unawaited, its cleanups "
+                    "run when it returns)"))
 
 
 def disarm(window: Window, ctx: Context) -> None:

@@ -15,7 +15,9 @@ Every error the library raises on purpose derives from :class:`PipelineError`::
     ├── JudgeError           (pipeline.judgers) JudgerTimeout, WorkerError
     ├── CalculatorError      (pipeline.tools) an expression the calculator refuses
     ├── ProxyError           (pipeline.proxy) RemoteAgentError, session and request errors
-    └── SampleAborted        raised by a stage to end its sample as aborted (not failed)
+    ├── SampleAborted        raised by a stage to end its sample as aborted (not failed)
+    └── DeadlineExceeded     raised by the runner at a stage boundary once the sample's
+                             deadline passed (the sample ends ``timeout``)
 
 Errors raised inside stages by user code are not wrapped: the sample runner records them on
 the sample (``status=failed``) and the batch goes on.
@@ -76,4 +78,14 @@ class SampleAborted(PipelineError):
 
     For work stopped on purpose (the engine aborted the request, the trainer paused), which
     is neither the sample's fault nor the model's.
+    """
+
+
+class DeadlineExceeded(PipelineError):
+    """The sample's deadline passed; raised by the runner at a stage boundary.
+
+    The deadline's cancellation reaches a stage that is awaiting; a stage that swallows it
+    and returns, or that blocks the event loop past the deadline, is caught here instead:
+    the runner checks the clock when a stage returns and before the next one starts, never
+    starts a stage after the deadline, and ends the sample ``timeout`` either way.
     """

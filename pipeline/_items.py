@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pipeline._config import PipelineConfig, SamplingParams
-from pipeline._construct import construct
+from pipeline._construct import construct, set_fields
 from pipeline._exceptions import ConfigError
 from pipeline._models import AgentRolloutItem
 from pipeline._rows import DatasetRow, check_rows_argument, parse_row
@@ -22,13 +22,13 @@ def make_items(rows: Iterable[Any], n: int | None, config: PipelineConfig,
         raise ConfigError(f"field 'n': must be an int >= 1, got {n!r}", field="n")
     check_rows_argument(rows)
     items: list[AgentRolloutItem] = []
+    taken: set[int] = set()
     group_ids = _group_ids()
     for i, raw in enumerate(rows, start):
         if type(raw) is dict:  # the common case first: the model classes' checks cost more
             row = parse_row(raw, i)
         elif isinstance(raw, AgentRolloutItem):
-            raw.index = len(items)
-            items.append(raw)
+            items.append(_reuse(raw, i, len(items), taken))
             continue
         else:
             row = raw if isinstance(raw, DatasetRow) else parse_row(raw, i)
@@ -59,6 +59,30 @@ def make_items(rows: Iterable[Any], n: int | None, config: PipelineConfig,
                 "ended_at": None,
             }))
     return items
+
+
+_RUN_STATE = ("artifacts", "records", "status", "finish_reason", "raw_finish_reason",
+              "exit_reason", "error", "error_stage", "queued_at", "started_at", "ended_at")
+"""What a run writes on an item (cleared before the item runs again)."""
+
+
+def _reuse(item: AgentRolloutItem, row: int, index: int, taken: set[int]) -> AgentRolloutItem:
+    """A ready item, as the next item of a batch. One that already ended (a failure passed
+    back to retry it) runs again from the start: everything its last run wrote is cleared,
+    its uid, group, row and sampling (seed included) are kept. One that is running in
+    another call, or passed twice in this one, is refused: two runs would write one item."""
+    if id(item) in taken:
+        raise ConfigError(f"row {row}: item {item.uid} is passed twice; an item runs once per "
+                          "call (for more rollouts of its row pass n= or the row itself)",
+                          field="rows")
+    if item.status is None and item.queued_at is not None:
+        raise ConfigError(f"row {row}: item {item.uid} is running in another call; wait for "
+                          "it to end before passing it again", field="rows")
+    taken.add(id(item))
+    if item.status is not None:
+        set_fields(item, {name: None for name in _RUN_STATE} | {"artifacts": {}, "records": []})
+    item.index = index
+    return item
 
 
 def _group_ids(block: int = 256) -> Iterator[str]:

@@ -31,10 +31,27 @@ _EXIT = {
 _EXIT_TEXT = {status: reason.value for status, reason in _EXIT.items()}
 _DONE = ExitReason.DONE.value  # read once: an Enum member's .value is a Python property
 
+ERROR_CHARS = 4000
+"""The longest error text kept on a sample or stage record; a longer one (an exception that
+carries a whole 5 MB payload, say) keeps its head and tail around a note of what was cut,
+so dumps, logs and the trainer's batch stay small while the cause and the innermost frame
+of the message stay readable."""
+
+
+def capped(text: str, limit: int = ERROR_CHARS) -> str:
+    """``text`` cut to at most about ``limit`` characters: the first three quarters and the
+    last quarter, with the number of characters left out between them."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 3 // 4, limit // 4
+    return f"{text[:head]} [... {len(text) - head - tail} characters cut ...] {text[-tail:]}"
+
 
 def end(item: AgentRolloutItem, status: Status, error: str | None) -> None:
     """Record how the sample ended; falls back to :func:`_force_end` when a stage left the
     item in a state this cannot read (wrongly typed artifacts or records)."""
+    if error is not None:
+        error = capped(error)
     try:
         set_fields(item, {"status": status, "error": error})
         if not isinstance(item.records, list) or not isinstance(item.artifacts, dict):
@@ -62,7 +79,7 @@ def force_end(item: AgentRolloutItem, status: Status, error: str,
     item.status = status
     item.finish_reason = _FINISH[status]
     item.exit_reason = (exit_reason or _EXIT[status]).value
-    item.error = error
+    item.error = capped(error)
 
 
 def failed_stage(item: AgentRolloutItem) -> str | None:

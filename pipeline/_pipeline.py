@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import threading
 import time
 import weakref
@@ -13,13 +14,14 @@ from typing import Any
 
 import structlog
 
-from pipeline._cancel import cancel_requested
+from pipeline._callables import check_callable, plain_result
+from pipeline._cancel import cancel_requested, stage_grace
 from pipeline._cleanup import cleanup_steps, run_cleanups
 from pipeline._config import PipelineConfig, merge_config
 from pipeline._construct import set_fields
 from pipeline._context import Context, Resources
 from pipeline._deadline import DeadlineWheel, disarm
-from pipeline._exceptions import ConfigError, ContractError, SampleAborted
+from pipeline._exceptions import ConfigError, ContractError, DeadlineExceeded, SampleAborted
 from pipeline._fill import SampleBuilder, fill_sample, minimal_sample
 from pipeline._items import make_items
 from pipeline._logging import log_batch_done
@@ -82,13 +84,18 @@ class _LoopState:
 
     __slots__ = ("deadlines", "slice", "slots")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, max_concurrency: int) -> None:
-        self.slots = FifoSlots(max_concurrency)
+    def __init__(self, loop: asyncio.AbstractEventLoop, config: PipelineConfig) -> None:
+        self.slots = FifoSlots(config.max_concurrency)
         self.slice = loop_slice(loop)
-        self.deadlines = DeadlineWheel()
+        self.deadlines = DeadlineWheel(grace_s=stage_grace(config.cleanup_timeout_s))
 
 
 _RUNNING: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
+_ENTERED: contextvars.ContextVar[tuple[Pipeline, ...]] = contextvars.ContextVar(
+    "pipeline_entered", default=())
+"""The pipelines whose samples the current code runs in (outermost first): set in each
+sample's task, inherited by the tasks and threads its stages start."""
 
 
 def running_pipelines() -> list[Pipeline]:
@@ -132,8 +139,7 @@ class Pipeline:
         self.stages: list[Stage] = as_stages(stages)
         self.resources = resources or Resources(**given)
         self.config = merge_config(config, options)
-        if not callable(fill):
-            raise ConfigError(f"fill must be callable, got {fill!r}")
+        check_callable(fill, "fill", "sync", shape="(item, ctx) -> RolloutSample")
         self.fill = fill
         # Slots are per event loop: a pipeline may serve a trainer's loop and a thread's loop.
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
@@ -214,6 +220,7 @@ class Pipeline:
             asyncio.CancelledError: the call was cancelled; every sample task is cancelled
                 and awaited first (stage cleanups run), none is left behind.
         """
+        self._refuse_reentry("run_batch")
         check_callback(on_sample_done)
         items = self.make_items(rows, n)
         check_num_needed(num_needed, len(items))
@@ -244,15 +251,20 @@ class Pipeline:
 
         Use it as ``async with pipeline.stream(rows, n=4) as samples: async for sample, item
         in samples: ...``: leaving the block early (``break``, an error, a cancellation)
-        cancels the samples still running, runs their cleanups and waits for them.
+        cancels the samples still running, runs their cleanups and waits for them; so does
+        ``aclose()``, from any task. The stream's ``report`` (:class:`StreamReport`) counts
+        every sample started, yielded or not.
 
         Raises:
             RowError, ConfigError: bad input, before any work starts.
         """
+        self._refuse_reentry("stream")
         check_callback(on_sample_done)
         items = self.make_items(rows, n)
         check_num_needed(num_needed, len(items))
-        return RolloutStream(stream_samples(self, items, num_needed, on_sample_done))
+        report = StreamReport()
+        return RolloutStream(stream_samples(self, items, num_needed, on_sample_done, report),
+                             report)
 
     def stream_groups(
         self,
@@ -269,26 +281,42 @@ class Pipeline:
         default: every reward equal, no learning signal for GRPO) are not yielded but
         reported in the stream's ``report``, and new prompts are drawn from ``rows`` (any
         iterable, read lazily) until ``target_groups`` groups were kept or a cap is hit.
+        The stream's ``report`` (:class:`StreamReport`) accounts for every group and sample
+        started, however the stream ends.
 
         Raises:
             RowError, ConfigError: bad input (rows drawn later are checked when drawn).
         """
+        self._refuse_reentry("stream_groups")
         if dynamic is not None and not isinstance(dynamic, DynamicSampling):
             raise ConfigError(f"field 'dynamic': must be a DynamicSampling, got {dynamic!r}")
         if dynamic is not None and num_needed is not None:
             raise ConfigError("pass either num_needed= (over-sampling by samples) or dynamic= "
                               "(by informative groups), not both")
         check_callback(on_sample_done)
-        source = RowSource(rows, n, self)
-        first = source.draw(None if dynamic is None else dynamic.target_groups)
+        source = RowSource(rows, n, self, None if dynamic is None else dynamic.max_samples)
+        first = source.first_wave(dynamic)
         check_num_needed(num_needed, len(first))
         report = StreamReport()
         return RolloutStream(stream_groups(self, source, first, num_needed, dynamic,
                                            on_sample_done, report), report)
 
+    def _refuse_reentry(self, call: str) -> None:
+        """A batch started from inside one of this pipeline's own samples would wait for the
+        concurrency slots its callers hold (forever, once they hold them all): refused."""
+        if self in _ENTERED.get():
+            raise ConfigError(
+                f"Pipeline.{call} was called from inside a stage of the same Pipeline: its "
+                "samples would wait for the concurrency slots the calling samples hold. Run "
+                "nested batches on a second Pipeline (it may share this one's resources: "
+                "Pipeline(stages, resources=pipeline.resources))", field="stages")
+
     def producer(self, num_needed: int | None, on_done: SampleCallback | None) -> Producer:
         """A :class:`Producer` whose tasks run this pipeline's samples (for streams)."""
-        return Producer(lambda run, batch: self._run_sample(run, batch, on_done), num_needed)
+        return Producer(lambda run, batch: self._run_sample(run, batch, on_done), num_needed,
+                        lambda run, batch, status, error: self._give_up(run, batch, status,
+                                                                        error, on_done),
+                        stage_grace(self.config.cleanup_timeout_s))
 
     @contextlib.asynccontextmanager
     async def batch_scope(self, total: int | None) -> AsyncIterator[None]:
@@ -321,6 +349,10 @@ class Pipeline:
             if exc is None:
                 return task.result()
             error = f"the sample's task raised {type(exc).__name__}: {exc}"
+        elif task.done() and run.item.status is Status.ABORTED:
+            # The runner ended it as aborted, then let its batch's cancellation (a closed
+            # stream) end the task: that status stands.
+            return self._build(run.item, run.ctx)
         else:
             error = "the sample's task was cancelled from outside the pipeline"
         force_end(run.item, Status.FAILED, error)
@@ -352,7 +384,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         state = self._loops.get(loop)
         if state is None:
-            state = self._loops[loop] = _LoopState(loop, self.config.max_concurrency)
+            state = self._loops[loop] = _LoopState(loop, self.config)
         if run.abort_requested:  # over-sampling had enough before this task was made
             force_end(item, Status.ABORTED, ENOUGH)
         else:
@@ -362,7 +394,8 @@ class Pipeline:
                 try:
                     await self._execute(run, batch, loop, state)
                 finally:
-                    state.slots.release()
+                    if not run.abandoned:  # an abandoned run gave its slot back already
+                        state.slots.release()
             except asyncio.CancelledError:
                 # Cancelled while queued for a slot (no stage ran yet), or re-raised by _settle
                 # because the batch itself was cancelled.
@@ -374,6 +407,14 @@ class Pipeline:
                 if item.status is None:
                     force_end(item, Status.ABORTED,
                                ENOUGH if run.abort_requested else OUTSIDE_CANCEL)
+        if run.abandoned and run.sample is not None:  # handed over when it was abandoned
+            return run.sample
+        return self._finish(run, batch, on_done)
+
+    def _finish(self, run: SampleRun, batch: Batch, on_done: SampleCallback | None
+                ) -> RolloutSample:
+        """Build the ended sample's trainer view, count it, and tell ``on_done``."""
+        item = run.item
         sample = self._build(item, run.ctx)
         with self._lock:
             self.samples_done += 1
@@ -384,10 +425,21 @@ class Pipeline:
                 batch.abort_rest()
         if on_done is not None:
             try:
-                on_done(item, sample)
-            except Exception as exc:  # a progress bar or writer must never cost the batch
+                plain_result(on_done(item, sample), "on_sample_done")
+            except BaseException as exc:  # a progress bar or writer must never cost the batch
                 _logger.error("on_sample_done_failed", uid=item.uid, error=repr(exc))
         return sample
+
+    def _give_up(self, run: SampleRun, batch: Batch, status: Status, error: str,
+                 on_done: SampleCallback | None) -> RolloutSample:
+        """End a sample whose stages ignore their cancellation now (the producer abandons
+        its task): its slot is freed, its status set, its sample built and handed over."""
+        state = self._loops.get(asyncio.get_running_loop())
+        if state is not None:
+            state.slots.release()
+        self._inflight.pop(run.item.uid, None)
+        force_end(run.item, status, error)
+        return self._finish(run, batch, on_done)
 
     async def _execute(self, run: SampleRun, batch: Batch, loop: asyncio.AbstractEventLoop,
                        state: _LoopState) -> None:
@@ -398,25 +450,30 @@ class Pipeline:
         ctx.abort_requested = run.abort_requested
         ctx.loop_slice = state.slice
         set_fields(item, {"started_at": time.monotonic()})
+        _ENTERED.set((*_ENTERED.get(), self))  # this task's own context: see _refuse_reentry
         self._inflight[item.uid] = ctx
         try:
-            task = run.task or asyncio.current_task()  # the producer made run.task
+            task = run.task
             window = None
             if deadline is not None and task is not None:
-                window = state.deadlines.arm(ctx, task)
+                window = state.deadlines.arm(ctx, run)
+            run.in_stages = True
             try:
                 try:
                     for stage in self.stages:
                         await run_stage(stage, item, ctx)
                 finally:
+                    run.in_stages = False
                     if window is not None:
                         disarm(window, ctx)
                     if ctx.timed_out and task is not None:
                         task.uncancel()  # the deadline's cancel, taken back as asyncio.timeout does
-            except (Exception, asyncio.CancelledError) as exc:
-                self._settle(exc, run, batch, ctx.deadline_passed())
+            except BaseException as exc:  # SystemExit in a tool fails its sample, not the batch
+                if not run.abandoned:
+                    self._settle(exc, run, batch, ctx.deadline_passed())
             else:
-                end(item, Status.COMPLETED, None)
+                if not run.abandoned:
+                    end(item, Status.COMPLETED, None)
         finally:
             try:
                 steps = cleanup_steps(item, ctx)
@@ -450,8 +507,11 @@ class Pipeline:
             uncancel()
             end(item, Status.ABORTED, ENOUGH)
         elif deadline_expired:
-            end(item, Status.TIMEOUT, f"sample timed out after {self.config.sample_timeout_s}s "
-                 f"in stage '{failed_stage(item)}'")
+            stage = failed_stage(item)
+            where = "between stages" if stage is None else f"in stage '{stage}'"
+            detail = f": {exc}" if isinstance(exc, DeadlineExceeded) else ""
+            end(item, Status.TIMEOUT,
+                f"sample timed out after {self.config.sample_timeout_s}s {where}{detail}")
         elif isinstance(exc, asyncio.CancelledError) and cancel_requested():
             uncancel()
             end(item, Status.ABORTED, OUTSIDE_CANCEL)
@@ -470,11 +530,11 @@ class Pipeline:
         try:
             if ctx is None:  # aborted before it started: no context was ever made
                 ctx = Context(self.resources, self.config, item)
-            sample = self.fill(item, ctx)
+            sample = plain_result(self.fill(item, ctx), "fill")
             if not isinstance(sample, RolloutSample):
                 raise ContractError(f"fill returned {type(sample).__name__}, not a RolloutSample")
             return sample
-        except Exception as exc:
+        except BaseException as exc:  # a fill's SystemExit too: the sample stands in
             error = f"building the sample failed: {type(exc).__name__}: {exc}"
             if isinstance(item.error, str) and item.error:
                 error = f"{item.error}; {error}"

@@ -2,9 +2,16 @@
 
 Not a TaskGroup: a sample task never raises for a stage's error (its outcome is a status), and
 a task group would cancel its owner's task for a child's error and, on Python 3.11, could leave
-that cancellation pending on the owner. A ``BaseException`` that is not ours to stop (a stage
-raising ``SystemExit``, say) cancels the batch and is raised in a ``BaseExceptionGroup``, as a
-task group would.
+that cancellation pending on the owner. A ``BaseException`` raised in a sample (a tool calling
+``sys.exit()``) fails that sample only, on every path: it never cancels the batch, and never
+leaves the event loop (asyncio re-raises ``SystemExit`` and ``KeyboardInterrupt`` out of
+``run_until_complete``).
+
+A sample whose stages ignore their cancellation (the deadline's, or a cancelled batch's) for
+longer than ``grace_s`` is *abandoned*: it is handed over with its status now, and its task is
+left to end on its own, owned by :func:`pipeline._cancel.abandon` (logged, cancelled again,
+its cleanups run whenever its stage returns). Python cannot stop a coroutine that swallows
+every cancellation; the batch does not wait for one.
 """
 
 from __future__ import annotations
@@ -14,19 +21,21 @@ import collections
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
-from pipeline._cancel import wait_through_cancellation
+from pipeline._callables import check_callable
+from pipeline._cancel import EscapedBaseException, abandon, wait_through_cancellation
 from pipeline._context import Context
-from pipeline._exceptions import ConfigError
-from pipeline._models import AgentRolloutItem, RolloutSample
+from pipeline._models import AgentRolloutItem, RolloutSample, Status
 
 
 class SampleRun:
     """One sample's task and what the runner knows of it."""
 
-    __slots__ = ("abort_requested", "begun", "ctx", "item", "sample", "task")
+    __slots__ = ("abandoned", "abort_requested", "begun", "ctx", "in_stages", "item", "owner",
+                 "sample", "task")
 
-    def __init__(self, item: AgentRolloutItem) -> None:
+    def __init__(self, item: AgentRolloutItem, owner: Producer) -> None:
         self.item = item
+        self.owner = owner
         self.ctx: Context | None = None
         self.task: asyncio.Task[RolloutSample] | None = None
         """The sample's task; dropped (with ``ctx``) once it returned its sample, so a big
@@ -36,6 +45,10 @@ class SampleRun:
         """Whether the task has taken its first step (a task cancelled before it never
         runs its coroutine, so it would never be handed over)."""
         self.abort_requested = False
+        self.in_stages = False
+        """Whether the sample's stages are running (its cleanups not begun yet)."""
+        self.abandoned = False
+        """Handed over while its stages still ran (they ignored their cancellation)."""
 
 
 class Batch:
@@ -65,16 +78,29 @@ class Batch:
 
 
 RunSample = Callable[[SampleRun, Batch], Coroutine[Any, Any, RolloutSample]]
+GiveUp = Callable[[SampleRun, Batch, Status, str], RolloutSample]
+"""Ends an abandoned sample with a status and an error now, returning its sample."""
 
 SampleCallback = Callable[[AgentRolloutItem, RolloutSample], None]
-"""Called with ``(item, sample)`` as each sample ends (``run_batch(on_sample_done=...)``)."""
+"""Called with ``(item, sample)`` as each sample ends (``run_batch(on_sample_done=...)``).
+
+A plain function, called synchronously by the runner once the sample's status is final (the
+rule for every user callable: :mod:`pipeline._callables`): an ``async def`` is refused when
+the call is made, since nothing would run it (for async work per sample, iterate
+``Pipeline.stream``). One that raises, or returns an awaitable (closed, never run), is logged
+as ``on_sample_done_failed``; it never changes the sample or costs the batch."""
 
 
 def check_callback(on_sample_done: object) -> None:
-    """Refuse a sample callback that cannot be called, before any sample starts."""
-    if on_sample_done is not None and not callable(on_sample_done):
-        raise ConfigError(f"field 'on_sample_done': must be callable (item, sample) -> None, "
-                          f"got {on_sample_done!r:.60}", field="on_sample_done")
+    """Refuse a sample callback that is not a plain callable, before any sample starts.
+
+    Raises:
+        ConfigError: not callable, an ``async def`` (or a partial of one, or an object
+            whose ``__call__`` is async), or a generator function; ``field="on_sample_done"``.
+    """
+    if on_sample_done is not None:
+        check_callable(on_sample_done, "on_sample_done", "sync",
+                       shape="(item, sample) -> None")
 
 
 START_CHUNK = 256
@@ -87,8 +113,12 @@ coroutines and a waiter each (objects the collector would walk)."""
 class Producer:
     """Starts sample tasks and hands each back once it has finished, in finishing order."""
 
-    def __init__(self, run_sample: RunSample, num_needed: int | None) -> None:
+    def __init__(self, run_sample: RunSample, num_needed: int | None, give_up: GiveUp,
+                 grace_s: float) -> None:
         self.run_sample = run_sample
+        self.give_up = give_up
+        self.grace_s = grace_s
+        """How long stages may take to end once cancelled before they are abandoned."""
         self.batch = Batch(num_needed)
         self.unfinished = 0
         self._finished: asyncio.Queue[SampleRun] = asyncio.Queue()
@@ -99,7 +129,7 @@ class Producer:
     def start(self, items: Iterable[AgentRolloutItem]) -> list[SampleRun]:
         """Start one task per item (the first :data:`START_CHUNK` now, the rest in later
         loop iterations); they run until done, aborted, or :meth:`cancel`."""
-        runs = [SampleRun(item) for item in items]
+        runs = [SampleRun(item, self) for item in items]
         self.batch.runs.extend(runs)
         self.unfinished += len(runs)
         self._running += len(runs)
@@ -121,50 +151,56 @@ class Producer:
     async def _run(self, run: SampleRun) -> RolloutSample:
         # Handed over from the task's last step (no done-callback, one loop handle less per
         # sample): the task is done by the time the consumer wakes up to look at it.
-        fatal = False
         run.begun = True
         try:
             sample = await self.run_sample(run, self.batch)
         except (Exception, asyncio.CancelledError):
             raise
-        except BaseException:
-            fatal = True
-            raise
+        except BaseException as exc:  # past every guard of the runner: never out of the loop
+            raise EscapedBaseException(f"{type(exc).__name__} escaped the sample runner: "
+                                       f"{exc}") from exc
         else:
             run.sample = sample
             run.task = run.ctx = None
             return sample
         finally:
-            self._finished.put_nowait(run)
-            self._running -= 1
-            waiter = self._all_done
-            if waiter is not None and not waiter.done() and (fatal or not self._running):
-                waiter.set_result(None)
+            if not run.abandoned:  # an abandoned run was handed over already
+                self._hand_over(run)
+
+    def _hand_over(self, run: SampleRun) -> None:
+        self._finished.put_nowait(run)
+        self._running -= 1
+        waiter = self._all_done
+        if waiter is not None and not waiter.done() and not self._running:
+            waiter.set_result(None)
+
+    def abandon(self, run: SampleRun, status: Status, error: str) -> None:
+        """Hand ``run`` over now, ended with ``status`` and ``error``, although its stages
+        still run (they ignored their cancellation for ``grace_s``); its task is cancelled
+        once more and left to :func:`pipeline._cancel.abandon`."""
+        task = run.task
+        if task is None or task.done() or run.abandoned or not run.in_stages:
+            return
+        run.abandoned = True
+        run.sample = self.give_up(run, self.batch, status, error)
+        run.task = run.ctx = None
+        task.cancel()
+        abandon(task, f"sample {run.item.uid}: {error}")
+        self._hand_over(run)
 
     async def next_finished(self) -> SampleRun:
-        """The next run whose task has ended.
-
-        Raises:
-            BaseExceptionGroup: a sample raised a ``BaseException`` that is not ours to stop.
-        """
+        """The next run whose task has ended (or that was abandoned)."""
         return await self._checked(await self._finished.get())
 
     async def _checked(self, run: SampleRun) -> SampleRun:
         self.unfinished -= 1
         task = run.task
-        if task is not None:  # it ended without a sample: look at how
-            if not task.done():  # only a run that raised past every guard gets here unfinished
-                await asyncio.wait((task,))
-            if not task.cancelled() and not isinstance(exc := task.exception(), Exception | None):
-                raise BaseExceptionGroup("a sample raised a BaseException", [exc])
+        if task is not None and not task.done():  # handed over from its last step
+            await asyncio.wait((task,))
         return run
 
     async def wait_all(self) -> None:
-        """Wait until every started run has finished, waking once (not once per sample).
-
-        Raises:
-            BaseExceptionGroup: as :meth:`next_finished`.
-        """
+        """Wait until every started run has finished, waking once (not once per sample)."""
         if self._running:
             self._all_done = asyncio.get_running_loop().create_future()
             try:
@@ -173,12 +209,13 @@ class Producer:
                 self._all_done = None
         while self.unfinished and not self._finished.empty():
             await self._checked(self._finished.get_nowait())
-        if self.unfinished:  # woken early by a fatal error already handled above, or more runs
+        if self.unfinished:  # more runs were started meanwhile
             await self.wait_all()
 
     async def cancel(self) -> None:
         """Cancel every unfinished sample and wait for all of them (cleanups run), even if
-        the caller is cancelled meanwhile; re-raises that cancellation afterwards."""
+        the caller is cancelled meanwhile; re-raises that cancellation afterwards. Samples
+        whose stages ignore the cancellation for ``grace_s`` are abandoned, not waited for."""
         self.batch.cancelled = True
         never_started = len(self._unstarted)
         self._unstarted.clear()  # the scheduled _start_chunk then finds nothing to start
@@ -187,9 +224,15 @@ class Producer:
         tasks = [run.task for run in self.batch.runs if run.task is not None]
         for task in tasks:
             task.cancel()
-        cancelled = await wait_through_cancellation(tasks)
+        cancelled = await wait_through_cancellation(tasks, self.grace_s)
+        for run in self.batch.runs:
+            self.abandon(run, Status.ABORTED, "aborted: the batch was cancelled and a stage "
+                         f"ignored its cancellation for {self.grace_s}s (abandoned)")
+        rest = [run.task for run in self.batch.runs if run.task is not None]
+        if await wait_through_cancellation(rest):  # in their cleanups: each one bounded
+            cancelled = True
         for task in tasks:
-            if not task.cancelled():
+            if task.done() and not task.cancelled():
                 task.exception()  # retrieved: the cancellation is what the caller sees
         if cancelled:
             raise asyncio.CancelledError

@@ -1,8 +1,10 @@
 """Seeded chaos: thousands of samples with every kind of fault, every one accounted for.
 
 Each sample draws one fault from a seeded plan: engine errors, engine hangs (with an abort
-that works or raises), raising, hanging and stray-cancelled stages, failing and hanging
-cleanups, a NaN counter, a badly typed item field, a NaN reward. The engine is
+that works or raises), raising, hanging and stray-cancelled stages, stages that swallow the
+deadline's cancellation (once, or every one for a while), block the event loop past the
+deadline, or raise ``SystemExit``/``KeyboardInterrupt``, failing and hanging cleanups, a NaN
+counter, a badly typed item field, a NaN reward. The engine is
 :class:`SimulatedEngine` (simulated, named as such), extended only to look up each request's
 planned fault. Checked: every sample ends with the status its fault implies, every started
 cleanup ran exactly once, and nothing is left behind (no task, no in-flight entry, no limiter
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import math
 import random
 import sys
@@ -52,6 +55,11 @@ FAULTS: dict[str, tuple[float, Status]] = {
     "nan_reward": (4, Status.FAILED),
     "bad_field": (4, Status.FAILED),
     "stage_hangs": (5, Status.TIMEOUT),
+    "swallows_deadline": (3, Status.TIMEOUT),
+    "deaf_for_a_while": (2, Status.TIMEOUT),
+    "blocks_loop_past_deadline": (1, Status.TIMEOUT),
+    "system_exit": (2, Status.FAILED),
+    "keyboard_interrupt": (2, Status.FAILED),
     "engine_hangs": (5, Status.TIMEOUT),
     "engine_hangs_abort_raises": (3, Status.TIMEOUT),
 }
@@ -116,6 +124,23 @@ class ChaosStage:
             raise ValueError("chaos: stage failed {with braces}")
         if fault == "stage_hangs":
             await asyncio.sleep(3600)
+        if fault == "swallows_deadline":
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+        if fault == "deaf_for_a_while":  # ignores every cancellation until 0.3 s after it
+            until = None
+            while until is None or time.monotonic() < until:
+                try:
+                    await asyncio.sleep(3600 if until is None else until - time.monotonic())
+                except asyncio.CancelledError:
+                    until = until or time.monotonic() + 0.3
+        if fault == "blocks_loop_past_deadline":
+            await asyncio.sleep(max(0.0, ctx.time_left() - 0.01))
+            time.sleep(0.03)  # the deadline passes while the loop is held
+        if fault == "system_exit":
+            sys.exit(3)
+        if fault == "keyboard_interrupt":
+            raise KeyboardInterrupt
         if fault == "stray_cancel":
             future = asyncio.get_running_loop().create_future()
             future.cancel()
@@ -191,6 +216,11 @@ async def run_chaos(samples: int, seed: int, concurrency: int = 256,
         assert sample.finish_reason is not None
         if sample.status is not Status.COMPLETED:
             assert sample.masked and sample.error, fault
+    for item, fault in zip(result.items, plan.faults, strict=True):
+        if fault in ("swallows_deadline", "deaf_for_a_while", "blocks_loop_past_deadline"):
+            # No stage starts after the deadline: the engine never saw these samples.
+            assert [r.name for r in item.records if r.phase == "run"] == ["build_prompt",
+                                                                          "chaos"], fault
     by_fault = collections.Counter(plan.faults)
     for fault in ("engine_hangs", "engine_hangs_abort_raises"):
         hung = [uid for uid, f in plan.uid_fault.items() if f == fault]

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pipeline import Pipeline, Status
+import pytest
+
+from pipeline import Loop, Pipeline, Status
+from pipeline._cancel import abandoned_tasks, stage_grace
 from pipeline._deadline import RESOLUTION_S
 from pipeline.testing import ByteTokenizer
 
@@ -48,19 +51,29 @@ async def test_after_a_timeout_the_sample_task_carries_no_cancellation_request()
         [Status.TIMEOUT] * 3)
 
 
-async def test_a_stage_that_swallows_the_deadline_cancel_completes_and_leaves_no_count():
+async def test_item1_a_stage_that_swallows_the_deadline_cancel_ends_timeout_with_no_count():
+    later: list[str] = []
+
     async def stubborn(item, ctx) -> None:
         try:
             await asyncio.sleep(10)
         except asyncio.CancelledError:
             item.artifacts["reward"] = 0.5  # swallowed: the stage ends normally
 
+    async def after(item, ctx) -> None:
+        later.append(item.uid)
+        await asyncio.sleep(3600)  # would hold the batch forever with no deadline left
+
     counts: list[int] = []
-    pipe = Pipeline([stubborn], tokenizer=ByteTokenizer(), sample_timeout_s=0.02)
-    result = await pipe.run_batch([{"prompt": "q"}],
-                                  on_sample_done=lambda item, sample: counts.append(
-                                      asyncio.current_task().cancelling()))
-    assert result.samples[0].status is Status.COMPLETED  # as with asyncio.timeout
+    pipe = Pipeline([stubborn, after], tokenizer=ByteTokenizer(), sample_timeout_s=0.02)
+    result = await asyncio.wait_for(pipe.run_batch(
+        [{"prompt": "q"}], on_sample_done=lambda item, sample: counts.append(
+            asyncio.current_task().cancelling())), 5)
+    sample = result.samples[0]
+    assert sample.status is Status.TIMEOUT and sample.finish_reason == "timeout"
+    assert sample.masked and "swallowed" in sample.error and "'stubborn'" in sample.error
+    assert later == []  # no stage starts after the deadline fired
+    assert [r.status for r in result.items[0].records] == [Status.TIMEOUT]
     assert counts == [0]
 
 
@@ -101,3 +114,146 @@ async def test_a_deadline_that_fires_while_a_sample_waits_in_a_nested_timeout_is
     sample = await pipe.run({"prompt": "q"})
     assert sample.status is Status.TIMEOUT
     assert "timed out after 0.02s in stage 'nested'" in sample.error
+
+
+async def test_item1_a_stage_blocking_the_loop_past_the_deadline_ends_timeout():
+    ran: list[str] = []
+
+    async def blocks(item, ctx) -> None:
+        time.sleep(0.08)  # holds the event loop: the deadline's timer cannot fire meanwhile
+
+    async def after(item, ctx) -> None:
+        ran.append(item.uid)
+
+    pipe = Pipeline([blocks, after], tokenizer=ByteTokenizer(), sample_timeout_s=0.03)
+    sample = await pipe.run({"prompt": "q"})
+    assert sample.status is Status.TIMEOUT and sample.masked
+    assert "blocked the event loop" in sample.error
+    assert ran == []
+
+
+async def test_item1_a_blocking_last_stage_cannot_end_completed():
+    async def blocks(item, ctx) -> None:
+        item.artifacts["reward"] = 1.0
+        time.sleep(0.08)
+
+    pipe = Pipeline([blocks], tokenizer=ByteTokenizer(), sample_timeout_s=0.03)
+    sample = await pipe.run({"prompt": "q"})
+    assert sample.status is Status.TIMEOUT and sample.finish_reason == "timeout"
+
+
+async def test_item1_no_loop_turn_starts_after_a_swallowed_deadline():
+    turns: list[int] = []
+
+    async def stubborn_turn(item, ctx) -> None:
+        turns.append(ctx.turn)
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass
+
+    pipe = Pipeline([Loop([stubborn_turn], max_turns=5, until=lambda item: False)],
+                    tokenizer=ByteTokenizer(), sample_timeout_s=0.03)
+    sample = await asyncio.wait_for(pipe.run({"prompt": "q"}), 5)
+    assert sample.status is Status.TIMEOUT
+    assert turns == [0]
+
+
+async def test_item1_a_stage_ignoring_every_cancellation_is_abandoned_within_the_bound():
+    cleaned: list[str] = []
+    release = asyncio.Event()
+
+    class Deaf:
+        name = "deaf"
+
+        async def run(self, item, ctx) -> None:
+            while not release.is_set():  # swallows the deadline's and every later cancel
+                try:
+                    await release.wait()
+                except asyncio.CancelledError:
+                    continue
+
+        async def cleanup(self, item, ctx) -> None:
+            cleaned.append(item.uid)
+
+    async def fine(item, ctx) -> None:
+        item.artifacts["reward"] = 1.0
+
+    deaf, cleanup_s = Deaf(), 0.05
+    pipe = Pipeline([deaf], tokenizer=ByteTokenizer(), sample_timeout_s=0.05,
+                    cleanup_timeout_s=cleanup_s, max_concurrency=1)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    result = await asyncio.wait_for(pipe.run_batch([{"prompt": "a"}, {"prompt": "b"}]), 10)
+    wall = loop.time() - start
+    # Two samples one after the other on one slot: each bounded by deadline + stage grace.
+    bound = 2 * (0.05 + stage_grace(cleanup_s)) + 0.5
+    assert wall < bound, (wall, bound)
+    assert [s.status for s in result.samples] == [Status.TIMEOUT] * 2
+    assert all("abandoned" in s.error and "'deaf'" in s.error for s in result.samples)
+    assert pipe.inflight() == [] and len(abandoned_tasks()) == 2
+    assert cleaned == []  # its stage has not returned yet
+    release.set()
+    for _ in range(100):
+        if not abandoned_tasks():
+            break
+        await asyncio.sleep(0.01)
+    assert abandoned_tasks() == {}
+    assert sorted(cleaned) == sorted(item.uid for item in result.items)  # once it returned
+    # The abandoned samples' results stand: their late return changed nothing.
+    assert [item.status for item in result.items] == [Status.TIMEOUT] * 2
+
+
+async def test_item1_a_cancelled_batch_does_not_wait_for_a_stage_ignoring_cancellation():
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def deaf(item, ctx) -> None:
+        started.set()
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                continue
+
+    pipe = Pipeline([deaf], tokenizer=ByteTokenizer(), sample_timeout_s=None,
+                    cleanup_timeout_s=0.05)
+    items = pipe.make_items([{"prompt": "a"}])
+    batch = asyncio.create_task(pipe.run_batch(items))
+    await asyncio.wait_for(started.wait(), 5)
+    batch.cancel()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(batch, 10)
+    assert loop.time() - start < stage_grace(0.05) + 0.5
+    assert items[0].status is Status.ABORTED and "ignored its cancellation" in items[0].error
+    release.set()
+    await asyncio.sleep(0.05)
+    assert abandoned_tasks() == {}
+
+
+async def test_item1_a_cleanup_ignoring_its_cancellation_is_bounded():
+    release = asyncio.Event()
+
+    class DeafCleanup:
+        name = "deaf_cleanup"
+
+        async def run(self, item, ctx) -> None:
+            item.artifacts["reward"] = 1.0
+
+        async def cleanup(self, item, ctx) -> None:
+            while not release.is_set():
+                try:
+                    await release.wait()
+                except asyncio.CancelledError:
+                    continue
+
+    pipe = Pipeline([DeafCleanup()], tokenizer=ByteTokenizer(), cleanup_timeout_s=0.05)
+    result = await asyncio.wait_for(pipe.run_batch([{"prompt": "a"}]), 10)
+    assert result.samples[0].status is Status.COMPLETED  # a cleanup never changes the outcome
+    record = [r for r in result.items[0].records if r.phase == "cleanup"][0]
+    assert record.status is Status.TIMEOUT and "abandoned" in record.error_message
+    release.set()
+    await asyncio.sleep(0.05)
+    assert abandoned_tasks() == {}

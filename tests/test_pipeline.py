@@ -239,16 +239,20 @@ async def test_cancelling_run_batch_cancels_every_sample_and_leaves_no_task():
     assert pipe.inflight() == []
 
 
-async def test_base_exceptions_are_not_swallowed_as_sample_failures():
-    class Fatal(BaseException):
-        pass
+@pytest.mark.parametrize("fatal", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()],
+                         ids=lambda exc: type(exc).__name__)
+async def test_item3a_a_base_exception_in_a_stage_fails_that_sample_only(fatal):
+    async def stage(item, ctx):
+        if item.index == 1:
+            raise fatal
+        item.artifacts["reward"] = 1.0
 
-    async def fatal(item, ctx):
-        raise Fatal("stop everything")
-
-    with pytest.raises(BaseExceptionGroup) as info:
-        await make([fatal]).run_batch(ROWS[:2])
-    assert info.group_contains(Fatal)
+    result = await make([stage]).run_batch(ROWS[:3])
+    assert [s.status for s in result.samples] == [Status.COMPLETED, Status.FAILED,
+                                                  Status.COMPLETED]
+    failed = result.samples[1]
+    assert failed.masked and f"raised {type(fatal).__name__}" in failed.error
+    assert asyncio.current_task().cancelling() == 0
 
 
 async def test_over_sampling_aborts_the_rest_and_their_engine_requests():

@@ -371,3 +371,20 @@ async def test_simulated_engine_remembers_a_bounded_number_of_aborts():
             break
     assert engine.calls > RECENT_ABORTS  # every request hung and was aborted
     assert len(engine.aborted) == RECENT_ABORTS and not engine.in_flight
+
+
+async def test_item10_a_huge_exception_message_is_capped_head_and_tail_kept():
+    from pipeline._outcome import ERROR_CHARS
+
+    async def loud(item, ctx):
+        raise ValueError("HEAD" + "x" * 5_000_000 + "TAIL")
+
+    result = await make([loud]).run_batch(ROWS[:1])
+    sample, item = result.samples[0], result.items[0]
+    assert sample.status is Status.FAILED
+    assert len(sample.error) <= ERROR_CHARS + 100
+    assert "HEAD" in sample.error and sample.error.endswith("TAIL")
+    assert "characters cut" in sample.error and "stage 'loud' raised ValueError" in sample.error
+    record = item.records[0]
+    assert len(record.error_message) <= ERROR_CHARS + 100
+    assert record.error_message.startswith("HEAD") and record.error_message.endswith("TAIL")

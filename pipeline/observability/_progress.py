@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 import structlog
 
+from pipeline._callables import check_callable
 from pipeline._models import AgentRolloutItem, RolloutSample, Status
 
 SampleCallback = Callable[[AgentRolloutItem, RolloutSample], None]
@@ -28,8 +29,14 @@ _logger = structlog.get_logger("pipeline")
 
 
 def chain_callbacks(*callbacks: SampleCallback | None) -> SampleCallback:
-    """One ``on_sample_done`` callback calling each given one in order (``None`` skipped)."""
+    """One ``on_sample_done`` callback calling each given one in order (``None`` skipped).
+
+    Raises:
+        ConfigError: a callback that is not a plain callable (as ``on_sample_done`` itself).
+    """
     chain = [cb for cb in callbacks if cb is not None]
+    for callback in chain:
+        check_callable(callback, "on_sample_done", "sync", shape="(item, sample) -> None")
 
     def on_sample_done(item: AgentRolloutItem, sample: RolloutSample) -> None:
         for callback in chain:

@@ -15,9 +15,15 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from pipeline import artifacts as A
+from pipeline._callables import call_either, check_callable
 from pipeline._cancel import cancel_requested
 from pipeline._context import Context
-from pipeline._exceptions import ContractError, SampleAborted, StageDefinitionError
+from pipeline._exceptions import (
+    ContractError,
+    DeadlineExceeded,
+    SampleAborted,
+    StageDefinitionError,
+)
 from pipeline._models import (
     AgentMessage,
     AgentRolloutItem,
@@ -26,6 +32,7 @@ from pipeline._models import (
     Status,
     is_finite_number,
 )
+from pipeline._outcome import capped
 
 StageFunction = Callable[[AgentRolloutItem, Context], Awaitable[None]]
 
@@ -109,24 +116,38 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
 
     Exceptions propagate (the sample runner turns them into a status); the record says how the
     stage ended: ``failed`` on an exception (a ``CancelledError`` nobody asked for included),
-    ``timeout`` when cancelled by the sample's deadline, ``aborted`` when cancelled otherwise.
+    ``timeout`` once the sample's deadline passed, ``aborted`` when cancelled otherwise.
     A stage that leaves a reward that is not a finite number fails here, so the error names
     the stage that wrote it.
+
+    The deadline is decided by the clock at both boundaries: no stage starts once it passed
+    (:class:`DeadlineExceeded`, before any record), and a stage that returns after it (it
+    swallowed the deadline's cancellation, or blocked the event loop past it) ends ``timeout``
+    as if the cancellation had gone through. A stage parked by the loop slice before it began
+    has no record and no cleanup: it never ran.
     """
+    if ctx.deadline is not None and ctx.deadline_passed():
+        raise DeadlineExceeded(f"the deadline passed before stage '{stage.name}' started")
+    if ctx.loop_slice is not None and ctx.loop_slice.spent():
+        await ctx.loop_slice.wait_turn()  # let the loop's timers in (pipeline._slice)
     start = ctx.mark_started(stage)
     record = StageRecord(stage.name, start, time.time(), "run", ctx.turn)  # positional: faster
     item.records.append(record)
     try:
-        if ctx.loop_slice is not None and ctx.loop_slice.spent():
-            await ctx.loop_slice.wait_turn()  # let the loop's timers in (pipeline._slice)
         await stage.run(item, ctx)
+        if ctx.deadline is not None and ctx.deadline_passed():
+            raise DeadlineExceeded(
+                f"stage '{stage.name}' returned after the sample's deadline (it swallowed the "
+                "deadline's cancellation or blocked the event loop past it)")
         reward = item.artifacts.get(A.REWARD)
         if reward is not None and not is_finite_number(reward):
             raise ContractError(f"stage '{stage.name}' wrote a reward that is not a finite "
                                 f"number: {reward!r}")
     except asyncio.CancelledError as exc:
-        if cancel_requested():
-            record.status = Status.TIMEOUT if ctx.deadline_passed() else Status.ABORTED
+        if ctx.deadline_passed():
+            record.status = Status.TIMEOUT
+        elif cancel_requested():
+            record.status = Status.ABORTED
         else:
             record.status, record.error_type = Status.FAILED, type(exc).__name__
             record.error_message = "CancelledError raised inside the stage; nobody cancelled it"
@@ -135,13 +156,14 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
         record.status, record.error_type, record.error_message = (
             Status.ABORTED,
             type(exc).__name__,
-            str(exc),
+            capped(str(exc)),
         )
         raise
     except BaseException as exc:
-        record.status = Status.FAILED
+        # Whatever a stage raised once the deadline passed, the deadline is what ended it.
+        record.status = Status.TIMEOUT if ctx.deadline_passed() else Status.FAILED
         record.error_type = type(exc).__name__
-        record.error_message = str(exc)
+        record.error_message = capped(str(exc))
         raise
     finally:
         record.end = time.monotonic()
@@ -164,7 +186,9 @@ class Loop:
 
     Args:
         stages: the stages of one turn, e.g. ``[Generate(), CallTools()]``.
-        until: checked after every turn; default: the last assistant message has no tool calls.
+        until: ``until(item) -> bool``, checked after every turn; a plain function or an
+            ``async def`` (awaited); default: the last assistant message has no tool calls.
+            One that raises, or a plain one that returns an awaitable, fails the sample.
         max_turns: the most turns to run (>= 1).
         name: the loop's stage name.
     """
@@ -174,13 +198,15 @@ class Loop:
         stages: Iterable[Any],
         *,
         max_turns: int,
-        until: Callable[[AgentRolloutItem], bool] = last_assistant_has_no_tool_calls,
+        until: Callable[[AgentRolloutItem], bool | Awaitable[bool]] = (
+            last_assistant_has_no_tool_calls),
         name: str = "loop",
     ) -> None:
         if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
             raise StageDefinitionError(f"Loop: max_turns must be an int >= 1, got {max_turns!r}")
-        if not callable(until):
-            raise StageDefinitionError(f"Loop: until must be callable, got {until!r}")
+        self._until_is_async = check_callable(until, "until", "either", owner="Loop",
+                                              shape="(item) -> bool",
+                                              error=StageDefinitionError)
         if not isinstance(name, str) or not name:
             raise StageDefinitionError(f"Loop: name must be a non-empty string, got {name!r}")
         self.stages = as_stages(stages, where=f" of Loop {name!r}")
@@ -198,7 +224,8 @@ class Loop:
                     await run_stage(stage, item, ctx)
                     if A.EXIT_REASON in item.artifacts:
                         return
-                if self.until(item):
+                if await call_either(self.until, self._until_is_async,
+                                     f"Loop {self.name!r}: until", item):
                     item.artifacts[A.EXIT_REASON] = ExitReason.DONE.value
                     return
             item.artifacts[A.EXIT_REASON] = ExitReason.MAX_TURNS.value
