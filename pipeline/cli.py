@@ -43,8 +43,6 @@ from pipeline.testing import ByteTokenizer
 SCENARIOS = {"arith": "scenarios.arith_tools", "arith-single": "scenarios.arith"}
 """Scenario name -> module (see ``scenarios/__init__.py`` for what a module provides)."""
 
-ENGINES = (*ENGINE_NAMES, "simulated")
-
 USAGE_ERROR = 2
 """Exit status of a refused command line (argparse's, for every check here too)."""
 
@@ -255,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rows", type=int, default=32, help="prompts to run")
     run.add_argument(
         "--engine",
-        choices=ENGINES,
+        choices=ENGINE_NAMES,
         default="auto",
         help="auto: in-process vLLM when installed, else torch + transformers",
     )

@@ -102,7 +102,8 @@ async def setup(request: pytest.FixtureRequest) -> AsyncIterator[Setup]:
                              responder=responder, eos_token_id=TOK.eos_token_id)
     options = {"api_key": ADMIN} if request.param == "server_key" else {}
     async with ProxyServer(engine, TOK, **options) as proxy, aiohttp.ClientSession() as http:
-        a, b = proxy.create_session(), proxy.create_session()
+        a = proxy.create_session(metadata={"ground_truth": "42"})
+        b = proxy.create_session()
         async with http.post(f"{proxy.session_url(a)}/chat/completions",
                              json=ROUTES["chat"][2], headers=_auth(a.api_key)) as r:
             assert r.status == 200, await r.text()  # A has recorded tokens to leak
@@ -191,6 +192,7 @@ async def test_item7_agent_key_cannot_read_token_payloads(setup: Setup) -> None:
             assert r.status == 200
             record = await r.json()
         assert _token_keys(record) == [], (url, _token_keys(record)[:5])
+        assert "metadata" not in record  # the trainer's (here the answer): not the agent's
         # what an agent may read is still there: the conversation's text and the turn facts
         assert [m["content"] for m in record["segments"][0]["messages"]] == ["hi", "ok"]
         assert record["turns"][0]["prompt_len"] > 0
@@ -200,6 +202,7 @@ async def test_item7_agent_key_cannot_read_token_payloads(setup: Setup) -> None:
         assert full["segments"][0]["messages"][1]["token_ids"] == [*TOK.encode("ok"),
                                                                    TOK.eos_token_id]
         assert full["turns"][0]["prompt_ids"]
+        assert full["metadata"] == {"ground_truth": "42"}
 
 
 async def test_item7_strangers_cannot_tell_which_sessions_exist(setup: Setup) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from pipeline._callables import check_callable, plain_result
 from pipeline._cancel import abort_request
 from pipeline._config import SamplingParams
+from pipeline._context import Resources
 from pipeline._models import AgentRolloutItem, FinishReason
 from pipeline._render import decode_text, render_prompt
 from pipeline._tokenizer import Tokenizer
@@ -94,6 +95,8 @@ class LLMJudger:
                  name: str = "llm", abort_timeout_s: float = 10.0) -> None:
         if max_score <= 0:
             raise ValueError(f"max_score must be > 0, got {max_score}")
+        # The Pipeline's own check: an engine and tokenizer that fit (eos paired, no classes).
+        Resources(engine=engine, tokenizer=tokenizer)
         self.engine = engine
         self.tokenizer = tokenizer
         self.template = template
