@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from pipeline import BuildPrompt, Generate, Loop, Pipeline, artifacts
-from pipeline.stages import CallTools
+from pipeline import BuildPrompt, Generate, Judge, Loop, Pipeline, artifacts
+from pipeline.judgers import ExactMatchJudger
+from pipeline.stages import CallTools, Route
 from pipeline.tools import calculator_tool
 
 STARTED: Counter[str] = Counter()
@@ -56,3 +57,87 @@ def tool_agent(max_turns: int = 2) -> Pipeline:
 def plain_agent() -> list[Any]:
     return [BuildPrompt(), Generate()]
 
+
+
+# --- issue 33 item 2: rewards a stage list carries reach verl, whoever writes them ---------
+# Prompts ``R<i>``; rollout ``k`` as in ``pick``. ``R0``'s first rollout fails before it
+# generates anything (so it ends before any sample is scored); the others are scored
+# ``0.0`` (k == 0: a zero reward is still a reward) or ``1.0``.
+
+
+async def fail_first(item: Any, ctx: Any) -> None:
+    if where(item) == ("R0", 0):
+        raise RuntimeError("sandbox never started")
+
+
+async def score_by_k(item: Any, ctx: Any) -> None:
+    """A README-style custom stage: writes the reward and a payload, no ``Judge``."""
+    score = 0.0 if where(item)[1] == 0 else 1.0
+    item.artifacts[artifacts.REWARD] = score
+    item.artifacts[artifacts.REWARD_PAYLOAD] = {"acc": bool(score),
+                                                "n": len(item.artifacts[artifacts.RESPONSE_IDS])}
+
+
+def custom_reward() -> list[Any]:
+    """Bare async function stages, a plain list (no ``Pipeline``, no ``Judge``)."""
+    return [pick, fail_first, BuildPrompt(), Generate(), score_by_k]
+
+
+def nested_judge() -> Pipeline:
+    """A ``Judge`` inside a ``Loop`` inside a ``Route`` (the forced tool call never equals 42:
+    every judged sample scores 0.0)."""
+    judged = [Loop([Generate(), Judge([ExactMatchJudger()])], max_turns=1)]
+    return Pipeline([pick, fail_first, BuildPrompt(),
+                     Route({"solver": judged}, default="solver")])
+
+
+def plain_failing() -> list[Any]:
+    """Scores nothing (verl's reward loop would); one sample fails first."""
+    return [pick, fail_first, BuildPrompt(), Generate()]
+
+
+def silent_sometimes() -> list[Any]:
+    """Scores every sample but ``R1``'s second: an unmasked sample without a reward beside
+    scored ones (a bug of the stage list)."""
+    async def score(item: Any, ctx: Any) -> None:
+        if where(item) != ("R1", 1):
+            await score_by_k(item, ctx)
+    return [pick, BuildPrompt(), Generate(), score]
+
+
+# --- issue 33 item 9: a Route inside a verl entry ------------------------------------------
+
+
+async def note_agent(item: Any, ctx: Any) -> None:
+    item.artifacts[artifacts.REWARD] = 1.0 if item.artifacts.get("agent") == "tools" else 0.5
+
+
+def routed() -> list[Any]:
+    """Two agents; rows pick one by their ``agent`` column, else verl's ``agent_name`` when
+    it names one of them, else ``short`` (the default)."""
+    return [Route({"short": [BuildPrompt(), Generate()],
+                   "tools": [BuildPrompt(), Loop([Generate(), CallTools()], max_turns=2)]},
+                  default="short"), note_agent]
+
+
+# --- issue 33 item 9: every way a factory can fail ------------------------------------------
+
+
+def raising_factory() -> list[Any]:
+    raise ValueError("no API key for the judge")
+
+
+def returns_none() -> None:
+    return None
+
+
+def returns_stage() -> Any:
+    return Generate()
+
+
+async def async_factory() -> list[Any]:
+    return [BuildPrompt(), Generate()]
+
+
+def exits_factory() -> list[Any]:
+    raise SystemExit(3)

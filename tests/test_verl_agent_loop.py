@@ -34,6 +34,18 @@ P, R = 384, 160  # rollout.prompt_length / response_length
 N = 2  # rollouts per prompt
 TIMEOUT_S = 5.0  # the agent's sample_timeout_s; the SLOW sample needs 40 x 0.25 s
 
+BROKEN = {  # YAML entry -> a factory that fails one way (issue 33 item 9)
+    "missing_module": "_verl_no_such_module.make",
+    "import_raises": "_verl_import_raises.make",
+    "import_dep": "_verl_import_dep.make",
+    "import_exits": "_verl_import_exits.make",
+    "factory_raises": "_verl_agents.raising_factory",
+    "factory_exits": "_verl_agents.exits_factory",
+    "returns_none": "_verl_agents.returns_none",
+    "returns_stage": "_verl_agents.returns_stage",
+    "async_factory": "_verl_agents.async_factory",
+}
+
 AGENTS_YAML = f"""\
 - name: tool_agent
   _target_: pipeline.integrations.verl.PipelineAgentLoop
@@ -46,7 +58,40 @@ AGENTS_YAML = f"""\
 - name: typo_agent
   _target_: pipeline.integrations.verl.PipelineAgentLoop
   factory: _verl_agents.tool_agnet
-"""
+- name: custom_reward
+  _target_: pipeline.integrations.verl.PipelineAgentLoop
+  factory: _verl_agents.custom_reward
+  sampling: {{max_tokens: 8}}
+  reward_extra_keys: [acc, n]
+- name: custom_reward_off
+  _target_: pipeline.integrations.verl.PipelineAgentLoop
+  factory: _verl_agents.custom_reward
+  sampling: {{max_tokens: 8}}
+  judges: false
+- name: nested_judge
+  _target_: pipeline.integrations.verl.PipelineAgentLoop
+  factory: _verl_agents.nested_judge
+  sampling: {{max_tokens: 40}}  # the forced call ends (a cut turn would leave the Loop)
+- name: plain_failing
+  _target_: pipeline.integrations.verl.PipelineAgentLoop
+  factory: _verl_agents.plain_failing
+  sampling: {{max_tokens: 8}}
+- name: silent_sometimes
+  _target_: pipeline.integrations.verl.PipelineAgentLoop
+  factory: _verl_agents.silent_sometimes
+  sampling: {{max_tokens: 8}}
+- name: routed
+  _target_: pipeline.integrations.verl.PipelineAgentLoop
+  factory: _verl_agents.routed
+  sampling: {{max_tokens: 40}}
+- name: tools
+  _target_: pipeline.integrations.verl.PipelineAgentLoop
+  factory: _verl_agents.routed
+  sampling: {{max_tokens: 40}}
+""" + "".join(f"""- name: {name}
+  _target_: pipeline.integrations.verl.PipelineAgentLoop
+  factory: {factory}
+""" for name, factory in BROKEN.items())
 
 
 def verl_config(model_dir, agents_yaml):
@@ -292,3 +337,146 @@ def test_registered_entry_without_judge_leaves_scoring_to_verl(verl_env):
     assert "rm_scores" not in out.batch.keys()  # verl's reward loop scores them
     assert [int(m.sum()) for m in out.batch["response_mask"]] == [8] * 4
     assert list(nt["agent"]) == ["plain"] * 4
+
+
+def r_rows(n_prompts=3, **columns):
+    """Prompts ``R<i>`` (see ``_verl_agents``: ``R0``'s first rollout fails first)."""
+    data = rows(n_prompts)
+    for r in data:
+        r["raw_prompt"] = [{"role": "user", "content": f"R{r['index']}: what is 6 * 7?"}]
+        for key, values in columns.items():
+            r[key] = values[r["index"]]
+    return data
+
+
+def generate(env, data, agent):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    worker = AgentLoopWorker(env.config, llm_client=client(env))
+    batch = dataproto(data, agent)
+    if not isinstance(agent, str):
+        batch.non_tensor_batch["agent_name"] = np.array(
+            [a for a in agent for _ in range(N)], dtype=object)
+    return asyncio.run(worker.generate_sequences(batch)).non_tensor_batch, batch
+
+
+def test_item2_custom_stage_reward_reaches_verl(verl_env):
+    """A bare async function stage writes ``artifacts.REWARD`` (no ``Judge``, no ``judges``
+    option): verl's worker gets every score, a 0.0 included, as ``rm_scores`` and the pinned
+    payload leaves as ``reward_extra_info``; the sample that failed before any other was
+    scored gets 0.0 and NaN leaves, so the worker's batch stays whole."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    worker = AgentLoopWorker(verl_env.config, llm_client=client(verl_env))
+    out = asyncio.run(worker.generate_sequences(dataproto(r_rows(), "custom_reward")))
+    nt = out.non_tensor_batch
+    assert k_of(list(nt["rollout_status"])) == [["failed", "completed"]] + [
+        ["completed", "completed"]] * 2
+    assert "rm_scores" in out.batch.keys()
+    assert out.batch["rm_scores"].sum(dim=1).tolist() == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert out.meta_info["reward_extra_keys"] == ["acc", "n"]
+    assert np.isnan(nt["acc"][0]) and np.isnan(nt["n"][0])
+    assert [bool(a) for a in nt["acc"][1:]] == [True, False, True, False, True]
+    assert list(nt["n"][1:]) == [8] * 5
+
+
+def test_item2_judges_false_overrides_a_carried_reward(verl_env):
+    """``judges: false``: the stage list's own rewards stay home; verl's reward loop scores
+    every sample (no ``rm_scores``, no reward-extra columns from us)."""
+    out_nt, _ = generate(verl_env, r_rows(), "custom_reward_off")
+    assert "acc" not in out_nt and "reward_extra_info" not in out_nt
+    assert list(out_nt["rollout_status"]).count("failed") == 1
+
+
+def test_item2_judge_nested_in_loop_and_route_reaches_verl(verl_env):
+    """A ``Judge`` inside a ``Loop`` inside a ``Route``: every judged sample's 0.0 is handed
+    over (0.0 is a score, not "none"), the early failure included."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    worker = AgentLoopWorker(verl_env.config, llm_client=client(verl_env))
+    out = asyncio.run(worker.generate_sequences(dataproto(r_rows(), "nested_judge")))
+    nt = out.non_tensor_batch
+    assert list(nt["rollout_status"]).count("completed") == 5
+    assert out.batch["rm_scores"].sum(dim=1).tolist() == [0.0] * 6
+    assert list(nt["agent"]) == ["nested_judge"] + ["solver"] * 5  # the Route's choice
+
+
+def test_item2_stage_list_without_reward_leaves_scoring_to_verl(verl_env):
+    """No stage scores: every output has ``reward_score=None`` (verl's reward loop scores
+    them), the sample that failed first included (a 0.0 beside Nones would split the batch:
+    verl builds ``rm_scores`` only when every sample has a score)."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    worker = AgentLoopWorker(verl_env.config, llm_client=client(verl_env))
+    out = asyncio.run(worker.generate_sequences(dataproto(r_rows(), "plain_failing")))
+    assert "rm_scores" not in out.batch.keys()
+    assert list(out.non_tensor_batch["rollout_status"]).count("failed") == 1
+
+
+def test_item2_unscored_sample_beside_scored_ones_is_masked(verl_env):
+    """A stage list that scores all but one completed sample: that sample is masked with an
+    error naming the entry and the ``judges`` option, the others keep their scores (never a
+    silent 0.0, never a None that drops the whole worker's ``rm_scores``)."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    worker = AgentLoopWorker(verl_env.config, llm_client=client(verl_env))
+    out = asyncio.run(worker.generate_sequences(dataproto(r_rows(), "silent_sometimes")))
+    nt = out.non_tensor_batch
+    masked = [bool(m) for m in nt["rollout_masked"]]
+    assert masked == [False, False, False, True, False, False]
+    assert not bool(out.batch["response_mask"][3].any())
+    assert out.batch["rm_scores"].sum(dim=1).tolist() == [0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_item9_route_in_an_entry_routes_on_the_row(verl_env):
+    """A ``Route`` in an entry's stage list routes on the row's own ``agent`` column; without
+    one on verl's ``agent_name`` when it names one of the Route's agents (several entries
+    sharing one factory), else on the Route's default; never "unknown agent 'routed'"."""
+    nt, _ = generate(verl_env, r_rows(agent=["tools", "short", "tools"]), "routed")
+    assert list(nt["rollout_status"]) == ["completed"] * 6
+    assert list(nt["agent"]) == ["tools"] * 2 + ["short"] * 2 + ["tools"] * 2
+    assert [t >= 4 for t in nt["__num_turns__"]] == [True] * 2 + [False] * 2 + [True] * 2
+
+    nt, _ = generate(verl_env, r_rows(2), "routed")  # no agent column: the default
+    assert list(nt["rollout_status"]) == ["completed"] * 4
+    assert list(nt["agent"]) == ["short"] * 4
+
+    nt, _ = generate(verl_env, r_rows(2), ["tools", "routed"])  # verl's agent_name
+    assert list(nt["rollout_status"]) == ["completed"] * 4
+    assert list(nt["agent"]) == ["tools"] * 2 + ["short"] * 2
+
+
+@pytest.mark.parametrize(("entry", "says"), [
+    ("missing_module", r"cannot import module '_verl_no_such_module'"),
+    ("import_raises", r"importing '_verl_import_raises' raised RuntimeError: "
+                      r"CUDA_VISIBLE_DEVICES is empty"),
+    ("import_dep", r"importing '_verl_import_dep' raised ModuleNotFoundError: No module named "
+                   r"'pipeline_no_such_dependency'"),
+    ("import_exits", r"importing '_verl_import_exits' raised SystemExit: no config file"),
+    ("factory_raises", r"raised ValueError: no API key for the judge"),
+    ("factory_exits", r"raised SystemExit: 3"),
+    ("returns_none", r"returned None, not a stage list or a Pipeline"),
+    ("returns_stage", r"returned one stage, Generate 'generate'.*wrap it in a list"),
+    ("async_factory", r"returned a coroutine.*plain function"),
+])
+def test_item9_every_factory_failure_is_a_config_error_naming_the_entry(verl_env, entry, says):
+    """Through verl's worker (YAML entry, ``hydra.utils.instantiate``): whatever way the
+    factory fails, the error verl raises carries our ``ConfigError`` naming the entry and the
+    cause, and no sample reaches the server."""
+    import re
+
+    before = verl_env.ray.get(verl_env.server.request_count.remote())
+    with pytest.raises(BaseException) as info:
+        generate(verl_env, r_rows(1), entry)
+    chain, exc = [], info.value
+    while exc is not None and len(chain) < 10:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    ours = [e for e in chain if isinstance(e, ConfigError)]
+    assert ours, [repr(e) for e in chain]
+    assert f"verl agent loop '{entry}'" in str(ours[0])
+    assert re.search(says, str(ours[0])), str(ours[0])
+    assert verl_env.ray.get(verl_env.server.request_count.remote()) == before
+    if entry.startswith(("missing", "import")):  # resolved at registration already
+        with pytest.raises(ConfigError, match=says):
+            register_agent_loop(entry, BROKEN[entry])

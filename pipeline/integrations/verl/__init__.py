@@ -12,8 +12,9 @@ Importing this package does not import verl; its functions do.
   as :func:`pipeline.batch.group_advantages` does.
 """
 
-from pipeline.integrations.verl._agent_loop import PipelineAgentLoop, resolve_factory
+from pipeline.integrations.verl._agent_loop import PipelineAgentLoop
 from pipeline.integrations.verl._engine import StepRange, VerlServerEngine
+from pipeline.integrations.verl._factory import resolve_factory
 from pipeline.integrations.verl._register import (
     AGENT_LOOP_TARGET,
     register_agent_loop,

@@ -10,13 +10,19 @@ worker's samples); each sample then runs through it with our timeouts and isolat
 
 ``run()`` never raises for a sample: verl gathers a worker's samples without isolation (one
 exception fails the worker's batch; on V1 it fails the whole prompt group), so a failed
-sample is an output whose response mask is all zero.
+sample is an output whose response mask is all zero. The reward a sample carries, whichever
+stage wrote it, is handed to verl; whether an entry scores at all is decided by its samples
+(see :mod:`pipeline.integrations.verl._reward`) unless the ``judges`` option says it.
+
+A ``Route`` in the stage list routes on the row: its ``agent`` column when the dataset has
+one, else verl's ``agent_name`` when that names one of the Route's agents (verl picks the
+entry by ``agent_name``, so it is the entry's name: list one entry per agent, all naming the
+same factory), else the Route's default.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import weakref
@@ -25,17 +31,20 @@ from typing import Any
 
 import structlog
 
+from pipeline import artifacts as A
 from pipeline._config import PipelineConfig, merge_config
 from pipeline._context import Resources
 from pipeline._exceptions import ConfigError
 from pipeline._fill import fill_sample, minimal_sample
-from pipeline._models import AgentRolloutItem, RolloutSample, Status
+from pipeline._models import AgentRolloutItem, FinishReason, RolloutSample, Status
 from pipeline._pipeline import Pipeline
 from pipeline._plain import plain
 from pipeline.batch import reward_extra_info, to_verl_outputs
 from pipeline.integrations.verl._engine import STEPS, StepRange, VerlServerEngine
+from pipeline.integrations.verl._factory import make_stages
 from pipeline.integrations.verl._register import import_verl
-from pipeline.stages import Judge, Loop, Route, Stage
+from pipeline.integrations.verl._reward import Scoring
+from pipeline.stages import Loop, Route, Stage
 
 _logger = structlog.get_logger("pipeline.integrations.verl")
 
@@ -48,50 +57,23 @@ _VERL_ARGS = ("trainer_config", "server_manager", "tokenizer", "processor", "dat
 """What verl's worker passes every agent loop (``tools`` is verl's own tool list: unused)."""
 
 AGENT = "agent"
-"""``extra_fields`` key naming the YAML entry (verl's ``agent_name``) that ran the sample."""
+"""``extra_fields`` key naming the agent that ran the sample: the ``Route``'s choice when the
+stage list routed it, else the YAML entry (verl's ``agent_name``)."""
 
 _ROW_KEYS = ("tools_kwargs", "index", "data_source", "reward_model", "extra_info")
 
 
-def resolve_factory(path: Any, where: str) -> Any:
-    """The callable a dotted path (``pkg.module.make`` or ``pkg.module:make``) names.
-
-    Raises:
-        ConfigError: naming ``where`` (the YAML entry) and the module or attribute missing.
-    """
-    if not isinstance(path, str) or not path.strip():
-        raise ConfigError(f"{where}: option 'factory' must be a dotted path "
-                          f"('my_pkg.agents.make_stages'), got {path!r:.80}", field="factory")
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{where}: factory {path!r} is not 'module.attribute'",
-                          field="factory")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{where}: factory {path!r}: cannot import module {module_name!r} "
-                          f"({type(exc).__name__}: {exc})", field="factory") from exc
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(f"{where}: factory {path!r}: {getattr(target, '__name__', target)!r}"
-                              f" has no attribute {part!r}", field="factory")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ConfigError(f"{where}: factory {path!r} is a {type(target).__name__}, not "
-                          "callable", field="factory")
-    return target
-
-
-def _judges(stages: list[Stage]) -> bool:
-    """Whether a stage list holds a ``Judge`` (inside loops and routes too)."""
+def _route_names(stages: list[Stage]) -> set[str]:
+    """The agent names of every ``Route`` in a stage list (inside loops and routes too)."""
+    names: set[str] = set()
     for stage in stages:
-        if isinstance(stage, Judge):
-            return True
-        if isinstance(stage, Loop) and _judges(stage.stages):
-            return True
-        if isinstance(stage, Route) and any(_judges(s) for s in stage.agents.values()):
-            return True
-    return False
+        if isinstance(stage, Loop):
+            names |= _route_names(stage.stages)
+        elif isinstance(stage, Route):
+            names |= set(stage.agents)
+            for agent_stages in stage.agents.values():
+                names |= _route_names(agent_stages)
+    return names
 
 
 @dataclasses.dataclass
@@ -100,7 +82,8 @@ class _Agent:
 
     pipeline: Pipeline
     engine: VerlServerEngine
-    judges: bool
+    scoring: Scoring
+    route_names: set[str]
     reward_extra_keys: list[str]
     prompt_length: int
     response_length: int
@@ -133,16 +116,28 @@ class PipelineAgentLoop:
         sampling: our sampling fields (``max_tokens`` per turn, ``stop_token_ids``, ...);
             temperature, top-p and top-k come from verl per call, the response budget is
             ``rollout.response_length``.
-        judges: whether the stage list scores samples (default: it holds a ``Judge``). If
-            it does, every output has a ``reward_score`` (0.0 when masked); if not, every one
-            has None and verl's reward loop scores them.
+        judges: an override of who scores. Absent (the default): each sample's own reward
+            (whichever stage wrote ``artifacts.REWARD``: a ``Judge`` anywhere, a custom
+            stage, a bare function; 0.0 included) is its ``reward_score``; the entry's
+            samples decide together whether it scores (see ``_reward``), so a masked one
+            gets 0.0 beside scored ones and None beside unscored ones. ``true``: the entry
+            scores; every output has a ``reward_score`` (0.0 when masked). ``false``: every
+            output has None and verl's reward loop scores them, whatever the stage list
+            wrote. An unmasked sample without a reward in an entry that scores (or, absent
+            the option, with one in an entry whose samples carry none) is masked with an
+            error: verl would drop the whole worker's ``rm_scores`` or score it with its
+            own function.
         reward_extra_keys: the reward payload's numeric leaves that become
-            ``reward_extra_info`` (NaN where a sample lacks one). verl reads the keys of one
-            sample on all others, so they are pinned; default: none.
+            ``reward_extra_info`` of a scored output (NaN where a sample lacks one). verl
+            reads the keys of one sample on all others, so they are pinned; default: none.
+
+    A ``Route`` in the stage list routes on the row's ``agent`` column, else on verl's
+    ``agent_name`` (the entry's name) when it is one of the Route's agents, else on its
+    default; ``extra_fields["agent"]`` then names the Route's choice.
 
     Raises:
-        ConfigError: an unknown option, a factory that cannot be resolved or returns no
-            valid stage list, naming the YAML entry.
+        ConfigError: an unknown option, a factory that cannot be imported or resolved,
+            that raises or returns no valid stage list, naming the YAML entry.
     """
 
     def __init__(self, *, name: str | None = None, **kwargs: Any) -> None:
@@ -179,29 +174,43 @@ class PipelineAgentLoop:
         agent = self.agent
         steps = StepRange()
         item: AgentRolloutItem | None = None
+        sample: RolloutSample | None = None
+        agent.scoring.started()
         try:
-            item = self._item(sampling_params, kwargs)
-            token = STEPS.set(steps)
             try:
-                sample = await _run_one(agent.pipeline, item)
-            finally:
-                STEPS.reset(token)
-        except Exception as exc:  # a row verl gave us that we cannot read: still an output
-            error = f"{type(exc).__name__}: {exc}"
-            _logger.error("verl_sample_unreadable", agent=self.name, error=error)
-            sample = _unreadable(item, kwargs, agent.pipeline.pad_token_id, error)
+                item = self._item(sampling_params, kwargs)
+                token = STEPS.set(steps)
+                try:
+                    sample = await _run_one(agent.pipeline, item)
+                finally:
+                    STEPS.reset(token)
+            except Exception as exc:  # a row verl gave us that we cannot read: an output
+                error = f"{type(exc).__name__}: {exc}"
+                _logger.error("verl_sample_unreadable", agent=self.name, error=error)
+                sample = _unreadable(item, kwargs, agent.pipeline.pad_token_id, error)
+        finally:
+            agent.scoring.finished(carries_reward=sample is not None and _carries_reward(
+                sample, item), masked=sample is None or sample.masked)
         if steps.min_global_steps is None:  # no reply from the server (failed, timed out):
             # the prompt's own step (V1 passes it; its trainer casts these tags to int)
             step = plain(kwargs.get("global_steps"))
             if isinstance(step, int):
                 steps.min_global_steps = steps.max_global_steps = step
-        return self._output(sample, item, steps)
+        scores = agent.scoring.scores
+        if sample.masked and not _carries_reward(sample, item):
+            scores = await agent.scoring.decision()
+        return self._output(sample, item, steps, scores)
 
     def _item(self, sampling_params: Mapping[str, Any], kwargs: Mapping[str, Any]
               ) -> AgentRolloutItem:
         verl_row = {k: plain(v) for k, v in kwargs.items()}
-        row: dict[str, Any] = {"messages": verl_row.get("raw_prompt"),
-                               "extra": {"verl": verl_row, AGENT: self.name}}
+        extra: dict[str, Any] = {"verl": verl_row}
+        if verl_row.get("agent") is not None:  # the dataset's own agent column
+            extra["agent"] = verl_row["agent"]
+        agent_name = verl_row.get("agent_name") or self.name  # verl consumes it: the entry's
+        if agent_name in self.agent.route_names:
+            extra["agent_name"] = agent_name
+        row: dict[str, Any] = {"messages": verl_row.get("raw_prompt"), "extra": extra}
         for key in _ROW_KEYS:
             if verl_row.get(key) is not None:
                 row[key] = verl_row[key]
@@ -226,10 +235,14 @@ class PipelineAgentLoop:
         return item
 
     def _output(self, sample: RolloutSample, item: AgentRolloutItem | None,
-                steps: StepRange) -> Any:
+                steps: StepRange, scores: bool | None) -> Any:
         agent = self.agent
         sample = sample.model_copy(update={"extra_fields": {
-            **sample.extra_fields, AGENT: self.name, **steps.as_fields()}})
+            **sample.extra_fields, AGENT: sample.extra_fields.get(AGENT) or self.name,
+            **steps.as_fields()}})
+        if (not sample.masked and scores is not None and agent.scoring.fixed is not False
+                and (sample.reward is not None) != scores):  # (false: dropped, as documented)
+            sample = self._disagreeing(sample, scores)
         pad = agent.pipeline.pad_token_id
         try:
             fields = to_verl_outputs([sample], items=None if item is None else [item],
@@ -245,7 +258,7 @@ class PipelineAgentLoop:
         extra.pop("reward_extra_info", None)
         if fields["response_logprobs"] is None:  # all-or-none across verl's worker
             fields["response_logprobs"] = [0.0] * len(fields["response_ids"])
-        if agent.judges:
+        if scores:
             fields["reward_score"] = (0.0 if sample.masked or sample.reward is None
                                       else float(sample.reward))
             extra["reward_extra_info"] = reward_extra_info([sample], agent.reward_extra_keys)[0]
@@ -255,6 +268,31 @@ class PipelineAgentLoop:
         module = import_verl("verl.experimental.agent_loop.agent_loop")
         metrics = module.AgentLoopMetrics(**fields.pop("metrics"))
         return module.AgentLoopOutput(**fields, metrics=metrics)
+
+
+    def _disagreeing(self, sample: RolloutSample, scores: bool) -> RolloutSample:
+        """A sample that disagrees with its entry on scoring, masked with an error that says
+        so (verl needs every sample of a worker scored, or none)."""
+        fixed = self.agent.scoring.fixed
+        why = ("option judges: true" if fixed else "its other samples carry rewards") if scores \
+            else "its other samples carry none"
+        error = (f"verl agent loop {self.name!r}: the sample "
+                 f"{'has no reward' if scores else 'carries a reward'} but the entry "
+                 f"{'scores' if scores else 'does not score'} samples ({why}); every sample "
+                 "of a verl worker needs a score, or none does: score every sample, or set "
+                 "the entry's 'judges' option")
+        _logger.error("verl_reward_disagrees", agent=self.name, uid=sample.uid, error=error)
+        return sample.model_copy(update={
+            "masked": True, "status": Status.FAILED, "finish_reason": FinishReason.ERROR,
+            "reward": None, "error": error, "exit_reason": "error"})
+
+
+def _carries_reward(sample: RolloutSample, item: AgentRolloutItem | None) -> bool:
+    """Whether the stage list scored the sample (a masked sample's reward is only in its
+    artifacts: the trainer view drops it)."""
+    if sample.reward is not None:
+        return True
+    return item is not None and item.artifacts.get(A.REWARD) is not None
 
 
 def _weakrefable(obj: Any) -> bool:
@@ -295,16 +333,7 @@ def _unreadable(item: AgentRolloutItem | None, kwargs: Mapping[str, Any], pad: i
 
 
 def _build(where: str, options: dict[str, Any], verl_args: dict[str, Any]) -> _Agent:
-    factory = resolve_factory(options["factory"], where)
-    factory_kwargs = options.get("factory_kwargs") or {}
-    if not isinstance(factory_kwargs, dict):
-        raise ConfigError(f"{where}: option 'factory_kwargs' must be a mapping, got "
-                          f"{factory_kwargs!r:.80}", field="factory_kwargs")
-    try:
-        made = factory(**factory_kwargs)
-    except Exception as exc:
-        raise ConfigError(f"{where}: factory {options['factory']!r} raised "
-                          f"{type(exc).__name__}: {exc}", field="factory") from exc
+    made = make_stages(options["factory"], options.get("factory_kwargs"), where)
     if isinstance(made, Pipeline):
         stages, resources, config, fill = made.stages, made.resources, made.config, made.fill
     else:
@@ -332,11 +361,13 @@ def _build(where: str, options: dict[str, Any], verl_args: dict[str, Any]) -> _A
         raise ConfigError(f"{where}: the factory's stage list or options are invalid: "
                           f"{type(exc).__name__}: {exc}") from exc
     judges = options.get("judges")
+    if judges is not None and not isinstance(judges, bool):
+        raise ConfigError(f"{where}: option 'judges' must be true, false or absent, got "
+                          f"{judges!r:.80}", field="judges")
     keys = options.get("reward_extra_keys") or []
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise ConfigError(f"{where}: option 'reward_extra_keys' must be a list of strings, "
                           f"got {keys!r:.80}", field="reward_extra_keys")
-    return _Agent(pipeline=pipeline, engine=engine,
-                  judges=_judges(pipeline.stages) if judges is None else bool(judges),
-                  reward_extra_keys=keys, prompt_length=prompt_length,
-                  response_length=response_length)
+    return _Agent(pipeline=pipeline, engine=engine, scoring=Scoring(judges),
+                  route_names=_route_names(pipeline.stages), reward_extra_keys=keys,
+                  prompt_length=prompt_length, response_length=response_length)

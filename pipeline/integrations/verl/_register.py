@@ -49,7 +49,8 @@ def register_agent_loop(name: str, factory: str, **options: Any) -> None:
         ImportError: verl is not installed.
         ConfigError: ``factory`` cannot be resolved (checked now, not per sample).
     """
-    from pipeline.integrations.verl._agent_loop import OPTIONS, resolve_factory
+    from pipeline.integrations.verl._agent_loop import OPTIONS
+    from pipeline.integrations.verl._factory import resolve_factory
 
     resolve_factory(factory, f"verl agent loop {name!r}")
     unknown = sorted(set(options) - set(OPTIONS))
