@@ -3,7 +3,9 @@ registries (in this process, each its own worker id), keys spread unevenly over 
 
 Rate: the exact upper bound (never more than ``capacity + rate * elapsed`` counted from before
 the bucket existed) and a loose lower bound; fairness: Jain's index over the keys' grants;
-a dead worker's queued leases withdrawn; tokens nobody used handed back.
+a dead worker's queued leases withdrawn; tokens nobody used handed back, and only those
+(issue 33, item 8: never a worker's or key's that did not lease them); control calls answer
+within a second with 2,000 leases pending.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest_asyncio
 
 ray = pytest.importorskip("ray")
 
-from pipeline.distributed import FleetLimiterRegistry, LimiterActor  # noqa: E402
+from pipeline.distributed import FleetLimiterRegistry, start_limiter  # noqa: E402
 from pipeline.ratelimit import LimiterClosed  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -42,7 +44,7 @@ def cluster() -> Iterator[None]:
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def actor(cluster: None) -> AsyncIterator[Any]:
-    handle = ray.remote(LimiterActor).options(num_cpus=0).remote()
+    handle = start_limiter()
     await handle.stats.remote()  # started
     yield handle
     ray.kill(handle)
@@ -138,7 +140,10 @@ async def test_tokens_of_a_lease_nobody_used_are_handed_back(actor: Any) -> None
         task.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
     # The leases land with nobody left to use them: their tokens go back to the actor, so
-    # all 5 are there for another worker at once (refilling them would take 50 s).
+    # all 5 are there for another worker at once (refilling them would take 50 s). Waiting
+    # for the hand-back first: Ray does not promise to run an async actor's calls in the
+    # order they were sent, so the second worker's lease could otherwise come first.
+    await until(lambda: first.stats()["slow"].keys["x"].refunded >= 1)
     await second.get("slow", rate, capacity).acquire("y", cost=5, timeout=20)
     handed_back = first.stats()["slow"].keys["x"].refunded
     stats = (await actor.stats.remote())["slow"]
@@ -146,3 +151,67 @@ async def test_tokens_of_a_lease_nobody_used_are_handed_back(actor: Any) -> None
     assert stats.keys["y"].tokens == 5 and stats.leaked == 0
     await first.aclose()
     await second.aclose()
+
+
+async def test_item8_give_back_credits_only_what_was_leased(actor: Any) -> None:
+    rate, capacity = 0.01, 4.0  # refilling one token takes 100 s: what is there was credited
+
+    async def available() -> float:
+        return float((await actor.stats.remote())["cap"].available)
+
+    await actor.lease.remote("a", "cap", rate, capacity, "k", 4.0)  # drained
+    now = time.monotonic()
+    assert await available() < 0.1
+    bogus = [("stranger", "cap", "k", 4.0),  # a worker that never leased
+             ("a", "cap", "other", 4.0),  # a key this worker never leased
+             ("a", "nowhere", "k", 4.0)]  # a limit that does not exist
+    for worker, name, key, cost in bogus:
+        assert await actor.give_back.remote(worker, name, key, cost, now) == 0
+        assert await available() < 0.1, (worker, name, key)
+    assert await actor.give_back.remote("a", "cap", "k", 3.0, now) == pytest.approx(3.0)
+    assert await available() == pytest.approx(3.0, abs=0.1)
+    # Only one token of the lease is left unreturned: a second claim of 3 credits 1.
+    assert await actor.give_back.remote("a", "cap", "k", 3.0, now) == pytest.approx(1.0)
+    assert await actor.give_back.remote("a", "cap", "k", 1.0, now) == 0
+    # A released (dead) worker's tokens count as spent: nothing comes back from it.
+    await actor.lease.remote("b", "cap", rate, capacity, "k", 2.0)
+    left = await available()
+    assert await actor.release.remote("b") == 0
+    assert await actor.give_back.remote("b", "cap", "k", 2.0, now) == 0
+    assert await available() == pytest.approx(left, abs=0.1)
+    stats = (await actor.stats.remote())["cap"]
+    assert stats.leaked == 0 and stats.available <= capacity + 1e-6
+
+
+async def test_item8_control_calls_answer_within_1s_with_2000_leases_pending(actor: Any) -> None:
+    rate, capacity, count = 0.001, 1.0, 2000
+    await actor.lease.remote("first", "busy", rate, capacity, "k-first", 1.0)  # drained
+    refs = [actor.lease.remote("crowd", "busy", rate, capacity, f"k{i}", 1.0)
+            for i in range(count)]
+
+    async def timed(ref: Any) -> tuple[float, Any]:
+        start = time.monotonic()
+        value = await asyncio.wait_for(ref, 30)
+        return time.monotonic() - start, value
+
+    deadline = time.monotonic() + 60
+    while True:  # every lease queued at the actor's bucket (not in Ray's queue)
+        _, stats = await timed(actor.stats.remote())
+        if stats["busy"].queue_len == count:
+            break
+        assert time.monotonic() < deadline, stats["busy"].queue_len
+        await asyncio.sleep(0.1)
+    latencies = [(await timed(actor.stats.remote()))[0] for _ in range(5)]
+    took_give_back, credited = await timed(
+        actor.give_back.remote("first", "busy", "k-first", 1.0, time.monotonic()))
+    took_release, withdrawn = await timed(actor.release.remote("crowd"))
+    print(f"with {count} leases pending: stats {max(latencies) * 1000:.1f} ms (max of 5), "
+          f"give_back {took_give_back * 1000:.1f} ms, release {took_release * 1000:.1f} ms")
+    assert max(latencies) < 1.0, latencies
+    assert took_give_back < 1.0 and took_release < 1.0
+    assert withdrawn == count - int(credited)  # the credited token served one of them
+    results = await asyncio.gather(*refs, return_exceptions=True)
+    closed = [r for r in results if isinstance(r, Exception)]
+    assert len(closed) == withdrawn
+    assert all(isinstance(getattr(r, "cause", r), LimiterClosed) for r in closed), closed[:1]
+    assert (await actor.stats.remote())["busy"].queue_len == 0

@@ -4,23 +4,42 @@
 
 - :class:`RayRolloutPool`: rollout workers as Ray actors, each with its own event loop,
   ``Pipeline`` and diagnostics; ``run_batch`` / ``stream`` / ``stream_groups`` across them,
-  a dead worker's samples retried once elsewhere and the worker replaced, one dump for the
-  fleet (``rollout dump <driver pid>``), one rate limit per tool for the fleet.
-- :class:`LimiterActor`, :class:`FleetLimiterRegistry`, :class:`LeasedBucket`: the fleet
-  limiter (token batches leased to workers; unused ones handed back).
-- :class:`RolloutWorker`: the worker actor's class.
+  a dead worker's samples retried once elsewhere and the worker replaced (a health watch
+  finds one that dies while idle), one dump for the fleet (``rollout dump <driver pid>``),
+  one rate limit per tool for the fleet. :class:`PoolClosed` / :class:`PoolNotStarted`: a
+  call on a pool that is closed or was never started.
+- :class:`LimiterActor` (started by :func:`start_limiter`), :class:`FleetLimiterRegistry`,
+  :class:`LeasedBucket`: the fleet limiter (token batches leased to workers; unused ones
+  handed back).
+- :class:`RolloutWorker`: the worker actor's class; :class:`WorkerBroken`: it cannot run
+  samples any more (its pipeline loop ended).
 """
 
-from pipeline.distributed._limiter import FleetLimiterRegistry, LeasedBucket, LimiterActor
-from pipeline.distributed._pool import DEFAULT_WORKER_OPTIONS, RayRolloutPool, WorkerInfo
-from pipeline.distributed._worker import RolloutWorker
+from pipeline.distributed._limiter import (
+    FleetLimiterRegistry,
+    LeasedBucket,
+    LimiterActor,
+    start_limiter,
+)
+from pipeline.distributed._pool import (
+    DEFAULT_WORKER_OPTIONS,
+    PoolClosed,
+    PoolNotStarted,
+    RayRolloutPool,
+    WorkerInfo,
+)
+from pipeline.distributed._worker import RolloutWorker, WorkerBroken
 
 __all__ = [
     "DEFAULT_WORKER_OPTIONS",
     "FleetLimiterRegistry",
     "LeasedBucket",
     "LimiterActor",
+    "PoolClosed",
+    "PoolNotStarted",
     "RayRolloutPool",
     "RolloutWorker",
+    "WorkerBroken",
     "WorkerInfo",
+    "start_limiter",
 ]

@@ -7,12 +7,31 @@ what streams back. A worker that dies mid-batch loses nothing: the samples it ha
 returned are run again once on another worker, then reported ``failed`` naming it; the pool
 starts a replacement. The driver never waits on a dead worker: Ray reports the death to the
 stream that was reading from it.
+
+Rules the pool keeps on every path:
+
+- A worker is *lost* when Ray reports its death, when it says it is broken (its pipeline loop
+  ended: :class:`~pipeline.distributed.WorkerBroken`), or when it leaves health checks
+  unanswered for ``health_timeout_s``. A lost worker is marked dead at once (``pool.workers``
+  says so), killed, its leases withdrawn, and replaced; only a loss retries samples.
+- Any other error of a worker call (Ray could not send the batch, a worker method raised)
+  ends that call's unreturned samples ``failed`` with the real cause, once the worker has
+  answered a health check; a worker that does not is lost instead.
+- Load: a call raises its worker's load by its samples inside the ``try`` whose ``finally``
+  lowers it by every sample that did not come back, so no path leaves load behind.
+- A background health watch (one task, owned by the pool, stopped by :meth:`aclose`) asks every
+  worker every ``health_interval_s`` (each question bounded by ``health_probe_s``), so a worker
+  that dies while the pool is idle is replaced within seconds, not found by the next batch.
+- After :meth:`aclose`, ``run_batch``, ``stream``, ``stream_groups`` and ``start`` raise
+  :class:`PoolClosed`; a batch still running when it closes ends its samples ``aborted``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import pickle
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
@@ -24,6 +43,7 @@ import structlog
 
 from pipeline._config import PipelineConfig
 from pipeline._context import Context, Resources
+from pipeline._exceptions import PipelineError
 from pipeline._fill import fill_sample, minimal_sample
 from pipeline._items import make_items
 from pipeline._models import AgentRolloutItem, ProduceBatchResult, RolloutSample, Status
@@ -31,14 +51,25 @@ from pipeline._outcome import ENOUGH, force_end
 from pipeline._stats import safe_stats
 from pipeline._stream import GroupResult, RolloutStream, SampleResult, check_num_needed
 from pipeline.diagnostics import Watchdog, add_dump_section, capture_snapshot, render_text
-from pipeline.distributed._limiter import LimiterActor
-from pipeline.distributed._worker import RolloutWorker
+from pipeline.distributed._limiter import start_limiter
+from pipeline.distributed._worker import Chunk, RolloutWorker, WorkerBroken
 from pipeline.ratelimit import BucketStats
 
 _logger = structlog.get_logger("pipeline.distributed")
 
 DEFAULT_WORKER_OPTIONS: Mapping[str, Any] = {"num_cpus": 0.5}
 """Per-worker Ray resources: four workers fit a ``num_cpus=2`` cluster."""
+
+CLOSED_WHILE_RUNNING = "the pool was closed before this sample finished"
+
+
+class PoolClosed(PipelineError, RuntimeError):
+    """The :class:`RayRolloutPool` was closed (``aclose``); start a new one to run more."""
+
+
+class PoolNotStarted(PipelineError, RuntimeError):
+    """The :class:`RayRolloutPool` has not been started (``await pool.start()`` or
+    ``async with pool``)."""
 
 
 @dataclass
@@ -49,22 +80,43 @@ class WorkerInfo:
     worker_id: str
     pid: int | None
     alive: bool
+    """Started, and not known to be dead or broken (health checks, calls)."""
     load: int
     """Samples sent to it and not yet returned."""
+
+
+class _Worker:
+    """One actor of a slot: its own liveness and load, so a replacement starts clean."""
+
+    def __init__(self, worker_id: str, handle: Any) -> None:
+        self.worker_id = worker_id
+        self.handle = handle
+        self.pid: int | None = None
+        self.alive = False
+        self.lost = False
+        self.load = 0
+        self.unanswered_since: float | None = None
+
+    def name(self) -> str:
+        return f"worker {self.worker_id} (pid {self.pid})"
 
 
 class _Slot:
     def __init__(self, index: int) -> None:
         self.index = index
         self.generation = 0
-        self.worker_id = f"worker-{index}"
-        self.handle: Any = None
-        self.pid: int | None = None
-        self.alive = False
-        self.load = 0
+        self.worker: _Worker | None = None
+        self.replacing: asyncio.Task[None] | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.worker is not None and self.worker.alive
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.index, self.worker_id, self.pid, self.alive, self.load)
+        w = self.worker
+        if w is None:
+            return WorkerInfo(self.index, f"worker-{self.index}", None, False, 0)
+        return WorkerInfo(self.index, w.worker_id, w.pid, w.alive, w.load)
 
 
 class RayRolloutPool:
@@ -88,6 +140,9 @@ class RayRolloutPool:
         watchdog: each worker loop's :class:`~pipeline.diagnostics.Watchdog` (True: defaults).
         dump_timeout_s: how long a fleet dump waits for each worker's snapshot.
         replace_timeout_s: how long a retry waits for a live worker when none is left.
+        health_interval_s: how often the health watch asks every worker how it is.
+        health_probe_s: how long one health question waits for its answer.
+        health_timeout_s: a worker that answers no health question for this long is lost.
         ray_init: keyword arguments for ``ray.init`` when the pool starts Ray itself.
     """
 
@@ -96,11 +151,18 @@ class RayRolloutPool:
                  worker_options: Mapping[str, Any] | None = None, max_retries: int = 1,
                  fleet_limits: bool = True, watchdog: Watchdog | bool = True,
                  dump_timeout_s: float = 5.0, replace_timeout_s: float = 120.0,
+                 health_interval_s: float = 1.0, health_probe_s: float = 5.0,
+                 health_timeout_s: float = 60.0,
                  ray_init: Mapping[str, Any] | None = None) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if not callable(pipeline_factory):
             raise TypeError(f"pipeline_factory must be callable, got {pipeline_factory!r}")
+        for name, value in (("health_interval_s", health_interval_s),
+                            ("health_probe_s", health_probe_s),
+                            ("health_timeout_s", health_timeout_s)):
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         self.num_workers = num_workers
         self._factory = pipeline_factory
         self._address = ray_address
@@ -111,6 +173,9 @@ class RayRolloutPool:
         self._watchdog = watchdog
         self.dump_timeout_s = dump_timeout_s
         self.replace_timeout_s = replace_timeout_s
+        self.health_interval_s = health_interval_s
+        self.health_probe_s = health_probe_s
+        self.health_timeout_s = health_timeout_s
         self._ray_init = dict(ray_init or {})
         self._slots = [_Slot(i) for i in range(num_workers)]
         self._limiter: Any = None
@@ -118,6 +183,7 @@ class RayRolloutPool:
         self._pad_token_id = 0
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._runs: set[_BatchRun] = set()
         self._remove_section: Callable[[], None] | None = None
         self._calls = itertools.count()
         self._started = False
@@ -127,38 +193,60 @@ class RayRolloutPool:
 
     # -- life cycle --------------------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosed("this RayRolloutPool is closed (aclose() was called); start a "
+                             "new pool to run more samples")
+
     async def start(self) -> RayRolloutPool:
-        """Connect to Ray and start every worker (idempotent).
+        """Connect to Ray, start every worker and the health watch (idempotent).
 
         Raises:
+            PoolClosed: the pool was closed.
             Whatever a worker's pipeline factory raised.
         """
+        self._check_open()
         if self._started:
             return self
-        if self._closed:
-            raise RuntimeError("this RayRolloutPool is closed")
         if not ray.is_initialized():
             options = {"include_dashboard": False, **self._ray_init}
             if self._address is not None:
                 options["address"] = self._address
             ray.init(**options)
         if self._fleet_limits:
-            self._limiter = ray.remote(LimiterActor).options(num_cpus=0).remote()
+            self._limiter = start_limiter()
+        launches = [asyncio.ensure_future(self._launch(slot, f"worker-{slot.index}"))
+                    for slot in self._slots]
         try:
-            await asyncio.gather(*(self._launch(slot) for slot in self._slots))
+            await asyncio.gather(*launches)
         except BaseException:
+            for launch in launches:  # a launch cancelled kills the actor it started
+                launch.cancel()
+            await asyncio.gather(*launches, return_exceptions=True)
             await self._kill_all()
             raise
         self._started = True
         self._remove_section = add_dump_section("ray workers", self.fleet_section)
-        _logger.info("ray_pool_started", workers=[s.worker_id for s in self._slots])
+        self.spawn(self._health_watch(), name="ray-pool-health")
+        _logger.info("ray_pool_started", workers=[s.info().worker_id for s in self._slots])
         return self
 
-    async def _launch(self, slot: _Slot) -> None:
+    async def _launch(self, slot: _Slot, worker_id: str) -> None:
         handle: Any = ray.remote(RolloutWorker).options(max_restarts=0, **self._options).remote(
-            slot.worker_id, self._factory, self._limiter, self._watchdog)
-        info = await handle.ready.remote()
-        slot.handle, slot.pid, slot.alive = handle, info["pid"], True
+            worker_id, self._factory, self._limiter, self._watchdog)
+        worker = _Worker(worker_id, handle)
+        try:
+            info = await handle.ready.remote()
+        except BaseException:
+            _kill(handle)  # never leave an actor behind that nobody holds
+            raise
+        worker.pid, worker.alive = info["pid"], True
+        slot.worker = worker
         if self._config is None:
             self._config = info["config"]
             self._pad_token_id = info["pad_token_id"]
@@ -166,16 +254,20 @@ class RayRolloutPool:
         self._changed = asyncio.Event()
 
     async def aclose(self) -> None:
-        """Stop the workers and the limiter actor (idempotent)."""
+        """Abort what still runs, stop the health watch, the workers and the limiter actor
+        (idempotent). Later calls raise :class:`PoolClosed`."""
         if self._closed:
             return
         self._closed = True
         if self._remove_section is not None:
             self._remove_section()
+        for run in list(self._runs):
+            run.abort_all()
+        self._changed.set()  # a retry waiting for a live worker gives up now
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        live = [s.handle for s in self._slots if s.alive]
+        live = [s.worker.handle for s in self._slots if s.worker is not None and s.alive]
         if live:
             await asyncio.wait([asyncio.ensure_future(_await(h.shutdown.remote())) for h in live],
                                timeout=15)
@@ -183,9 +275,9 @@ class RayRolloutPool:
 
     async def _kill_all(self) -> None:
         for slot in self._slots:
-            if slot.handle is not None:
-                _kill(slot.handle)
-            slot.alive = False
+            if slot.worker is not None:
+                _kill(slot.worker.handle)
+                slot.worker.alive = False
         if self._limiter is not None:
             _kill(self._limiter)
 
@@ -200,6 +292,100 @@ class RayRolloutPool:
         """Every slot: its current worker, pid, whether alive, its load."""
         return [slot.info() for slot in self._slots]
 
+    # -- health ------------------------------------------------------------------------------
+
+    async def _health_watch(self) -> None:
+        """Ask every live worker how it is, every ``health_interval_s``; replace the lost."""
+        while not self._closed:
+            probes = [asyncio.ensure_future(self.probe(s.worker)) for s in self._slots
+                      if s.worker is not None and s.alive]
+            try:
+                if probes:
+                    await asyncio.wait(probes)
+            finally:
+                for probe in probes:
+                    probe.cancel()
+            for slot in self._slots:  # a slot whose replacement gave up: try again
+                if not slot.alive and slot.replacing is None and not self._closed:
+                    slot.replacing = self.spawn(self._replace(slot), name="ray-pool-replace")
+            await asyncio.sleep(self.health_interval_s)
+
+    async def probe(self, worker: _Worker) -> bool:
+        """Ask ``worker`` how it is (bounded by ``health_probe_s``); mark it lost if it is
+        dead, broken, or silent for ``health_timeout_s``.
+
+        Returns:
+            Whether it is alive after all (a silent one counts as alive until its timeout).
+        """
+        if worker.lost:
+            return False
+        try:
+            problem = await asyncio.wait_for(_await(worker.handle.health.remote()),
+                                             self.health_probe_s)
+        except TimeoutError:
+            now = time.monotonic()
+            if worker.unanswered_since is None:
+                worker.unanswered_since = now
+            silent = now - worker.unanswered_since
+            _logger.warning("ray_worker_silent", worker=worker.worker_id, silent_s=round(silent, 1))
+            if silent >= self.health_timeout_s:
+                self.worker_lost(worker, WorkerBroken(
+                    f"no answer to health checks for {silent:.0f}s"))
+                return False
+            return True
+        except ray.exceptions.RayActorError as exc:
+            self.worker_lost(worker, exc)
+            return False
+        except Exception as exc:  # Ray itself in trouble: say so, decide nothing
+            _logger.warning("ray_worker_probe_failed", worker=worker.worker_id,
+                            error=describe(exc))
+            return True
+        worker.unanswered_since = None
+        if problem is not None:
+            self.worker_lost(worker, WorkerBroken(str(problem)))
+            return False
+        return True
+
+    def worker_lost(self, worker: _Worker, exc: BaseException) -> None:
+        """Mark ``worker`` dead (once), withdraw its leases, kill it, start a replacement."""
+        if worker.lost:
+            return
+        worker.lost = True
+        worker.alive = False
+        _logger.error("ray_worker_lost", worker=worker.worker_id, pid=worker.pid,
+                      error=describe(exc, first_line=True, limit=300))
+        if self._limiter is not None:
+            self._limiter.release.remote(worker.worker_id)
+        _kill(worker.handle)
+        for slot in self._slots:
+            if slot.worker is worker and slot.replacing is None and not self._closed:
+                slot.replacing = self.spawn(self._replace(slot), name="ray-pool-replace")
+
+    async def _replace(self, slot: _Slot) -> None:
+        try:
+            for attempt in range(3):
+                slot.generation += 1
+                worker_id = f"worker-{slot.index}.{slot.generation}"
+                try:
+                    await self._launch(slot, worker_id)
+                except Exception as exc:
+                    _logger.error("ray_worker_replace_failed", worker=worker_id,
+                                  attempt=attempt + 1, error=describe(exc))
+                    await asyncio.sleep(1.0 * (attempt + 1))
+                    continue
+                self.replacements += 1
+                _logger.info("ray_worker_replaced", worker=worker_id, pid=slot.info().pid)
+                return
+        finally:
+            slot.replacing = None  # the health watch tries again later if this gave up
+
+    def spawn(self, coro: Any, name: str = "ray-pool") -> asyncio.Task[Any]:
+        """A task owned by the pool (cancelled and awaited by :meth:`aclose`)."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     # -- running -----------------------------------------------------------------------------
 
     async def run_batch(self, rows: Iterable[Any], *, n: int | None = None,
@@ -209,6 +395,7 @@ class RayRolloutPool:
 
         Raises:
             RowError, ConfigError: bad input, before any work starts.
+            PoolClosed: the pool was closed; PoolNotStarted: it was never started.
         """
         items = self._items(rows, n, num_needed)
         started = time.monotonic()
@@ -228,7 +415,12 @@ class RayRolloutPool:
                num_needed: int | None = None) -> RolloutStream[SampleResult]:
         """Yield each sample as ``(sample, item)`` as soon as its worker returns it; see
         :meth:`pipeline.Pipeline.stream`. Leaving the ``async with`` block early aborts
-        what still runs on the workers and waits for it."""
+        what still runs on the workers and waits for it.
+
+        Raises:
+            PoolClosed, PoolNotStarted: as :meth:`run_batch` (here, or when iterated if the
+                pool closed meanwhile).
+        """
         return RolloutStream(self._run(self._items(rows, n, num_needed), num_needed))
 
     def stream_groups(self, rows: Iterable[Any], *, n: int | None = None,
@@ -240,8 +432,9 @@ class RayRolloutPool:
 
     def _items(self, rows: Iterable[Any], n: int | None,
                num_needed: int | None) -> list[AgentRolloutItem]:
+        self._check_open()
         if self._config is None:
-            raise RuntimeError("start the pool first: await pool.start() or async with pool")
+            raise PoolNotStarted("start the pool first: await pool.start() or async with pool")
         items = make_items(rows, n, self._config)
         check_num_needed(num_needed, len(items))
         return items
@@ -265,83 +458,57 @@ class RayRolloutPool:
     async def _run(self, items: list[AgentRolloutItem], num_needed: int | None
                    ) -> AsyncGenerator[SampleResult, None]:
         """The driver's side of one batch: shard, merge, retry, abort."""
+        self._check_open()
         run = _BatchRun(self, num_needed)
-        groups: dict[str, list[AgentRolloutItem]] = {}
-        for item in items:
-            groups.setdefault(item.group_id, []).append(item)
-        for slot, chunk in self._shard(list(groups.values())):
-            run.send(slot, chunk)
-        left = len(items)
+        self._runs.add(run)
         try:
-            while left:
-                for result in await run.next_results():
-                    left -= 1
-                    yield result
+            groups: dict[str, list[AgentRolloutItem]] = {}
+            for item in items:
+                groups.setdefault(item.group_id, []).append(item)
+            for worker, chunk in self._shard(list(groups.values())):
+                run.send(worker, chunk)
+            left = len(items)
+            try:
+                while left:
+                    for result in await run.next_results():
+                        left -= 1
+                        yield result
+            finally:
+                await run.close()
         finally:
-            await run.close()
+            self._runs.discard(run)
 
     def _shard(self, groups: list[list[AgentRolloutItem]]
-               ) -> list[tuple[_Slot, list[AgentRolloutItem]]]:
-        live = [s for s in self._slots if s.alive] or self._slots
-        load = {s.index: s.load for s in live}
-        batches: dict[int, list[AgentRolloutItem]] = {s.index: [] for s in live}
+               ) -> list[tuple[_Worker, list[AgentRolloutItem]]]:
+        live = [s.worker for s in self._slots if s.worker is not None and s.alive]
+        if not live:  # every call fails and retries wait for a replacement
+            live = [s.worker for s in self._slots if s.worker is not None]
+        load = {id(w): w.load for w in live}
+        batches: dict[int, list[AgentRolloutItem]] = {id(w): [] for w in live}
         for group in groups:
-            target = min(live, key=lambda s: (load[s.index], s.index))
-            batches[target.index].extend(group)
-            load[target.index] += len(group)
-        return [(s, batches[s.index]) for s in live if batches[s.index]]
+            target = min(live, key=lambda w: load[id(w)])
+            batches[id(target)].extend(group)
+            load[id(target)] += len(group)
+        return [(w, batches[id(w)]) for w in live if batches[id(w)]]
 
-    async def live_slot(self, exclude: set[str]) -> _Slot | None:
+    async def live_worker(self, exclude: set[str]) -> _Worker | None:
         """The least loaded live worker not in ``exclude``; waits for a replacement when
-        there is none, up to ``replace_timeout_s``."""
+        there is none, up to ``replace_timeout_s`` (None: none came, or the pool closed)."""
         deadline = time.monotonic() + self.replace_timeout_s
         while True:
-            live = [s for s in self._slots if s.alive and s.worker_id not in exclude]
+            if self._closed:
+                return None
+            live = [s.worker for s in self._slots if s.worker is not None and s.alive
+                    and s.worker.worker_id not in exclude]
             if live:
-                return min(live, key=lambda s: (s.load, s.index))
+                return min(live, key=lambda w: w.load)
             left = deadline - time.monotonic()
-            if left <= 0 or self._closed:
+            if left <= 0:
                 return None
             try:
                 await asyncio.wait_for(self._changed.wait(), left)
             except TimeoutError:
                 return None
-
-    def worker_lost(self, slot: _Slot, handle: Any, exc: BaseException) -> None:
-        """Mark a slot's worker dead (once), withdraw its leases, start a replacement."""
-        if slot.handle is not handle or not slot.alive:
-            return
-        slot.alive = False
-        slot.load = 0
-        _logger.error("ray_worker_lost", worker=slot.worker_id, pid=slot.pid,
-                      error=f"{type(exc).__name__}: {str(exc)[:300]}")
-        if self._limiter is not None:
-            self._limiter.release.remote(slot.worker_id)
-        _kill(handle)
-        if not self._closed:
-            self.spawn(self._replace(slot))
-
-    async def _replace(self, slot: _Slot) -> None:
-        for attempt in range(3):
-            slot.generation += 1
-            slot.worker_id = f"worker-{slot.index}.{slot.generation}"
-            try:
-                await self._launch(slot)
-            except Exception as exc:
-                _logger.error("ray_worker_replace_failed", worker=slot.worker_id,
-                              attempt=attempt + 1, error=f"{type(exc).__name__}: {exc}")
-                await asyncio.sleep(1.0 * (attempt + 1))
-                continue
-            self.replacements += 1
-            _logger.info("ray_worker_replaced", worker=slot.worker_id, pid=slot.pid)
-            return
-
-    def spawn(self, coro: Any) -> asyncio.Task[Any]:
-        """A task owned by the pool (cancelled and awaited by :meth:`aclose`)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     def call_id(self) -> str:
         return f"{uuid.uuid4().hex[:8]}-{next(self._calls)}"
@@ -366,11 +533,13 @@ class RayRolloutPool:
         texts: list[str] = []
         data: dict[str, Any] = {}
         for slot in self._slots:
-            if slot.alive:
-                refs[slot.worker_id] = slot.handle.snapshot.remote("fleet dump")
+            worker = slot.worker
+            if worker is not None and worker.alive:
+                refs[worker.worker_id] = worker.handle.snapshot.remote("fleet dump")
             else:
-                texts.append(f"--- {slot.worker_id}: not running (being replaced) ---")
-                data[slot.worker_id] = {"alive": False}
+                name = slot.info().worker_id
+                texts.append(f"--- {name}: not running (being replaced) ---")
+                data[name] = {"alive": False}
         ready: list[Any] = []
         if refs:
             ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
@@ -414,38 +583,53 @@ class _BatchRun:
         self.completed = 0
         self.aborting = False
         self.results: asyncio.Queue[list[SampleResult]] = asyncio.Queue()
-        self.calls: dict[str, tuple[_Slot, Any]] = {}
+        self.calls: dict[str, _Worker] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.tries: dict[str, list[str]] = {}  # group id -> workers that lost it
 
-    def send(self, slot: _Slot, items: list[AgentRolloutItem]) -> None:
+    def send(self, worker: _Worker, items: list[AgentRolloutItem]) -> None:
         call = self.pool.call_id()
-        handle = slot.handle
-        self.calls[call] = (slot, handle)
-        slot.load += len(items)
-        task = asyncio.get_running_loop().create_task(self._consume(call, slot, handle, items),
-                                                      name=f"ray-call:{slot.worker_id}")
+        self.calls[call] = worker
+        task = asyncio.get_running_loop().create_task(self._consume(call, worker, items),
+                                                      name=f"ray-call:{worker.worker_id}")
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-        if self.aborting:
-            handle.abort.remote(call)
 
-    async def _consume(self, call: str, slot: _Slot, handle: Any,
-                       items: list[AgentRolloutItem]) -> None:
+    async def _consume(self, call: str, worker: _Worker, items: list[AgentRolloutItem]) -> None:
         pending = {item.uid: item for item in items}
-        error: BaseException | None = None
+        error: Exception | None = None
+        worker.load += len(items)  # lowered in the finally by whatever did not come back
         try:
-            stream = handle.run_items.options(num_returns="streaming").remote(call, items)
+            try:
+                stream = worker.handle.run_items.options(num_returns="streaming").remote(
+                    call, items)
+            except Exception as exc:  # Ray could not send them: fail those that cannot go
+                unsendable = _unsendable(items)
+                if not unsendable:
+                    raise
+                for uid, why in unsendable.items():
+                    self._end([pending.pop(uid)], Status.FAILED,
+                              f"Ray could not send this sample to {worker.name()}: {why}")
+                worker.load -= len(unsendable)
+                _logger.error("ray_send_failed", worker=worker.worker_id,
+                              samples=len(unsendable), error=describe(exc, first_line=True,
+                                                                       limit=300))
+                if pending:  # the others go on their own (a new call counts them again)
+                    resend = list(pending.values())
+                    pending.clear()
+                    worker.load -= len(resend)
+                    self.send(worker, resend)
+                return
+            if self.aborting:  # the worker remembers an abort that comes before its batch
+                worker.handle.abort.remote(call)
             async for ref in stream:
-                chunk = await ref
-                results = []
-                for sample, item in chunk:
-                    if pending.pop(item.uid, None) is not None:
-                        results.append(SampleResult(sample, item))
-                        if sample.status is Status.COMPLETED:
-                            self.completed += 1
-                if handle is slot.handle:
-                    slot.load -= len(results)
+                chunk: Chunk = await ref
+                results = [r for entry in chunk
+                           if (r := self._unpack(worker, entry, pending)) is not None]
+                worker.load -= len(results)
+                for result in results:
+                    if result.sample.status is Status.COMPLETED:
+                        self.completed += 1
                 self.results.put_nowait(results)
                 self._check_enough()
         except asyncio.CancelledError:
@@ -454,11 +638,48 @@ class _BatchRun:
             error = exc
         finally:
             self.calls.pop(call, None)
+            worker.load -= len(pending)
         if pending:
-            lost = error or RuntimeError("the worker's stream ended early")
-            if isinstance(lost, ray.exceptions.RayActorError) or error is None:
-                self.pool.worker_lost(slot, handle, lost)
-            await self._retry(slot, list(pending.values()), lost)
+            await self._settle(worker, list(pending.values()), error)
+
+    def _unpack(self, worker: _Worker, entry: Any, pending: dict[str, AgentRolloutItem]
+                ) -> SampleResult | None:
+        uid, payload, error = entry
+        item = pending.pop(uid, None)
+        if item is None:
+            return None  # not ours (already ended): never twice
+        if payload is None:
+            return self.pool.end_locally(item, Status.FAILED, str(error))
+        try:
+            sample, returned = pickle.loads(payload)
+        except KeyboardInterrupt:
+            raise  # the driver's own Ctrl-C
+        except BaseException as exc:  # a __reduce__ of the user's may raise anything
+            return self.pool.end_locally(
+                item, Status.FAILED, f"the sample came back from {worker.name()} but could "
+                f"not be unpickled on the driver: {describe(exc)}")
+        return SampleResult(sample, returned)
+
+    async def _settle(self, worker: _Worker, items: list[AgentRolloutItem],
+                      error: Exception | None) -> None:
+        """Samples a call did not return: a lost worker's are retried; any other error ends
+        them ``failed`` with its real cause."""
+        lost = error is None or is_worker_loss(error)
+        if not lost and not await self.pool.probe(worker):
+            lost = True
+        if self.pool.closed:
+            self._end(items, Status.ABORTED, CLOSED_WHILE_RUNNING)
+            return
+        if lost:
+            cause = error or WorkerBroken("its stream ended before every sample came back")
+            self.pool.worker_lost(worker, cause)
+            await self._retry(worker, items, cause)
+            return
+        assert error is not None
+        _logger.error("ray_call_failed", worker=worker.worker_id, samples=len(items),
+                      error=describe(error, limit=500))
+        self._end(items, Status.FAILED,
+                  f"{worker.name()} could not run it: {describe(error)}")
 
     def _check_enough(self) -> None:
         if (self.num_needed is not None and not self.aborting
@@ -467,33 +688,37 @@ class _BatchRun:
 
     def abort_all(self) -> None:
         self.aborting = True
-        for call, (_, handle) in list(self.calls.items()):
-            handle.abort.remote(call)
+        for call, worker in list(self.calls.items()):
+            if not worker.lost:
+                worker.handle.abort.remote(call)
 
-    async def _retry(self, slot: _Slot, items: list[AgentRolloutItem],
+    async def _retry(self, worker: _Worker, items: list[AgentRolloutItem],
                      error: BaseException) -> None:
-        died = f"worker {slot.worker_id} (pid {slot.pid})"
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        died = worker.name()
+        reason = describe(error, first_line=True)
         groups: dict[str, list[AgentRolloutItem]] = {}
         for item in items:
             groups.setdefault(item.group_id, []).append(item)
-        _logger.warning("ray_samples_lost", worker=slot.worker_id, samples=len(items),
+        _logger.warning("ray_samples_lost", worker=worker.worker_id, samples=len(items),
                         groups=len(groups), error=reason)
         for gid, group in groups.items():
             tried = self.tries.setdefault(gid, [])
-            tried.append(slot.worker_id)
+            tried.append(worker.worker_id)
             if self.aborting:
                 self._end(group, Status.ABORTED, f"{ENOUGH} ({died} was lost before it ran)")
                 continue
             target = None
             if len(tried) <= self.pool.max_retries:
-                target = await self.pool.live_slot(set(tried))
+                target = await self.pool.live_worker(set(tried))
+            if self.pool.closed:
+                self._end(group, Status.ABORTED, CLOSED_WHILE_RUNNING)
+                continue
             if target is None or self.aborting:
                 self._end(group, Status.FAILED,
                           f"lost with {died}: {reason}; workers tried: {', '.join(tried)}")
                 continue
             _logger.info("ray_samples_retried", group=gid, samples=len(group),
-                         lost_on=slot.worker_id, retry_on=target.worker_id)
+                         lost_on=worker.worker_id, retry_on=target.worker_id)
             self.send(target, group)
 
     def _end(self, items: list[AgentRolloutItem], status: Status, error: str) -> None:
@@ -510,6 +735,40 @@ class _BatchRun:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _unsendable(items: list[AgentRolloutItem]) -> dict[str, str]:
+    """``uid -> why`` for the items that cannot be pickled on their own."""
+    found = {}
+    for item in items:
+        try:
+            ray.cloudpickle.dumps(item)  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            found[item.uid] = describe(exc, first_line=True, limit=500)
+    return found
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def is_worker_loss(error: BaseException) -> bool:
+    """Whether ``error`` (from a worker call) means the worker is dead or broken."""
+    if isinstance(error, ray.exceptions.RayActorError | WorkerBroken):
+        return True
+    return isinstance(getattr(error, "cause", None), WorkerBroken)
+
+
+def describe(error: BaseException, *, first_line: bool = False, limit: int = 2000) -> str:
+    """``Type: message`` of the real cause: the worker's own exception for one Ray wrapped
+    (not Ray's header line), colour codes removed, capped at ``limit`` characters."""
+    cause = getattr(error, "cause", None)
+    if isinstance(error, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
+        error = cause
+    text = _ANSI.sub("", str(error)).strip()
+    if first_line and text:
+        text = text.splitlines()[0]
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= limit else f"{text[:limit]} [...]"
 
 
 async def _await(ref: Any) -> Any:
