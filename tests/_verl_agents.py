@@ -141,3 +141,17 @@ async def async_factory() -> list[Any]:
 
 def exits_factory() -> list[Any]:
     raise SystemExit(3)
+
+
+def returns_mapping() -> dict[str, Any]:
+    return {"solver": [Generate()]}
+
+
+async def constant_reward(item: Any, ctx: Any) -> None:
+    item.artifacts[artifacts.REWARD] = 1.0
+
+
+def score_only() -> list[Any]:
+    """Scores without generating: an empty response and a score (verl's ``as_dict`` writes
+    it at ``rm_scores[-1]``)."""
+    return [BuildPrompt(), constant_reward]

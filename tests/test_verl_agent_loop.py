@@ -44,6 +44,7 @@ BROKEN = {  # YAML entry -> a factory that fails one way (issue 33 item 9)
     "returns_none": "_verl_agents.returns_none",
     "returns_stage": "_verl_agents.returns_stage",
     "async_factory": "_verl_agents.async_factory",
+    "returns_mapping": "_verl_agents.returns_mapping",
 }
 
 AGENTS_YAML = f"""\
@@ -80,6 +81,9 @@ AGENTS_YAML = f"""\
   _target_: pipeline.integrations.verl.PipelineAgentLoop
   factory: _verl_agents.silent_sometimes
   sampling: {{max_tokens: 8}}
+- name: score_only
+  _target_: pipeline.integrations.verl.PipelineAgentLoop
+  factory: _verl_agents.score_only
 - name: routed
   _target_: pipeline.integrations.verl.PipelineAgentLoop
   factory: _verl_agents.routed
@@ -379,6 +383,55 @@ def test_item2_custom_stage_reward_reaches_verl(verl_env):
     assert [bool(a) for a in nt["acc"][1:]] == [True, False, True, False, True]
     assert list(nt["n"][1:]) == [8] * 5
 
+    out = asyncio.run(worker.generate_sequences(dataproto(r_rows(1), "score_only")))
+    assert out.batch["rm_scores"].sum(dim=1).tolist() == [1.0, 1.0]  # no response tokens
+    assert [int(m.sum()) for m in out.batch["response_mask"]] == [0, 0]
+
+
+def test_item2_custom_stage_reward_reaches_verl_v1(verl_env):
+    """The same entry through verl's V1 worker (TransferQueue): each stored sample has its
+    ``rm_scores`` and the pinned ``reward_extra_info``; no prompt group is marked failed."""
+    listed, got = v1_generate(verl_env, r_rows(), "custom_reward")
+    assert set(listed) == {"finished"}
+    scores = [float(torch.as_tensor(s).sum()) for s in got["rm_scores"]]
+    assert scores == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    extras = list(got["extra_fields"])
+    assert all(set(e["reward_extra_info"]) == {"acc", "n"} for e in extras)
+    assert np.isnan(extras[0]["reward_extra_info"]["acc"])
+
+
+def v1_generate(env, data, agent):
+    """``data`` through verl's V1 worker; the prompts' statuses and the stored samples."""
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+    from verl.utils import tensordict_utils as tu
+
+    tq = env.tq
+    worker = AgentLoopWorkerTQ.__ray_metadata__.modified_class(env.config,
+                                                               llm_client=client(env))
+    uids = [f"v1r{r['index']}-{os.urandom(3).hex()}" for r in data]
+    columns = {k: np.empty(len(data), dtype=object) for k in data[0]}
+    for key, column in columns.items():
+        column[:] = [r[key] for r in data] if key != "raw_prompt" else [None] * len(data)
+    for i, r in enumerate(data):
+        columns["raw_prompt"][i] = r["raw_prompt"]
+    columns["index"] = np.array([r["index"] for r in data], dtype=np.int64)
+    columns["uid"] = np.array(uids, dtype=object)
+    columns["agent_name"] = np.array([agent] * len(data), dtype=object)
+    batch = tu.get_tensordict(columns)
+    tu.assign_non_tensor_data(batch, "global_steps", 7)
+    tq.kv_batch_put(keys=uids, partition_id="train",
+                    tags=[{"is_prompt": True, "status": "pending", "global_steps": 7}] * len(data))
+
+    async def run():
+        await worker.generate_sequences(batch)
+        await asyncio.gather(*list(worker.background_tasks))
+    asyncio.run(run())
+    listed = tq.kv_list(partition_id="train")["train"]
+    keys = [f"{u}_{k}_0" for u in uids for k in range(N)]
+    got = tq.kv_batch_get(keys=keys, partition_id="train",
+                          select_fields=["rm_scores", "response_mask", "extra_fields"])
+    return [listed[u]["status"] for u in uids], got
+
 
 def test_item2_judges_false_overrides_a_carried_reward(verl_env):
     """``judges: false``: the stage list's own rewards stay home; verl's reward loop scores
@@ -432,8 +485,8 @@ def test_item9_route_in_an_entry_routes_on_the_row(verl_env):
     """A ``Route`` in an entry's stage list routes on the row's own ``agent`` column; without
     one on verl's ``agent_name`` when it names one of the Route's agents (several entries
     sharing one factory), else on the Route's default; never "unknown agent 'routed'"."""
-    nt, _ = generate(verl_env, r_rows(agent=["tools", "short", "tools"]), "routed")
-    assert list(nt["rollout_status"]) == ["completed"] * 6
+    nt, _ = generate(verl_env, r_rows(agent=["tools", None, "tools"]), "routed")
+    assert list(nt["rollout_status"]) == ["completed"] * 6  # None: the default
     assert list(nt["agent"]) == ["tools"] * 2 + ["short"] * 2 + ["tools"] * 2
     assert [t >= 4 for t in nt["__num_turns__"]] == [True] * 2 + [False] * 2 + [True] * 2
 
@@ -458,6 +511,7 @@ def test_item9_route_in_an_entry_routes_on_the_row(verl_env):
     ("returns_none", r"returned None, not a stage list or a Pipeline"),
     ("returns_stage", r"returned one stage, Generate 'generate'.*wrap it in a list"),
     ("async_factory", r"returned a coroutine.*plain function"),
+    ("returns_mapping", r"returned \{'solver'.*not a stage list or a Pipeline \(a dict\)"),
 ])
 def test_item9_every_factory_failure_is_a_config_error_naming_the_entry(verl_env, entry, says):
     """Through verl's worker (YAML entry, ``hydra.utils.instantiate``): whatever way the

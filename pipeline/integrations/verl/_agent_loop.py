@@ -205,8 +205,9 @@ class PipelineAgentLoop:
               ) -> AgentRolloutItem:
         verl_row = {k: plain(v) for k, v in kwargs.items()}
         extra: dict[str, Any] = {"verl": verl_row}
-        if verl_row.get("agent") is not None:  # the dataset's own agent column
-            extra["agent"] = verl_row["agent"]
+        own = verl_row.get("agent")  # the dataset's own agent column (None, NaN, "": none)
+        if own is not None and own == own and own != "":
+            extra["agent"] = own
         agent_name = verl_row.get("agent_name") or self.name  # verl consumes it: the entry's
         if agent_name in self.agent.route_names:
             extra["agent_name"] = agent_name

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pipeline._exceptions import ConfigError
@@ -65,7 +66,8 @@ def make_stages(path: Any, kwargs: Any, where: str) -> Any:
     Raises:
         ConfigError: naming ``where``: the factory cannot be resolved (see
             :func:`resolve_factory`), ``kwargs`` is not a mapping, the factory raised, or it
-            returned something else than a stage list (a list or tuple) or a ``Pipeline``.
+            returned something else than a stage list (an iterable of stages; not a string or
+            a mapping) or a ``Pipeline``.
     """
     factory = resolve_factory(path, where)
     kwargs = kwargs or {}
@@ -87,8 +89,9 @@ def _check_made(made: Any, where: str) -> None:
     Raises:
         ConfigError: naming ``where`` and the type returned.
     """
-    if isinstance(made, Pipeline | list | tuple):
-        return
+    if isinstance(made, Pipeline) or (isinstance(made, Iterable) and not isinstance(
+            made, str | bytes | Mapping)):
+        return  # Pipeline() checks each stage
     if inspect.isawaitable(made):
         close = getattr(made, "close", None)
         if callable(close):
