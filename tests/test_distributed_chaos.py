@@ -38,6 +38,7 @@ from pipeline import (  # noqa: E402
     SimulatedEngine,
     Status,
 )
+from pipeline._cancel import run_owned  # noqa: E402  (what CallTools runs tools with)
 from pipeline.distributed import PoolClosed, RayRolloutPool  # noqa: E402
 from pipeline.testing import ByteTokenizer  # noqa: E402
 
@@ -90,6 +91,8 @@ async def chaos(item: AgentRolloutItem, ctx: Any) -> None:
         raise Stop("a BaseException of the user's own")
     if kind == "GeneratorExit":
         raise GeneratorExit
+    if kind == "SystemExit in a tool":  # CallTools runs each tool in a task of its own
+        await run_owned([_exit_later()])
     outside = extra.get("exit_outside")
     if outside == "call_soon":
         asyncio.get_running_loop().call_soon(sys.exit, 4)
@@ -161,7 +164,8 @@ def rows_with(bad: dict[str, Any], count: int = 6) -> list[dict[str, Any]]:
 # -- item 3a: BaseExceptions --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["SystemExit", "KeyboardInterrupt", "Stop", "GeneratorExit"])
+@pytest.mark.parametrize("kind", ["SystemExit", "KeyboardInterrupt", "Stop", "GeneratorExit",
+                                  "SystemExit in a tool"])
 async def test_item3a_system_exit_in_stage_fails_one_sample(
         pool: RayRolloutPool, kind: str) -> None:
     await settled(pool, within=60)
@@ -171,7 +175,7 @@ async def test_item3a_system_exit_in_stage_fails_one_sample(
         assert result.stats.by_status == {"completed": 6, "failed": 1}
         bad = result.samples[-1]
         assert bad.status is Status.FAILED and bad.masked
-        assert kind in (bad.error or ""), bad.error
+        assert kind.split()[0] in (bad.error or ""), bad.error
         assert "lost with worker" not in (bad.error or "")
     assert pool.replacements == before  # no worker was broken by it
     assert healthy(pool), pool.workers
@@ -308,9 +312,19 @@ async def test_item3_chaos_kills_exits_and_unpicklables_every_sample_accounted(
 # -- item 3d: after aclose ------------------------------------------------------------------------
 
 
-async def test_item3d_calls_after_aclose_raise_a_clear_error(pool: RayRolloutPool) -> None:
-    """Runs last: it closes the module's pool (the fixture's aclose is then a no-op)."""
-    await pool.aclose()
+async def test_item3d_calls_after_aclose_raise_a_clear_error(
+        pool: RayRolloutPool, tmp_path: Path) -> None:
+    """Runs last: it closes the module's pool (the fixture's aclose is then a no-op). A batch
+    still running when it closes ends every sample ``aborted``; later calls raise."""
+    await settled(pool, within=60)
+    (tmp_path / "started").mkdir()
+    wait = {"wait_for": str(tmp_path / "never"), "started_dir": str(tmp_path / "started")}
+    batch = asyncio.create_task(pool.run_batch([{"prompt": f"q {i}", "extra": wait}
+                                                for i in range(4)]))
+    await until(lambda: len(list((tmp_path / "started").iterdir())) == 4, "every sample to start")
+    await asyncio.wait_for(pool.aclose(), 60)
+    result = await asyncio.wait_for(batch, 60)
+    assert result.stats.by_status == {"aborted": 4}, [s.error for s in result.samples]
     left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("ray-pool")]
     assert not left, f"aclose stops the health watch and every pool task: {left}"
     with pytest.raises(PoolClosed, match="closed") as caught:

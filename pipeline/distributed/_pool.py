@@ -278,6 +278,7 @@ class RayRolloutPool:
             if slot.worker is not None:
                 _kill(slot.worker.handle)
                 slot.worker.alive = False
+                slot.worker.lost = True  # on purpose: nothing to report or replace
         if self._limiter is not None:
             _kill(self._limiter)
 
