@@ -10,6 +10,7 @@
   where no sample finished for a while; optionally it ends the process after a hard limit.
 - :func:`asyncio_run` is the one sync entry point, with all of the above installed and the
   collector tuned for a long batch (:func:`rollout_gc`, switchable off).
+- :func:`diagnosed_loop` installs the same on an event loop the caller runs itself.
 - :class:`InflightSample`: a running sample as :meth:`Pipeline.inflight` reports it.
 """
 
@@ -33,7 +34,7 @@ from pipeline.diagnostics._model import (
 )
 from pipeline.diagnostics._paths import DUMP_DIR_ENV, default_dump_dir
 from pipeline.diagnostics._render import render_json, render_text
-from pipeline.diagnostics._run import asyncio_run
+from pipeline.diagnostics._run import asyncio_run, diagnosed_loop
 from pipeline.diagnostics._snapshot import capture_snapshot
 from pipeline.diagnostics._watchdog import BlockReport, LagStats, Watchdog
 
@@ -56,6 +57,7 @@ __all__ = [
     "asyncio_run",
     "capture_snapshot",
     "default_dump_dir",
+    "diagnosed_loop",
     "dump",
     "install_task_dumper",
     "render_json",

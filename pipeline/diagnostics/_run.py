@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -79,22 +80,33 @@ def asyncio_run(main: Coroutine[Any, Any, T], *, watchdog: Watchdog | bool = Tru
         return result
 
     with rollout_gc(gc_tuning_enabled(gc_tuning)), \
-            asyncio.Runner(loop_factory=loop_factory, debug=debug) as runner:
-        loop = runner.get_loop()
-        note_loop_thread(loop)
-        track_task_ages(loop)
-        dumper: TaskDumper | None = None
-        if active_dumper() is None:  # else the one already installed serves this loop too
-            dumper = TaskDumper(dump_dir, signum=dump_signal,
-                                lag_source=None if dog is None else dog.lags)
-            dumper.install(loop)
-        if dog is not None and dog.dump is None and dumper is not None:
-            dog.dump = dumper.dump
-        try:
-            return runner.run(wrapper())
-        finally:
-            if dumper is not None:
-                dumper.close()
+            asyncio.Runner(loop_factory=loop_factory, debug=debug) as runner, \
+            diagnosed_loop(runner.get_loop(), dog, dump_dir=dump_dir, dump_signal=dump_signal):
+        return runner.run(wrapper())
+
+
+@contextlib.contextmanager
+def diagnosed_loop(loop: asyncio.AbstractEventLoop, watchdog: Watchdog | None, *,
+                   dump_dir: str | Path | None = None,
+                   dump_signal: int | None = None) -> Iterator[None]:
+    """Diagnostics for a loop the caller runs itself (what :func:`asyncio_run` installs):
+    the loop's thread and task ages noted, a :class:`TaskDumper` installed unless one already
+    serves the process (closed on exit), and ``watchdog`` dumping through it. The watchdog
+    itself is started and stopped by the caller."""
+    note_loop_thread(loop)
+    track_task_ages(loop)
+    dumper: TaskDumper | None = None
+    if active_dumper() is None:  # else the one already installed serves this loop too
+        dumper = TaskDumper(dump_dir, signum=dump_signal,
+                            lag_source=None if watchdog is None else watchdog.lags)
+        dumper.install(loop)
+    if watchdog is not None and watchdog.dump is None and dumper is not None:
+        watchdog.dump = dumper.dump
+    try:
+        yield
+    finally:
+        if dumper is not None:
+            dumper.close()
 
 
 def _report_leaks(leaked: list[asyncio.Task[Any]]) -> None:

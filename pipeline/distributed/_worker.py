@@ -52,14 +52,12 @@ from pipeline._outcome import force_end
 from pipeline._pipeline import Pipeline
 from pipeline._producer import Producer, SampleRun
 from pipeline.diagnostics import (
-    TaskDumper,
     Watchdog,
     capture_snapshot,
+    diagnosed_loop,
     render_json,
     render_text,
 )
-from pipeline.diagnostics._dumper import active_dumper
-from pipeline.diagnostics._snapshot import note_loop_thread, track_task_ages
 from pipeline.distributed._limiter import FleetLimiterRegistry
 
 _logger = structlog.get_logger("pipeline.distributed")
@@ -117,22 +115,9 @@ class RolloutWorker:
             with rollout_gc(gc_tuning_enabled(None)), \
                     asyncio.Runner(loop_factory=_loop_factory()) as runner:
                 loop = runner.get_loop()
-                note_loop_thread(loop)
-                track_task_ages(loop)
-                dog = self._watchdog
-                dumper: TaskDumper | None = None
-                if active_dumper() is None:
-                    dumper = TaskDumper(signum=None,
-                                        lag_source=None if dog is None else dog.lags)
-                    dumper.install(loop)
-                    if dog is not None and dog.dump is None:
-                        dog.dump = dumper.dump
-                try:
+                with diagnosed_loop(loop, self._watchdog):
                     self._drive(loop, loop.create_task(self._main(factory, limiter),
                                                        name=f"rollout-worker:{self.worker_id}"))
-                finally:
-                    if dumper is not None:
-                        dumper.close()
         except BaseException as exc:
             why = f"its event loop ended: {type(exc).__name__}: {exc}"
             if not self._started.done():
