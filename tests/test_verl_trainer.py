@@ -294,7 +294,8 @@ def test_policy_loss_ignores_masked_samples_and_metrics_run(tool_batch, tiny_tok
         return float(pg_loss)
 
     valid = [i for i, s in enumerate(samples) if not s.masked]
-    assert loss(list(range(len(samples)))) == pytest.approx(loss(valid), rel=1e-6)
+    # float32 sums over different row sets differ in their last bits (1.3e-6 relative seen)
+    assert loss(list(range(len(samples)))) == pytest.approx(loss(valid), rel=1e-5)
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         every = core_algos.agg_loss(data.batch["advantages"], data.batch["response_mask"], mode)
         kept = core_algos.agg_loss(data.batch["advantages"][valid],
