@@ -17,10 +17,6 @@ live in their subpackage.
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
-
 from pipeline import artifacts
 from pipeline._config import PipelineConfig, SamplingParams
 from pipeline._context import Context, Resources
@@ -170,47 +166,3 @@ __all__ = [
     "to_verl_batch",
     "to_xtuner",
 ]
-
-_MOVED = {
-    "AgentEndpoint": "pipeline.proxy",
-    "CalculatorError": "pipeline.tools",
-    "ConsistencyError": "pipeline.engines",
-    "DiagnosticsError": "pipeline.diagnostics",
-    "FunctionStage": "pipeline.stages",
-    "GroupSummary": "pipeline.batch",
-    "HermesToolParser": "pipeline.tools",
-    "InflightSample": "pipeline.diagnostics",
-    "LimiterClosed": "pipeline.ratelimit",
-    "LimiterConflict": "pipeline.ratelimit",
-    "MetricsSink": "pipeline.observability",
-    "PauseMode": "pipeline.engines",
-    "ProxyConfig": "pipeline.proxy",
-    "ProxyError": "pipeline.proxy",
-    "RateLimitError": "pipeline.ratelimit",
-    "RemoteAgentError": "pipeline.proxy",
-    "TensorBoardSink": "pipeline.observability",
-    "ToolParser": "pipeline.tools",
-    "TrajectoryRecord": "pipeline.observability",
-    "WeightSync": "pipeline.engines",
-    "WeightSyncedEngine": "pipeline.engines",
-    "as_stage": "pipeline.stages",
-    "batch_metrics": "pipeline.observability",
-    "build_trace": "pipeline.observability",
-    "check_consistency": "pipeline.engines",
-    "compute_stats": "pipeline.batch",
-    "group_indices": "pipeline.batch",
-    "minimal_sample": "pipeline.batch",
-    "read_trajectories": "pipeline.observability",
-    "to_verl_outputs": "pipeline.batch",
-    "write_trace": "pipeline.observability",
-}
-"""Names this package exported before 0.2, now only in their subpackage (CHANGELOG.md)."""
-
-
-def __getattr__(name: str) -> Any:
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
-    warnings.warn(f"'pipeline.{name}' moved to '{home}.{name}'; the old name goes away in "
-                  "the next release", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(home), name)

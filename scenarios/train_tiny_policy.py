@@ -364,7 +364,7 @@ async def evaluate(engine: Any, tokenizer: Any, *, count: int = 256, seed: int =
 async def evaluate_dir(model_dir: Path, engine_name: str = "transformers", *,
                        count: int = 256, seed: int = HELDOUT_SEED) -> dict[str, Any]:
     """:func:`evaluate` on an engine the factory builds (``transformers`` or ``vllm``)."""
-    from pipeline.engines.factory import make_engine
+    from pipeline.engines import make_engine
 
     started = time.perf_counter()
     engine, tokenizer = await make_engine(engine_name, model_dir=model_dir, notify=lambda _: None)

@@ -32,13 +32,6 @@ PUBLIC_MODULES = {
     "pipeline.testing", "pipeline.judgers.testing", "pipeline.artifacts",
     "pipeline.integrations.verl",
 }
-DEPRECATED_PATHS = {
-    # kept for this release only (CHANGELOG.md): star re-exports of the private modules
-    "pipeline.engines.consistency", "pipeline.engines.factory", "pipeline.engines.simulated",
-    "pipeline.stages.base", "pipeline.stages.generate", "pipeline.stages.judge",
-    "pipeline.stages.prompt", "pipeline.stages.tools", "pipeline.tools.calculator",
-    "pipeline.models.tiny_moe",
-}
 
 
 def module_name(path: Path) -> str:
@@ -157,26 +150,10 @@ def test_every_module_follows_the_privacy_rule():
     unexpected = []
     for name in MODULES:
         leaf = name.rsplit(".", 1)[-1]
-        if leaf.startswith("_") or name in PUBLIC_MODULES or name in DEPRECATED_PATHS:
+        if leaf.startswith("_") or name in PUBLIC_MODULES:
             continue
         unexpected.append(name)
     assert unexpected == []
-
-
-def test_deprecated_paths_still_import():
-    for name in DEPRECATED_PATHS:
-        importlib.import_module(name)
-
-
-def test_moved_top_level_names_warn_and_resolve():
-    import pipeline
-
-    for name, home in pipeline._MOVED.items():
-        with pytest.warns(DeprecationWarning, match=home):
-            value = getattr(pipeline, name)
-        assert value is getattr(importlib.import_module(home), name)
-    with pytest.raises(AttributeError):
-        pipeline.no_such_name  # noqa: B018
 
 
 SNAPSHOT = Path(__file__).with_name("public_api.txt")

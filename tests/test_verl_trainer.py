@@ -348,7 +348,7 @@ def test_from_verl_batch_maps_rows_and_uids_in_verls_order(tool_batch, tiny_toke
 
 def test_moe_batch_routes_go_through_verls_postprocessing(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
-    from pipeline.models.tiny_moe import ensure_tiny_moe_model
+    from pipeline.models import ensure_tiny_moe_model
 
     model_dir = ensure_tiny_moe_model(tmp_path_factory.mktemp("moe") / "tiny-moe")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
