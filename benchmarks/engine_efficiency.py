@@ -50,7 +50,7 @@ from typing import Any
 from _common import write_result
 
 from pipeline import Pipeline, SamplingParams
-from pipeline._render import render_prompt
+from pipeline._text.render import render_prompt
 from pipeline.diagnostics import rollout_gc
 from pipeline.models.tiny import ensure_tiny_model
 from pipeline.stages import BuildPrompt, Generate

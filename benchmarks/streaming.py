@@ -24,9 +24,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import write_result  # noqa: E402
+from _common import write_result
 
-from pipeline import (  # noqa: E402
+from pipeline import (
     BuildPrompt,
     DynamicSampling,
     Generate,
@@ -34,7 +34,7 @@ from pipeline import (  # noqa: E402
     SimulatedEngine,
     artifacts,
 )
-from pipeline.testing import ByteTokenizer  # noqa: E402
+from pipeline.testing import ByteTokenizer
 
 
 def build(seed: int, flat_rate: float = 0.0) -> Pipeline:

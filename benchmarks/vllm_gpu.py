@@ -45,7 +45,7 @@ from _common import write_result
 from engine_efficiency import CONFIGS, ROOT, random_model_dir, rows
 
 from pipeline import Pipeline, SamplingParams
-from pipeline._render import render_prompt
+from pipeline._text.render import render_prompt
 from pipeline.diagnostics import rollout_gc
 from pipeline.models.tiny import ensure_tiny_model
 from pipeline.stages import BuildPrompt, Generate

@@ -18,21 +18,8 @@ live in their subpackage.
 from __future__ import annotations
 
 from pipeline import artifacts
-from pipeline._config import PipelineConfig, SamplingParams
-from pipeline._context import Context, Resources
-from pipeline._exceptions import (
-    ConfigError,
-    ContractError,
-    DeadlineExceeded,
-    EngineError,
-    PipelineError,
-    RowError,
-    SampleAborted,
-    StageDefinitionError,
-)
-from pipeline._fill import SampleBuilder, fill_sample
-from pipeline._logging import configure_logging
-from pipeline._models import (
+from pipeline._data.config import PipelineConfig, SamplingParams
+from pipeline._data.models import (
     AgentMessage,
     AgentRolloutItem,
     BatchStats,
@@ -45,9 +32,22 @@ from pipeline._models import (
     ToolCall,
     ToolFunction,
 )
-from pipeline._pipeline import Pipeline
-from pipeline._rows import DatasetRow, iter_rows, load_rows, parse_row
-from pipeline._stream import (
+from pipeline._data.rows import DatasetRow, iter_rows, load_rows, parse_row
+from pipeline._exceptions import (
+    ConfigError,
+    ContractError,
+    DeadlineExceeded,
+    EngineError,
+    PipelineError,
+    RowError,
+    SampleAborted,
+    StageDefinitionError,
+)
+from pipeline._logging import configure_logging
+from pipeline._runner.context import Context, Resources
+from pipeline._runner.fill import SampleBuilder, fill_sample
+from pipeline._runner.pipeline import Pipeline
+from pipeline._runner.stream import (
     DynamicSampling,
     GroupResult,
     RolloutStream,
@@ -55,7 +55,7 @@ from pipeline._stream import (
     StreamReport,
     has_reward_variance,
 )
-from pipeline._tokenizer import Tokenizer
+from pipeline._text.tokenizer import Tokenizer
 from pipeline.batch import collate, group_advantages, summarize_groups, to_verl_batch, to_xtuner
 from pipeline.diagnostics import Watchdog, asyncio_run, capture_snapshot, install_task_dumper
 from pipeline.engines import (

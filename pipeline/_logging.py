@@ -26,8 +26,8 @@ from typing import Any, Literal, TextIO
 
 import structlog
 
+from pipeline._data.models import AgentRolloutItem, BatchStats, Status
 from pipeline._exceptions import ConfigError
-from pipeline._models import AgentRolloutItem, BatchStats, Status
 
 LogFormat = Literal["kv", "json"]
 

@@ -21,11 +21,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
+from pipeline._data.models import ProduceBatchResult, Status
 from pipeline._exceptions import PipelineError
 from pipeline._gc import gc_tuning_enabled
 from pipeline._logging import configure_logging
-from pipeline._models import ProduceBatchResult, Status
-from pipeline._pipeline import Pipeline
+from pipeline._runner.pipeline import Pipeline
 from pipeline.diagnostics import add_dump_arguments, asyncio_run, run_dump
 from pipeline.engines import ENGINE_NAMES, Engine, SimulatedEngine, make_engine, vllm_available
 from pipeline.models.tiny import ensure_tiny_model

@@ -31,7 +31,7 @@ from pipeline import (
     artifacts,
     parse_row,
 )
-from pipeline._render import DRIFT_PREFIX, chat_form, render_turn_delta
+from pipeline._text.render import DRIFT_PREFIX, chat_form, render_turn_delta
 from pipeline.models._template import CHAT_TEMPLATE
 from pipeline.stages._tools import TEMPLATE_DRIFT, TOOL_CALLS, TOOL_ERRORS, CallTools
 from pipeline.testing import ByteTokenizer, capture_logs

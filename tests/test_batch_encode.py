@@ -1,4 +1,4 @@
-"""Prompt tokenizing in batches off the event loop (``pipeline._encode``), with the real
+"""Prompt tokenizing in batches off the event loop (``pipeline._text.encode``), with the real
 tiny-model tokenizer: the same ids as ``tokenizer.encode``, one rendering per group, each
 caller's cancellation its own, and a failing batch falls back to encoding inline."""
 
@@ -10,8 +10,8 @@ import pytest
 
 import pipeline.stages._prompt as prompt_module
 from pipeline import BuildPrompt, Pipeline, Status
-from pipeline._encode import BatchEncoder, batch_encoder
-from pipeline._render import render_prompt
+from pipeline._text.encode import BatchEncoder, batch_encoder
+from pipeline._text.render import render_prompt
 from pipeline.testing import ByteTokenizer
 
 pytest_plugins = ["_model_fixtures"]
@@ -93,7 +93,7 @@ async def test_an_executor_that_is_gone_fails_the_batch_not_the_samples(tiny_tok
 def test_tokenizers_whose_encode_differs_from_the_rust_one_encode_inline(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from pipeline._render import plain_fast_backend
+    from pipeline._text.render import plain_fast_backend
 
     def fresh():
         return AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline import AgentRolloutItem, PipelineConfig, Status
-from pipeline._items import make_items
+from pipeline._data.items import make_items
 
 
 def items(n: int = 3) -> list[AgentRolloutItem]:

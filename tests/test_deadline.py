@@ -10,8 +10,8 @@ import time
 import pytest
 
 from pipeline import Loop, Pipeline, Status
-from pipeline._cancel import abandoned_tasks, stage_grace
-from pipeline._deadline import RESOLUTION_S
+from pipeline._concurrency.cancel import abandoned_tasks, stage_grace
+from pipeline._runner.deadline import RESOLUTION_S
 from pipeline.testing import ByteTokenizer
 
 
@@ -252,7 +252,7 @@ async def test_item1_a_cleanup_ignoring_its_cancellation_is_bounded():
     pipe = Pipeline([DeafCleanup()], tokenizer=ByteTokenizer(), cleanup_timeout_s=0.05)
     result = await asyncio.wait_for(pipe.run_batch([{"prompt": "a"}]), 10)
     assert result.samples[0].status is Status.COMPLETED  # a cleanup never changes the outcome
-    record = [r for r in result.items[0].records if r.phase == "cleanup"][0]
+    record = next(r for r in result.items[0].records if r.phase == "cleanup")
     assert record.status is Status.TIMEOUT and "abandoned" in record.error_message
     release.set()
     await asyncio.sleep(0.05)

@@ -38,7 +38,7 @@ from pipeline import (  # noqa: E402
     SimulatedEngine,
     Status,
 )
-from pipeline._cancel import run_owned  # noqa: E402  (what CallTools runs tools with)
+from pipeline._concurrency.cancel import run_owned  # noqa: E402  (what CallTools runs tools with)
 from pipeline.distributed import PoolClosed, RayRolloutPool  # noqa: E402
 from pipeline.testing import ByteTokenizer  # noqa: E402
 

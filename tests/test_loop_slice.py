@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from pipeline import Pipeline, Status
-from pipeline._slice import SLICE_S, loop_slice
+from pipeline._runner.slice import SLICE_S, loop_slice
 from pipeline.testing import ByteTokenizer
 
 pytest_plugins = ["_model_fixtures"]
@@ -72,8 +72,8 @@ async def test_samples_that_time_out_while_parked_end_as_timeouts_and_leave_noth
 def test_per_loop_state_goes_with_its_loop(tiny_tokenizer):
     import gc
 
-    import pipeline._encode as encode
-    import pipeline._slice as slices
+    import pipeline._runner.slice as slices
+    import pipeline._text.encode as encode
     from pipeline import BuildPrompt
 
     gc.collect()

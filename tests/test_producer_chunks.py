@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from pipeline import Pipeline, Status
-from pipeline._outcome import ENOUGH
-from pipeline._producer import START_CHUNK
+from pipeline._runner.outcome import ENOUGH
+from pipeline._runner.producer import START_CHUNK
 from pipeline.testing import ByteTokenizer
 
 ROWS = [{"prompt": f"q{i}"} for i in range(4 * START_CHUNK)]

@@ -24,7 +24,7 @@ import pytest
 from _model_fixtures import ForcedText
 
 from pipeline import Pipeline, SamplingParams, Status, artifacts
-from pipeline._render import chat_form
+from pipeline._text.render import chat_form
 from pipeline.proxy import FINAL_ANSWER, SEGMENTS, ProxyServer, RemoteAgent
 
 pytest_plugins = ["_model_fixtures"]

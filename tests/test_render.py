@@ -11,7 +11,12 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline._render import _splits_cleanly_after, decode_text, encode_text, plain_fast_backend
+from pipeline._text.render import (
+    _splits_cleanly_after,
+    decode_text,
+    encode_text,
+    plain_fast_backend,
+)
 from pipeline.testing import ByteTokenizer
 
 pytest_plugins = ["_model_fixtures"]

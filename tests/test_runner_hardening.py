@@ -374,7 +374,7 @@ async def test_simulated_engine_remembers_a_bounded_number_of_aborts():
 
 
 async def test_item10_a_huge_exception_message_is_capped_head_and_tail_kept():
-    from pipeline._outcome import ERROR_CHARS
+    from pipeline._runner.outcome import ERROR_CHARS
 
     async def loud(item, ctx):
         raise ValueError("HEAD" + "x" * 5_000_000 + "TAIL")

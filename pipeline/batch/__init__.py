@@ -8,8 +8,8 @@ Importing this package needs numpy only; torch is imported when tensors are aske
 ``transformers`` extra (or any torch install) for those.
 """
 
-from pipeline._fill import minimal_sample
-from pipeline._stats import compute_stats
+from pipeline._data.stats import compute_stats
+from pipeline._runner.fill import minimal_sample
 from pipeline.batch._collate import check_alignment, collate, has_logprobs, has_rewards
 from pipeline.batch._experts import ExpertsLayout, check_routed_experts
 from pipeline.batch._groups import (

@@ -27,8 +27,8 @@ from typing import Any, Literal
 import numpy as np
 import structlog
 
+from pipeline._data.models import RolloutSample
 from pipeline._exceptions import ConfigError, ContractError
-from pipeline._models import RolloutSample
 from pipeline.batch._experts import as_routes, check_routed_experts
 
 _logger = structlog.get_logger("pipeline.batch")

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline._data.models import RolloutSample
 from pipeline._exceptions import ContractError
-from pipeline._models import RolloutSample
 
 
 @dataclass(frozen=True, slots=True)

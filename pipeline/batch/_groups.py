@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline._data.models import RolloutSample
 from pipeline._exceptions import ContractError
-from pipeline._models import RolloutSample
 
 
 @dataclass(frozen=True, slots=True)

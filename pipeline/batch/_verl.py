@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from pipeline import artifacts as A
+from pipeline._data.models import AgentRolloutItem, RolloutSample
 from pipeline._exceptions import ConfigError
-from pipeline._models import AgentRolloutItem, RolloutSample
 from pipeline.batch._collate import check_alignment, collate, has_logprobs, has_rewards
 from pipeline.batch._experts import as_routes, check_routed_experts, filled_routes
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline._config import PipelineConfig
+from pipeline._data.config import PipelineConfig
+from pipeline._data.items import make_items
+from pipeline._data.models import AgentRolloutItem
+from pipeline._data.plain import plain
 from pipeline._exceptions import RowError
-from pipeline._items import make_items
-from pipeline._models import AgentRolloutItem
-from pipeline._plain import plain
 from pipeline.batch._verl import VERL_DTYPES, VERL_INPUTS
 
 _ROW_KEYS = ("raw_prompt", "tools_kwargs", "index", "agent_name", "data_source",

@@ -13,9 +13,9 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline._data.models import AgentRolloutItem, FinishReason, RolloutSample, Status
 from pipeline._exceptions import ConfigError
-from pipeline._models import AgentRolloutItem, FinishReason, RolloutSample, Status
-from pipeline._tokenizer import Tokenizer
+from pipeline._text.tokenizer import Tokenizer
 from pipeline.batch._collate import check_alignment
 from pipeline.batch._experts import as_routes, check_routed_experts, filled_routes
 

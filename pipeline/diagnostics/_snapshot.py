@@ -209,7 +209,7 @@ def _task_info(task: asyncio.Task[Any], now: float,
 
 
 def _samples(by_uid: dict[str | None, TaskInfo]) -> tuple[SampleInfo, ...]:
-    from pipeline._pipeline import running_pipelines  # the core imports diagnostics
+    from pipeline._runner.pipeline import running_pipelines  # the core imports diagnostics
 
     out: list[SampleInfo] = []
     pipes: list[Any] = []

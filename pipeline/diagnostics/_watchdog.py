@@ -278,7 +278,7 @@ class Watchdog:
         return report
 
     def _check_stall(self, stall: _StallState, now: float) -> None:
-        from pipeline._pipeline import running_pipelines  # the core imports diagnostics
+        from pipeline._runner.pipeline import running_pipelines  # the core imports diagnostics
 
         try:
             pipes = list(iter_list_retrying(running_pipelines()))

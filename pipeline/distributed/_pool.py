@@ -41,15 +41,15 @@ from typing import Any
 import ray
 import structlog
 
-from pipeline._config import PipelineConfig
-from pipeline._context import Context, Resources
+from pipeline._data.config import PipelineConfig
+from pipeline._data.items import make_items
+from pipeline._data.models import AgentRolloutItem, ProduceBatchResult, RolloutSample, Status
+from pipeline._data.stats import safe_stats
 from pipeline._exceptions import PipelineError
-from pipeline._fill import fill_sample, minimal_sample
-from pipeline._items import make_items
-from pipeline._models import AgentRolloutItem, ProduceBatchResult, RolloutSample, Status
-from pipeline._outcome import ENOUGH, force_end
-from pipeline._stats import safe_stats
-from pipeline._stream import GroupResult, RolloutStream, SampleResult, check_num_needed
+from pipeline._runner.context import Context, Resources
+from pipeline._runner.fill import fill_sample, minimal_sample
+from pipeline._runner.outcome import ENOUGH, force_end
+from pipeline._runner.stream import GroupResult, RolloutStream, SampleResult, check_num_needed
 from pipeline.diagnostics import Watchdog, add_dump_section, capture_snapshot, render_text
 from pipeline.distributed._limiter import start_limiter
 from pipeline.distributed._worker import Chunk, RolloutWorker, WorkerBroken

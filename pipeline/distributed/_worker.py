@@ -43,14 +43,14 @@ from typing import Any
 import ray
 import structlog
 
-from pipeline._context import Context
+from pipeline._data.models import AgentRolloutItem, RolloutSample, Status
 from pipeline._exceptions import PipelineError
-from pipeline._fill import fill_sample, minimal_sample
 from pipeline._gc import gc_tuning_enabled, rollout_gc
-from pipeline._models import AgentRolloutItem, RolloutSample, Status
-from pipeline._outcome import force_end
-from pipeline._pipeline import Pipeline
-from pipeline._producer import Producer, SampleRun
+from pipeline._runner.context import Context
+from pipeline._runner.fill import fill_sample, minimal_sample
+from pipeline._runner.outcome import force_end
+from pipeline._runner.pipeline import Pipeline
+from pipeline._runner.producer import Producer, SampleRun
 from pipeline.diagnostics import (
     Watchdog,
     capture_snapshot,

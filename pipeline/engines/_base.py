@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from pipeline._config import SamplingParams
-from pipeline._models import FinishReason
+from pipeline._data.config import SamplingParams
+from pipeline._data.models import FinishReason
 
 RECENT_ABORTS = 4096
 """How many aborted request ids an engine remembers (its ``aborted`` deque), for tests and

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from pipeline._exceptions import EngineError
-from pipeline._tokenizer import Tokenizer
+from pipeline._text.tokenizer import Tokenizer
 
 PROBE_MESSAGES: tuple[dict[str, Any], ...] = (
     {"role": "system", "content": "You are a careful assistant."},
@@ -108,7 +108,7 @@ async def check_consistency(engine: Any, tokenizer: Tokenizer, *,
     Raises:
         ConsistencyError: a mismatch, with the first differing position in both renderings.
     """
-    from pipeline._render import render_prompt
+    from pipeline._text.render import render_prompt
 
     _, ours = render_prompt(tokenizer, [dict(m) for m in messages],
                             [dict(t) for t in tools] if tools else None)

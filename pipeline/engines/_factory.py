@@ -154,7 +154,7 @@ def _simulated_engine(model_dir: Path | None, seed: int,
     """A :class:`SimulatedEngine` (``options`` are its arguments) and its tokenizer: the model
     directory's, else the byte-level one; paired by the Pipeline's own check, so the engine
     stops on the tokenizer's eos."""
-    from pipeline._context import Resources
+    from pipeline._runner.context import Resources
     from pipeline.engines._simulated import SimulatedEngine
     from pipeline.testing import ByteTokenizer
 

@@ -41,9 +41,9 @@ from typing import Any
 import aiohttp
 import structlog
 
-from pipeline._config import SamplingParams
+from pipeline._data.config import SamplingParams
+from pipeline._data.models import FinishReason
 from pipeline._exceptions import ConfigError, EngineError
-from pipeline._models import FinishReason
 from pipeline.engines._base import RECENT_ABORTS, Generation
 from pipeline.engines._consistency import TokenizerProbe
 from pipeline.engines._outputs import finish_reason, full_length_experts

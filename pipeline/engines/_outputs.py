@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline._data.models import FinishReason
 from pipeline._exceptions import EngineError
-from pipeline._models import FinishReason
 
 
 def finish_reason(raw: Any, stop_reason: Any, request_id: str,

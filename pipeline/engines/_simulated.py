@@ -13,9 +13,9 @@ import random
 import zlib
 from collections.abc import Callable, Sequence
 
-from pipeline._config import SamplingParams
+from pipeline._data.config import SamplingParams
+from pipeline._data.models import FinishReason
 from pipeline._exceptions import ConfigError, EngineError
-from pipeline._models import FinishReason
 from pipeline.engines._base import RECENT_ABORTS, Generation
 
 Responder = Callable[[list[int], random.Random], list[int]]

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from pipeline._config import SamplingParams
+from pipeline._data.config import SamplingParams
 from pipeline._exceptions import EngineError
 
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]

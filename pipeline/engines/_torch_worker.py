@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pipeline._config import SamplingParams
+from pipeline._data.config import SamplingParams
 from pipeline.engines._base import Generation
 from pipeline.engines._torch_sampling import LogitsProcessor
 

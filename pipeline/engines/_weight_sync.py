@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from pipeline._config import SamplingParams
+from pipeline._data.config import SamplingParams
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline.engines._base import Generation
 

@@ -33,9 +33,9 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from pipeline._config import SamplingParams
+from pipeline._data.config import SamplingParams
+from pipeline._data.models import FinishReason
 from pipeline._exceptions import ConfigError, EngineError
-from pipeline._models import FinishReason
 from pipeline.engines._base import Generation
 from pipeline.engines._torch_sampling import (
     ProcessorFactory,

@@ -31,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from pipeline._config import SamplingParams
+from pipeline._data.config import SamplingParams
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline.engines._base import RECENT_ABORTS, Generation
 from pipeline.engines._consistency import TokenizerProbe

@@ -24,8 +24,8 @@ from typing import Any, Final, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline import artifacts as A
+from pipeline._data.models import AgentMessage, AgentRolloutItem
 from pipeline._exceptions import ConfigError, PipelineError
-from pipeline._models import AgentMessage, AgentRolloutItem
 
 JUDGE_RECORDS: Final = A.JUDGE_RECORDS
 """Artifact key: ``list[JudgerRecord]``, one per judger the ``Judge`` stage ran on the sample."""

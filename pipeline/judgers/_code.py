@@ -30,7 +30,7 @@ import re
 from dataclasses import asdict
 from typing import Any
 
-from pipeline._models import AgentRolloutItem
+from pipeline._data.models import AgentRolloutItem
 from pipeline.judgers._base import JudgeError, JudgeResult, response_text
 from pipeline.judgers._registry import register_judger
 from pipeline.judgers._sandbox import Sandbox, SandboxLimits, SandboxRun

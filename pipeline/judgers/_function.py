@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pipeline._callables import check_callable, plain_result
-from pipeline._models import AgentRolloutItem
+from pipeline._concurrency.callables import check_callable, plain_result
+from pipeline._data.models import AgentRolloutItem
 from pipeline.judgers._base import JudgeResult, response_text
 from pipeline.judgers._pool import ProcessPool
 from pipeline.judgers._registry import register_judger

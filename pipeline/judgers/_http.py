@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from pipeline import artifacts as A
-from pipeline._models import AgentMessage, AgentRolloutItem
+from pipeline._data.models import AgentMessage, AgentRolloutItem
 from pipeline.judgers._base import JudgeError, JudgeResult, response_text
 from pipeline.judgers._registry import register_judger
 

@@ -13,13 +13,13 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from pipeline._callables import check_callable, plain_result
-from pipeline._cancel import abort_request
-from pipeline._config import SamplingParams
-from pipeline._context import Resources
-from pipeline._models import AgentRolloutItem, FinishReason
-from pipeline._render import decode_text, render_prompt
-from pipeline._tokenizer import Tokenizer
+from pipeline._concurrency.callables import check_callable, plain_result
+from pipeline._concurrency.cancel import abort_request
+from pipeline._data.config import SamplingParams
+from pipeline._data.models import AgentRolloutItem, FinishReason
+from pipeline._runner.context import Resources
+from pipeline._text.render import decode_text, render_prompt
+from pipeline._text.tokenizer import Tokenizer
 from pipeline.engines import Engine
 from pipeline.judgers._base import JudgeError, JudgeResult, question_text, response_text
 from pipeline.judgers._registry import register_judger

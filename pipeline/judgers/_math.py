@@ -17,7 +17,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from pipeline._models import AgentRolloutItem
+from pipeline._data.models import AgentRolloutItem
 from pipeline.judgers._base import JudgeResult, ground_truths, response_text
 from pipeline.judgers._registry import register_judger
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any, TypeVar, overload
 
-from pipeline._callables import check_callable, is_async_callable, plain_result
+from pipeline._concurrency.callables import check_callable, is_async_callable, plain_result
 from pipeline._exceptions import ContractError
 from pipeline.judgers._base import Judger, JudgerRegistryError
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pipeline._models import AgentRolloutItem
+from pipeline._data.models import AgentRolloutItem
 from pipeline.judgers._base import JudgeError, JudgeResult, ground_truths, response_text
 from pipeline.judgers._math import extract_boxed
 from pipeline.judgers._registry import register_judger

@@ -83,7 +83,7 @@ def _error(exc: BaseException) -> tuple[str, str, str, str]:
 
 def _plain(value: Any) -> Any:
     """A plain function's value; an awaitable (a plain function that returned a coroutine)
-    is closed and refused, the rule of ``pipeline._callables.plain_result``."""
+    is closed and refused, the rule of ``pipeline._concurrency.callables.plain_result``."""
     if hasattr(type(value), "__await__"):  # not inspect: the worker stays lean
         close = getattr(value, "close", None)
         if callable(close):

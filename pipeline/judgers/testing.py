@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline import artifacts as A
-from pipeline._models import AgentMessage, AgentRolloutItem
-from pipeline._rows import parse_row
+from pipeline._data.models import AgentMessage, AgentRolloutItem
+from pipeline._data.rows import parse_row
 
 
 def judge_item(answer: str | None, *, ground_truth: Any = None, data_source: str = "default",

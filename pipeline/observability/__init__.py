@@ -12,7 +12,7 @@
   commands.
 """
 
-from pipeline.observability._heartbeat import ProgressHeartbeat
+from pipeline._runner.heartbeat import ProgressHeartbeat
 from pipeline.observability._inspection import (
     inspect_command,
     render_failures,

@@ -46,7 +46,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import structlog
 
-from pipeline._models import ExitReason, FinishReason, ProduceBatchResult, Status
+from pipeline._data.models import ExitReason, FinishReason, ProduceBatchResult, Status
 from pipeline.observability._records import counter_value
 
 PREFIX = "rollout/"

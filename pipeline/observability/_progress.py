@@ -20,8 +20,8 @@ from typing import Any, TextIO
 
 import structlog
 
-from pipeline._callables import check_callable
-from pipeline._models import AgentRolloutItem, RolloutSample, Status
+from pipeline._concurrency.callables import check_callable
+from pipeline._data.models import AgentRolloutItem, RolloutSample, Status
 
 SampleCallback = Callable[[AgentRolloutItem, RolloutSample], None]
 

@@ -18,8 +18,8 @@ import pydantic_core
 from pydantic import BaseModel
 
 from pipeline import artifacts as A
-from pipeline._models import AgentRolloutItem, RolloutSample, StageRecord
-from pipeline._tokenizer import Tokenizer
+from pipeline._data.models import AgentRolloutItem, RolloutSample, StageRecord
+from pipeline._text.tokenizer import Tokenizer
 
 COUNTER_KEYS = ("tool_calls", "tool_errors", "template_drift", "limiter_wait_s")
 """Artifact keys read as per-sample counters (dumped under ``counters``, summed in metrics).

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 import pydantic.dataclasses
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from pipeline._models import FinishReason, StageRecord, Status
+from pipeline._data.models import FinishReason, StageRecord, Status
 
 SCHEMA_VERSION = 1
 """Version of the line format, written in every batch summary."""

@@ -31,9 +31,9 @@ from typing import Any
 
 import structlog
 
+from pipeline._data.models import AgentRolloutItem, BatchStats, ProduceBatchResult, RolloutSample
 from pipeline._exceptions import ConfigError
-from pipeline._models import AgentRolloutItem, BatchStats, ProduceBatchResult, RolloutSample
-from pipeline._tokenizer import Tokenizer
+from pipeline._text.tokenizer import Tokenizer
 from pipeline.observability._records import dumps_line, minimal_record, trajectory_record
 from pipeline.observability._schema import SCHEMA_VERSION
 

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from pipeline import artifacts as A
-from pipeline._context import Context
-from pipeline._models import AgentMessage, AgentRolloutItem, ExitReason, FinishReason
+from pipeline._data.models import AgentMessage, AgentRolloutItem, ExitReason, FinishReason
+from pipeline._runner.context import Context
 from pipeline.proxy._errors import RemoteAgentError
 from pipeline.proxy._history import content_text
 from pipeline.proxy._records import SessionRecord, session_record

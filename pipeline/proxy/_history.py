@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline._models import AgentMessage, FinishReason
-from pipeline._render import chat_form, render_prompt, render_turn_delta
-from pipeline._tokenizer import Tokenizer
+from pipeline._data.models import AgentMessage, FinishReason
+from pipeline._text.render import chat_form, render_prompt, render_turn_delta
+from pipeline._text.tokenizer import Tokenizer
 from pipeline.proxy._errors import ProxyRequestError
 from pipeline.proxy._wire import WireMessage, parse_message
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from pipeline._models import AgentMessage, FinishReason
+from pipeline._data.models import AgentMessage, FinishReason
 
 if TYPE_CHECKING:
     from pipeline.proxy._history import Segment

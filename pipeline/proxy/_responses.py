@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline._config import describe_validation_error
-from pipeline._models import AgentMessage
+from pipeline._data.config import describe_validation_error
+from pipeline._data.models import AgentMessage
 from pipeline.proxy._errors import FinalError, ProxyRequestError
 from pipeline.proxy._wire import ChatCompletionRequest, invalid, message_body, value_repr
 

@@ -54,12 +54,12 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline._cancel import abort_request
-from pipeline._config import SamplingParams, describe_validation_error
-from pipeline._context import Resources
+from pipeline._concurrency.cancel import abort_request
+from pipeline._data.config import SamplingParams, describe_validation_error
 from pipeline._exceptions import ConfigError
 from pipeline._net import start_site
-from pipeline._tokenizer import Tokenizer
+from pipeline._runner.context import Resources
+from pipeline._text.tokenizer import Tokenizer
 from pipeline.engines import Engine
 from pipeline.proxy._access import AGENT, DENIED, FULL, ROUTE_ACCESS, SESSION_ROUTES, Grant
 from pipeline.proxy._errors import ProxyAuthError, ProxyError, ProxyRequestError
@@ -161,7 +161,7 @@ class ProxyServer:
         eos_token_id: the template's end-of-turn token (default: the tokenizer's eos).
 
     The engine and tokenizer go through the same check as a ``Pipeline``'s
-    (:func:`pipeline._context.check_resources`): a :class:`~pipeline.SimulatedEngine` built
+    (:func:`pipeline._runner.context.check_resources`): a :class:`~pipeline.SimulatedEngine` built
     without ``eos_token_id`` takes the tokenizer's, one with another eos is refused.
 
     Raises:

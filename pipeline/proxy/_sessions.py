@@ -19,8 +19,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pipeline._config import SamplingParams
-from pipeline._tokenizer import Tokenizer
+from pipeline._data.config import SamplingParams
+from pipeline._text.tokenizer import Tokenizer
 from pipeline.proxy._errors import ProxyLimitError, ProxyRequestError, SessionNotFound
 from pipeline.proxy._history import History
 from pipeline.proxy._records import Turn

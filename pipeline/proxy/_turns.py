@@ -30,12 +30,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from pipeline._cancel import abort_request
-from pipeline._config import SamplingParams
+from pipeline._concurrency.cancel import abort_request
+from pipeline._data.config import SamplingParams
+from pipeline._data.models import TOOL_CALL_ERRORS, AgentMessage, FinishReason
 from pipeline._exceptions import EngineError
-from pipeline._models import TOOL_CALL_ERRORS, AgentMessage, FinishReason
-from pipeline._render import decode_text
-from pipeline._tokenizer import Tokenizer
+from pipeline._text.render import decode_text
+from pipeline._text.tokenizer import Tokenizer
 from pipeline.engines import Engine, Generation
 from pipeline.proxy._errors import FinalError, ProxyError, ProxyRequestError
 from pipeline.proxy._history import TurnPlan

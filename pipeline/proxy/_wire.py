@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline._config import describe_validation_error
-from pipeline._models import AgentMessage, ToolCall, ToolFunction
+from pipeline._data.config import describe_validation_error
+from pipeline._data.models import AgentMessage, ToolCall, ToolFunction
 from pipeline.proxy._errors import ProxyRequestError
 
 

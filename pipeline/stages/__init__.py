@@ -1,8 +1,10 @@
 """Stages: the protocol, ``Loop``, ``Route``, the built-in stages, and the chat-template
 rendering they tokenize turns with."""
 
-from pipeline._models import TOOL_CALL_ERRORS
-from pipeline._render import (
+from pipeline._data.models import TOOL_CALL_ERRORS
+from pipeline._runner.context import Stage
+from pipeline._runner.stage import FunctionStage, as_stage, as_stages, run_stage
+from pipeline._text.render import (
     DRIFT_BOUNDARY,
     DRIFT_CLOSING,
     DRIFT_PREFIX,
@@ -11,7 +13,7 @@ from pipeline._render import (
     render_prompt,
     render_turn_delta,
 )
-from pipeline.stages._base import FunctionStage, Loop, Stage, as_stage, as_stages, run_stage
+from pipeline.stages._base import Loop
 from pipeline.stages._generate import LENGTH_LIMITS, Generate
 from pipeline.stages._judge import Judge, JudgerSpec
 from pipeline.stages._prompt import BuildPrompt

@@ -14,16 +14,16 @@ from __future__ import annotations
 import asyncio
 
 from pipeline import artifacts as A
-from pipeline._context import Context
-from pipeline._exceptions import ConfigError, SampleAborted, StageDefinitionError
-from pipeline._models import (
+from pipeline._data.models import (
     TOOL_CALL_ERRORS,
     AgentMessage,
     AgentRolloutItem,
     ExitReason,
     FinishReason,
 )
-from pipeline._render import decode_text
+from pipeline._exceptions import ConfigError, SampleAborted, StageDefinitionError
+from pipeline._runner.context import Context
+from pipeline._text.render import decode_text
 from pipeline.tools import HermesToolParser, ToolParser
 
 LENGTH_LIMITS = ("max_tokens", "response_budget", "context")

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pipeline import artifacts as A
-from pipeline._callables import is_async_callable
-from pipeline._cancel import run_owned
-from pipeline._context import Context
+from pipeline._concurrency.callables import is_async_callable
+from pipeline._concurrency.cancel import run_owned
+from pipeline._data.models import AgentRolloutItem
 from pipeline._exceptions import ConfigError
-from pipeline._models import AgentRolloutItem
+from pipeline._runner.context import Context
 from pipeline.judgers import (
     JUDGE_RECORDS,
     JudgeError,

@@ -1,5 +1,5 @@
 """``BuildPrompt``: the row's messages rendered with the chat template and tokenized once
-(rendering itself lives in :mod:`pipeline._render`)."""
+(rendering itself lives in :mod:`pipeline._text.render`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline import artifacts as A
-from pipeline._context import Context
-from pipeline._encode import batch_encoder
-from pipeline._models import AgentMessage, AgentRolloutItem
-from pipeline._render import encode_text, render, render_prompt
+from pipeline._data.models import AgentMessage, AgentRolloutItem
+from pipeline._runner.context import Context
+from pipeline._text.encode import batch_encoder
+from pipeline._text.render import encode_text, render, render_prompt
 
 
 class BuildPrompt:
@@ -24,7 +24,7 @@ class BuildPrompt:
     so a long prompt never stalls the event loop that serves every other sample. A short one
     is rendered inline (a thread hop per prompt would cost more than the rendering); its
     tokenizing, the larger part, goes to a worker thread in batches with a Hugging Face fast
-    tokenizer (:mod:`pipeline._encode`: the prompts asked for in one loop iteration are
+    tokenizer (:mod:`pipeline._text.encode`: the prompts asked for in one loop iteration are
     encoded together, off the loop and over the machine's cores). The tokenizer is then used
     from that thread: do not change its padding or truncation settings while a batch runs.
 

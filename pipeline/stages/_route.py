@@ -13,11 +13,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pipeline import artifacts as A
-from pipeline._context import Context
+from pipeline._data.models import AgentRolloutItem, RolloutSample
+from pipeline._data.rows import DatasetRow, check_rows_argument, parse_row
 from pipeline._exceptions import RowError, StageDefinitionError
-from pipeline._models import AgentRolloutItem, RolloutSample
-from pipeline._rows import DatasetRow, check_rows_argument, parse_row
-from pipeline.stages._base import Stage, as_stages, run_stage
+from pipeline._runner.context import Context, Stage
+from pipeline._runner.stage import as_stages, run_stage
 
 AGENT_FIELDS = ("agent", "agent_name")
 """Row fields that name the agent, in the order they are read (ours, then verl's)."""

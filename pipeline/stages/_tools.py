@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from pipeline import artifacts as A
-from pipeline._cancel import cancel_requested, run_owned
-from pipeline._context import Context
-from pipeline._models import TOOL_CALL_ERRORS, AgentMessage, AgentRolloutItem, ToolCall
-from pipeline._render import render_turn_delta
-from pipeline._slots import FifoSlots
+from pipeline._concurrency.cancel import cancel_requested, run_owned
+from pipeline._concurrency.slots import FifoSlots
+from pipeline._data.models import TOOL_CALL_ERRORS, AgentMessage, AgentRolloutItem, ToolCall
+from pipeline._runner.context import Context
+from pipeline._text.render import render_turn_delta
 from pipeline.stages._generate import check_positive_int, end_on_length, length_limits
 from pipeline.tools import Tool, validate_arguments
 

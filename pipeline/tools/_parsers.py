@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from pipeline._models import ToolCall, ToolFunction
+from pipeline._data.models import ToolCall, ToolFunction
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from pipeline._callables import check_callable, is_async_callable
+from pipeline._concurrency.callables import check_callable, is_async_callable
 from pipeline._exceptions import ConfigError
 
 

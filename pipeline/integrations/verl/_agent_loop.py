@@ -32,13 +32,13 @@ from typing import Any
 import structlog
 
 from pipeline import artifacts as A
-from pipeline._config import PipelineConfig, merge_config
-from pipeline._context import Resources
+from pipeline._data.config import PipelineConfig, merge_config
+from pipeline._data.models import AgentRolloutItem, FinishReason, RolloutSample, Status
+from pipeline._data.plain import plain
 from pipeline._exceptions import ConfigError
-from pipeline._fill import fill_sample, minimal_sample
-from pipeline._models import AgentRolloutItem, FinishReason, RolloutSample, Status
-from pipeline._pipeline import Pipeline
-from pipeline._plain import plain
+from pipeline._runner.context import Resources
+from pipeline._runner.fill import fill_sample, minimal_sample
+from pipeline._runner.pipeline import Pipeline
 from pipeline.batch import reward_extra_info, to_verl_outputs
 from pipeline.integrations.verl._engine import STEPS, StepRange, VerlServerEngine
 from pipeline.integrations.verl._factory import make_stages

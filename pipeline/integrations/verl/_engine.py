@@ -29,9 +29,9 @@ from typing import Any
 
 import structlog
 
-from pipeline._config import SamplingParams
+from pipeline._data.config import SamplingParams
+from pipeline._data.models import FinishReason
 from pipeline._exceptions import EngineError
-from pipeline._models import FinishReason
 from pipeline.engines import Generation
 
 _logger = structlog.get_logger("pipeline.integrations.verl")

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pipeline._exceptions import ConfigError
-from pipeline._pipeline import Pipeline
+from pipeline._runner.pipeline import Pipeline
 
 
 def resolve_factory(path: Any, where: str) -> Any:

@@ -10,9 +10,9 @@ import asyncio
 from typing import Any
 
 from pipeline import artifacts as A
-from pipeline._construct import set_fields
+from pipeline._data.construct import set_fields
+from pipeline._data.models import AgentRolloutItem, ExitReason, FinishReason, Status
 from pipeline._exceptions import ContractError
-from pipeline._models import AgentRolloutItem, ExitReason, FinishReason, Status
 
 ENOUGH = "aborted: the batch had enough completed samples"
 BATCH_CANCELLED = "aborted: run_batch was cancelled"

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline._models import AgentMessage
-from pipeline._tokenizer import Tokenizer
+from pipeline._data.models import AgentMessage
+from pipeline._text.tokenizer import Tokenizer
 
 DRIFT_PREFIX = "prefix"
 """Rendering the conversation plus new messages rewrote what was rendered before."""

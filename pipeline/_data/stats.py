@@ -12,7 +12,7 @@ import numpy as np
 import structlog
 
 from pipeline import artifacts as A
-from pipeline._models import (
+from pipeline._data.models import (
     AgentRolloutItem,
     BatchStats,
     FinishReason,

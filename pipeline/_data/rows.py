@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline._config import describe_validation_error
+from pipeline._data.config import describe_validation_error
 from pipeline._exceptions import RowError
 
 _ROLES = ("system", "user", "assistant", "tool")

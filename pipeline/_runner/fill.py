@@ -11,9 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline import artifacts as A
-from pipeline._context import Context
-from pipeline._exceptions import ContractError
-from pipeline._models import (
+from pipeline._data.models import (
     AgentRolloutItem,
     ExitReason,
     FinishReason,
@@ -21,6 +19,8 @@ from pipeline._models import (
     Status,
     is_finite_number,
 )
+from pipeline._exceptions import ContractError
+from pipeline._runner.context import Context
 
 _ERROR = ExitReason.ERROR.value
 _validate_sample = RolloutSample.__pydantic_validator__.validate_python

@@ -14,25 +14,29 @@ from typing import Any
 
 import structlog
 
-from pipeline._callables import check_callable, plain_result
-from pipeline._cancel import cancel_requested, stage_grace
-from pipeline._cleanup import cleanup_steps, run_cleanups
-from pipeline._config import PipelineConfig, merge_config
-from pipeline._construct import set_fields
-from pipeline._context import Context, Resources
-from pipeline._deadline import DeadlineWheel, disarm
-from pipeline._exceptions import ConfigError, ContractError, DeadlineExceeded, SampleAborted
-from pipeline._fill import SampleBuilder, fill_sample, minimal_sample
-from pipeline._items import make_items
-from pipeline._logging import log_batch_done
-from pipeline._models import (
+from pipeline._concurrency.callables import check_callable, plain_result
+from pipeline._concurrency.cancel import cancel_requested, stage_grace
+from pipeline._concurrency.slots import FifoSlots
+from pipeline._data.config import PipelineConfig, merge_config
+from pipeline._data.construct import set_fields
+from pipeline._data.items import make_items
+from pipeline._data.models import (
     AgentRolloutItem,
     ExitReason,
     ProduceBatchResult,
     RolloutSample,
     Status,
 )
-from pipeline._outcome import (
+from pipeline._data.rows import DatasetRow
+from pipeline._data.stats import safe_stats
+from pipeline._exceptions import ConfigError, ContractError, DeadlineExceeded, SampleAborted
+from pipeline._logging import log_batch_done
+from pipeline._runner.cleanup import cleanup_steps, run_cleanups
+from pipeline._runner.context import Context, Resources, Stage
+from pipeline._runner.deadline import DeadlineWheel, disarm
+from pipeline._runner.fill import SampleBuilder, fill_sample, minimal_sample
+from pipeline._runner.heartbeat import ProgressHeartbeat
+from pipeline._runner.outcome import (
     BATCH_CANCELLED,
     ENOUGH,
     OUTSIDE_CANCEL,
@@ -43,12 +47,10 @@ from pipeline._outcome import (
     force_end,
     uncancel,
 )
-from pipeline._producer import Batch, Producer, SampleCallback, SampleRun, check_callback
-from pipeline._rows import DatasetRow
-from pipeline._slice import loop_slice
-from pipeline._slots import FifoSlots
-from pipeline._stats import safe_stats
-from pipeline._stream import (
+from pipeline._runner.producer import Batch, Producer, SampleCallback, SampleRun, check_callback
+from pipeline._runner.slice import loop_slice
+from pipeline._runner.stage import as_stages, run_stage
+from pipeline._runner.stream import (
     DynamicSampling,
     GroupResult,
     RolloutStream,
@@ -59,8 +61,6 @@ from pipeline._stream import (
     stream_groups,
     stream_samples,
 )
-from pipeline.observability import ProgressHeartbeat
-from pipeline.stages import Stage, as_stages, run_stage
 
 _logger = structlog.get_logger("pipeline")
 

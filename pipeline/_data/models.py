@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipeline._config import SamplingParams
-from pipeline._rows import DatasetRow
+from pipeline._data.config import SamplingParams
+from pipeline._data.rows import DatasetRow
 
 
 def is_finite_number(value: Any) -> bool:

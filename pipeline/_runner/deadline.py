@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from pipeline._models import Status
+from pipeline._data.models import Status
 
 if TYPE_CHECKING:
-    from pipeline._context import Context
-    from pipeline._producer import SampleRun
+    from pipeline._runner.context import Context
+    from pipeline._runner.producer import SampleRun
 
 RESOLUTION_S = 0.005
 """Width of one window of deadlines sharing a loop timer (seconds)."""

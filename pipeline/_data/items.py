@@ -7,11 +7,11 @@ import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from pipeline._config import PipelineConfig, SamplingParams
-from pipeline._construct import construct, set_fields
+from pipeline._data.config import PipelineConfig, SamplingParams
+from pipeline._data.construct import construct, set_fields
+from pipeline._data.models import AgentRolloutItem
+from pipeline._data.rows import DatasetRow, check_rows_argument, parse_row
 from pipeline._exceptions import ConfigError
-from pipeline._models import AgentRolloutItem
-from pipeline._rows import DatasetRow, check_rows_argument, parse_row
 
 
 def make_items(rows: Iterable[Any], n: int | None, config: PipelineConfig,

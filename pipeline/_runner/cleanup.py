@@ -9,10 +9,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pipeline._cancel import shielded
-from pipeline._context import Context
-from pipeline._models import AgentRolloutItem, StageRecord, Status
-from pipeline._outcome import capped
+from pipeline._concurrency.cancel import shielded
+from pipeline._data.models import AgentRolloutItem, StageRecord, Status
+from pipeline._runner.context import Context
+from pipeline._runner.outcome import capped
 
 Steps = list[tuple[str, Callable[[], Awaitable[Any]]]]
 

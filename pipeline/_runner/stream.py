@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
-from pipeline._callables import call_either, check_callable
+from pipeline._concurrency.callables import call_either, check_callable
+from pipeline._data.items import make_items
+from pipeline._data.models import AgentRolloutItem, RolloutSample
 from pipeline._exceptions import ConfigError
-from pipeline._items import make_items
-from pipeline._models import AgentRolloutItem, RolloutSample
-from pipeline._producer import SampleCallback, SampleRun
+from pipeline._runner.producer import SampleCallback, SampleRun
 
 if TYPE_CHECKING:
-    from pipeline._pipeline import Pipeline
+    from pipeline._runner.pipeline import Pipeline
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ import structlog
 from pipeline._exceptions import ConfigError
 
 if TYPE_CHECKING:
-    from pipeline._pipeline import Pipeline
+    from pipeline._runner.pipeline import Pipeline
 
 _logger = structlog.get_logger("pipeline")
 

@@ -8,7 +8,7 @@ samples ask for during one loop iteration and encodes them together with the Rus
 machine's cores, so the loop goes on submitting while the prompts are tokenized.
 
 Only for tokenizers where that is provably the same as ``tokenizer.encode(text,
-add_special_tokens=False)`` (see :func:`pipeline._render.plain_fast_backend`); other
+add_special_tokens=False)`` (see :func:`pipeline._text.render.plain_fast_backend`); other
 tokenizers encode inline as before.
 """
 
@@ -18,8 +18,8 @@ import asyncio
 import weakref
 from typing import Any
 
-from pipeline._render import plain_fast_backend
-from pipeline._tokenizer import Tokenizer
+from pipeline._text.render import plain_fast_backend
+from pipeline._text.tokenizer import Tokenizer
 
 Waiters = dict[str, list[asyncio.Future[list[int]]]]
 """The texts of one batch and the futures of the callers waiting for each."""

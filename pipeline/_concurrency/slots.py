@@ -1,5 +1,5 @@
 """A FIFO concurrency limit that stays cheap with thousands of waiters, and the FIFO wait it
-and the loop slices (:mod:`pipeline._slice`) share."""
+and the loop slices (:mod:`pipeline._runner.slice`) share."""
 
 from __future__ import annotations
 

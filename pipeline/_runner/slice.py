@@ -24,7 +24,7 @@ import collections
 import time
 import weakref
 
-from pipeline._slots import wait_in_line
+from pipeline._concurrency.slots import wait_in_line
 
 SLICE_S = 0.005
 """How long one loop iteration may run stages before samples start parking (seconds)."""

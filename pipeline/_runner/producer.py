@@ -9,9 +9,9 @@ leaves the event loop (asyncio re-raises ``SystemExit`` and ``KeyboardInterrupt`
 
 A sample whose stages ignore their cancellation (the deadline's, or a cancelled batch's) for
 longer than ``grace_s`` is *abandoned*: it is handed over with its status now, and its task is
-left to end on its own, owned by :func:`pipeline._cancel.abandon` (logged, cancelled again,
-its cleanups run whenever its stage returns). Python cannot stop a coroutine that swallows
-every cancellation; the batch does not wait for one.
+left to end on its own, owned by :func:`pipeline._concurrency.cancel.abandon` (logged,
+cancelled again, its cleanups run whenever its stage returns). Python cannot stop a
+coroutine that swallows every cancellation; the batch does not wait for one.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import collections
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
-from pipeline._callables import check_callable
-from pipeline._cancel import EscapedBaseException, abandon, wait_through_cancellation
-from pipeline._context import Context
-from pipeline._models import AgentRolloutItem, RolloutSample, Status
+from pipeline._concurrency.callables import check_callable
+from pipeline._concurrency.cancel import EscapedBaseException, abandon, wait_through_cancellation
+from pipeline._data.models import AgentRolloutItem, RolloutSample, Status
+from pipeline._runner.context import Context
 
 
 class SampleRun:
@@ -85,8 +85,8 @@ SampleCallback = Callable[[AgentRolloutItem, RolloutSample], None]
 """Called with ``(item, sample)`` as each sample ends (``run_batch(on_sample_done=...)``).
 
 A plain function, called synchronously by the runner once the sample's status is final (the
-rule for every user callable: :mod:`pipeline._callables`): an ``async def`` is refused when
-the call is made, since nothing would run it (for async work per sample, iterate
+rule for every user callable: :mod:`pipeline._concurrency.callables`): an ``async def`` is
+refused when the call is made, since nothing would run it (for async work per sample, iterate
 ``Pipeline.stream``). One that raises, or returns an awaitable (closed, never run), is logged
 as ``on_sample_done_failed``; it never changes the sample or costs the batch."""
 
@@ -177,7 +177,7 @@ class Producer:
     def abandon(self, run: SampleRun, status: Status, error: str) -> None:
         """Hand ``run`` over now, ended with ``status`` and ``error``, although its stages
         still run (they ignored their cancellation for ``grace_s``); its task is cancelled
-        once more and left to :func:`pipeline._cancel.abandon`."""
+        once more and left to :func:`pipeline._concurrency.cancel.abandon`."""
         task = run.task
         if task is None or task.done() or run.abandoned or not run.in_stages:
             return

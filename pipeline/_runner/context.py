@@ -7,24 +7,21 @@ import contextlib
 import inspect
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import structlog
 
-from pipeline._cancel import abort_request
-from pipeline._config import PipelineConfig, SamplingParams
+from pipeline._concurrency.cancel import abort_request
+from pipeline._data.config import PipelineConfig, SamplingParams
+from pipeline._data.models import AgentRolloutItem, StageRecord, Status
 from pipeline._exceptions import ConfigError
-from pipeline._models import AgentRolloutItem, StageRecord, Status
-from pipeline._slice import LoopSlice
-from pipeline._tokenizer import Tokenizer
+from pipeline._runner.slice import LoopSlice
+from pipeline._text.tokenizer import Tokenizer
 from pipeline.engines import Engine, SimulatedEngine
 from pipeline.ratelimit import LimiterRegistry
 from pipeline.tools import Tool, make_registry
-
-if TYPE_CHECKING:
-    from pipeline.stages import Stage
 
 _logger = structlog.get_logger("pipeline")
 
@@ -166,6 +163,21 @@ def _match_eos(engine: Any, tokenizer: Any) -> None:
                           f"the tokenizer's eos ({eos}): generations would not stop where the "
                           f"tokenizer ends a turn; leave eos_token_id out (it then takes the "
                           f"tokenizer's) or pass {eos}", field="engine.eos_token_id")
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """One step of a rollout. Write artifacts on ``item``; raise to fail the sample."""
+
+    name: str
+
+    async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
+        """Do the stage's work on one sample."""
+        ...
+
+
+StageFunction = Callable[[AgentRolloutItem, "Context"], Awaitable[None]]
+"""A bare ``async def f(item, ctx)`` stage."""
 
 
 class Context:

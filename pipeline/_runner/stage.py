@@ -1,0 +1,149 @@
+"""How one stage runs on one sample: its record, the deadline checked at both of its
+boundaries, and the stage list's validation (a bare ``async def f(item, ctx)`` is accepted
+and named after itself).
+
+A stage is any object with a ``name`` and ``async def run(item, ctx)`` (:class:`Stage`). An
+optional ``async def cleanup(item, ctx)`` runs once per sample for every stage that started,
+after the sample ends (however it ends), even when the stage ran many times inside a ``Loop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from pipeline import artifacts as A
+from pipeline._concurrency.cancel import cancel_requested
+from pipeline._data.models import AgentRolloutItem, StageRecord, Status, is_finite_number
+from pipeline._exceptions import (
+    ContractError,
+    DeadlineExceeded,
+    SampleAborted,
+    StageDefinitionError,
+)
+from pipeline._runner.context import Context, Stage, StageFunction
+from pipeline._runner.outcome import capped
+
+
+class FunctionStage:
+    """Adapts a bare ``async def f(item, ctx)`` to the :class:`Stage` protocol: ``run`` is
+    the function itself (no wrapping coroutine per stage run)."""
+
+    def __init__(self, fn: StageFunction, name: str | None = None) -> None:
+        self.fn = fn
+        self.run = fn
+        self.name: str = name or str(getattr(fn, "__name__", type(fn).__name__))
+
+    def __repr__(self) -> str:
+        return f"FunctionStage({self.name})"
+
+
+def as_stage(obj: Any, position: int | str = "?") -> Stage:
+    """Return ``obj`` as a stage, or raise a clear error naming the position and the object.
+
+    Raises:
+        StageDefinitionError: ``obj`` is neither a stage nor an async function (a stage
+            class instead of an instance included: the message says what to write).
+    """
+    if isinstance(obj, type):
+        raise StageDefinitionError(
+            f"stage {position} is the class {obj.__name__}, not a stage: write "
+            f"{obj.__name__}() (an instance) in the stage list"
+        )
+    run = getattr(obj, "run", None)
+    if run is not None and callable(run):
+        if not inspect.iscoroutinefunction(run):
+            raise StageDefinitionError(
+                f"stage {position} ({obj!r}): 'run' must be 'async def run(item, ctx)'"
+            )
+        if not isinstance(getattr(obj, "name", None), str):
+            raise StageDefinitionError(f"stage {position} ({obj!r}) has no string 'name'")
+        cleanup = getattr(obj, "cleanup", None)
+        if cleanup is not None and not inspect.iscoroutinefunction(cleanup):
+            raise StageDefinitionError(
+                f"stage {position} ({obj!r}): 'cleanup' must be 'async def cleanup(item, ctx)'"
+            )
+        return obj  # type: ignore[no-any-return]
+    if inspect.iscoroutinefunction(obj) or (
+        callable(obj) and inspect.iscoroutinefunction(type(obj).__call__)
+    ):
+        return FunctionStage(obj)  # type: ignore[return-value]  # run: the async function
+    raise StageDefinitionError(
+        f"stage {position} ({obj!r}) is not a stage: pass an object with 'name' and "
+        f"'async def run(item, ctx)', or an 'async def f(item, ctx)' function"
+    )
+
+
+def as_stages(objs: Iterable[Any], where: str = "") -> list[Stage]:
+    """Validate a stage list (see :func:`as_stage`); ``where`` names a nested list in errors
+    (``" of Loop 'loop'"``)."""
+    if isinstance(objs, str | bytes | type) or not isinstance(objs, Iterable):
+        hint = " (one stage? wrap it in a list)" if hasattr(objs, "run") else ""
+        raise StageDefinitionError(
+            f"stages{where} must be a list of stages, got {type(objs).__name__} "
+            f"{objs!r:.80}{hint}")
+    stages = [as_stage(obj, f"{i}{where}") for i, obj in enumerate(objs)]
+    if not stages:
+        raise StageDefinitionError(f"the stage list{where} is empty")
+    return stages
+
+
+async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
+    """Run one stage on one sample and append its :class:`StageRecord`.
+
+    Exceptions propagate (the sample runner turns them into a status); the record says how the
+    stage ended: ``failed`` on an exception (a ``CancelledError`` nobody asked for included),
+    ``timeout`` once the sample's deadline passed, ``aborted`` when cancelled otherwise.
+    A stage that leaves a reward that is not a finite number fails here, so the error names
+    the stage that wrote it.
+
+    The deadline is decided by the clock at both boundaries: no stage starts once it passed
+    (:class:`DeadlineExceeded`, before any record), and a stage that returns after it (it
+    swallowed the deadline's cancellation, or blocked the event loop past it) ends ``timeout``
+    as if the cancellation had gone through. A stage parked by the loop slice before it began
+    has no record and no cleanup: it never ran.
+    """
+    if ctx.deadline is not None and ctx.deadline_passed():
+        raise DeadlineExceeded(f"the deadline passed before stage '{stage.name}' started")
+    if ctx.loop_slice is not None and ctx.loop_slice.spent():
+        await ctx.loop_slice.wait_turn()  # let the loop's timers in (pipeline._runner.slice)
+    start = ctx.mark_started(stage)
+    record = StageRecord(stage.name, start, time.time(), "run", ctx.turn)  # positional: faster
+    item.records.append(record)
+    try:
+        await stage.run(item, ctx)
+        if ctx.deadline is not None and ctx.deadline_passed():
+            raise DeadlineExceeded(
+                f"stage '{stage.name}' returned after the sample's deadline (it swallowed the "
+                "deadline's cancellation or blocked the event loop past it)")
+        reward = item.artifacts.get(A.REWARD)
+        if reward is not None and not is_finite_number(reward):
+            raise ContractError(f"stage '{stage.name}' wrote a reward that is not a finite "
+                                f"number: {reward!r}")
+    except asyncio.CancelledError as exc:
+        if ctx.deadline_passed():
+            record.status = Status.TIMEOUT
+        elif cancel_requested():
+            record.status = Status.ABORTED
+        else:
+            record.status, record.error_type = Status.FAILED, type(exc).__name__
+            record.error_message = "CancelledError raised inside the stage; nobody cancelled it"
+        raise
+    except SampleAborted as exc:
+        record.status, record.error_type, record.error_message = (
+            Status.ABORTED,
+            type(exc).__name__,
+            capped(str(exc)),
+        )
+        raise
+    except BaseException as exc:
+        # Whatever a stage raised once the deadline passed, the deadline is what ended it.
+        record.status = Status.TIMEOUT if ctx.deadline_passed() else Status.FAILED
+        record.error_type = type(exc).__name__
+        record.error_message = capped(str(exc))
+        raise
+    finally:
+        record.end = time.monotonic()
