@@ -49,7 +49,8 @@ from pipeline._exceptions import PipelineError
 from pipeline._runner.context import Context, Resources
 from pipeline._runner.fill import fill_sample, minimal_sample
 from pipeline._runner.outcome import ENOUGH, force_end
-from pipeline._runner.stream import GroupResult, RolloutStream, SampleResult, check_num_needed
+from pipeline._runner.dynamic import GroupResult
+from pipeline._runner.stream import RolloutStream, SampleResult, check_num_needed
 from pipeline.diagnostics import Watchdog, add_dump_section, capture_snapshot, render_text
 from pipeline.distributed._limiter import start_limiter
 from pipeline.distributed._worker import Chunk, RolloutWorker, WorkerBroken
