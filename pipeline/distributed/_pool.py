@@ -47,9 +47,9 @@ from pipeline._data.models import AgentRolloutItem, ProduceBatchResult, RolloutS
 from pipeline._data.stats import safe_stats
 from pipeline._exceptions import PipelineError
 from pipeline._runner.context import Context, Resources
+from pipeline._runner.dynamic import GroupResult
 from pipeline._runner.fill import fill_sample, minimal_sample
 from pipeline._runner.outcome import ENOUGH, force_end
-from pipeline._runner.dynamic import GroupResult
 from pipeline._runner.stream import RolloutStream, SampleResult, check_num_needed
 from pipeline.diagnostics import Watchdog, add_dump_section, capture_snapshot, render_text
 from pipeline.distributed._limiter import start_limiter
