@@ -21,11 +21,10 @@ nobody is queued. The guarantee, precisely:
   plus the tokens of grants refunded meanwhile.
 
 Threads and loops: all state sits behind one ``threading.Lock`` and every queued caller
-carries its own event loop. A grant resolves the caller's future on that loop (directly, or
-through ``call_soon_threadsafe`` from another thread). When the next caller must wait for
-tokens, one timer (``call_later``) is set on *every* loop that has callers queued, so a loop
-that is busy or gone cannot hold up the others; the bucket starts no task, and once the queue
-is empty nothing of it is scheduled anywhere.
+carries its own event loop (``_waiter.py``); a grant resolves the caller's future on that
+loop. While the next caller must wait for tokens a timer is armed on every loop with callers
+queued (``_wakeups.py``); the bucket starts no task, and once the queue is empty nothing of it
+is scheduled anywhere.
 
 Cancellation: the lock-protected waiter state, not the future, decides who owns tokens. A
 caller cancelled or timed out while queued leaves the queue and has consumed nothing; a
@@ -39,48 +38,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import math
-import numbers
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping
-from dataclasses import dataclass
 
 import structlog
 
+from pipeline.ratelimit._checks import positive
 from pipeline.ratelimit._drr import EPS, DeficitRoundRobin
 from pipeline.ratelimit._errors import LimiterClosed
 from pipeline.ratelimit._stats import MAX_KEYS, BucketStats, Tally
+from pipeline.ratelimit._waiter import State, Waiter, notify, settle
+from pipeline.ratelimit._wakeups import Wakeups
 
 _logger = structlog.get_logger("pipeline.ratelimit")
-
-
-class _State(enum.Enum):
-    QUEUED = enum.auto()
-    GRANTED = enum.auto()  # tokens issued, caller not resumed yet
-    RETURNED = enum.auto()
-    REFUNDED = enum.auto()
-    DROPPED = enum.auto()  # cancelled or timed out while queued, or woken by aclose()
-
-
-@dataclass(eq=False, slots=True)
-class _Waiter:
-    key: Hashable
-    cost: float
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[None]
-    queued_at: float
-    state: _State = _State.QUEUED
-    granted_at: float = 0.0  # when the grant was made (bucket clock)
-    ideal: float = 0.0  # when it was due: the time it is booked at
-
-
-@dataclass(eq=False, slots=True)
-class _Wakeup:
-    loop: asyncio.AbstractEventLoop
-    at: float  # bucket clock
-    handle: asyncio.TimerHandle | None = None
 
 
 class FairAsyncTokenBucket:
@@ -117,8 +89,8 @@ class FairAsyncTokenBucket:
         name: str = "ratelimit",
         max_keys: int = MAX_KEYS,
     ) -> None:
-        self._rate = _positive("rate", rate)
-        self._capacity = _positive("capacity", max(1.0, rate) if capacity is None else capacity)
+        self._rate = positive("rate", rate)
+        self._capacity = positive("capacity", max(1.0, rate) if capacity is None else capacity)
         self._clock = clock
         self.name = name
         self._lock = threading.Lock()
@@ -127,10 +99,9 @@ class FairAsyncTokenBucket:
         self._tokens = self._capacity
         self._stamp = self._created = self._full_at = clock()
         self._discarded = 0.0
-        self._queue: DeficitRoundRobin[_Waiter] = DeficitRoundRobin(_positive("quantum", quantum))
-        self._granted: set[_Waiter] = set()
-        self._loops: dict[asyncio.AbstractEventLoop, int] = {}  # callers queued per loop
-        self._wakeups: dict[asyncio.AbstractEventLoop, _Wakeup] = {}
+        self._queue: DeficitRoundRobin[Waiter] = DeficitRoundRobin(positive("quantum", quantum))
+        self._granted: set[Waiter] = set()
+        self._wakeups = Wakeups(self._lock, clock, EPS / self._rate)
         self._tally = Tally(max_keys, busy=self._queue)
         self._closed = False
         for key, weight in (weights or {}).items():
@@ -165,7 +136,7 @@ class FairAsyncTokenBucket:
         Raises:
             ValueError: ``weight`` is not a finite number > 0.
         """
-        weight = _positive("weight", weight)
+        weight = positive("weight", weight)
         with self._lock:
             self._queue.set_weight(key, weight)
 
@@ -218,9 +189,9 @@ class FairAsyncTokenBucket:
                 self._tally.record_timeout(key)
                 raise TimeoutError(self._timeout_message(key, cost, timeout))
             loop = asyncio.get_running_loop()
-            waiter = _Waiter(key, cost, loop, loop.create_future(), now)
+            waiter = Waiter(key, cost, loop, loop.create_future(), now)
             self._queue.push(waiter)
-            self._loops[loop] = self._loops.get(loop, 0) + 1
+            self._wakeups.add(loop)
             self._dispatch(now)
         await self._wait(waiter, timeout)
 
@@ -314,19 +285,19 @@ class FairAsyncTokenBucket:
                 return
             self._closed = True
             waiters = self._queue.drain()
-            self._loops.clear()
+            self._wakeups.clear()
             for waiter in waiters:
-                waiter.state = _State.DROPPED
-                self._notify(waiter, LimiterClosed(
+                waiter.state = State.DROPPED
+                notify(waiter, LimiterClosed(
                     f"rate limiter {self.name!r} was closed while acquire(key={waiter.key!r},"
                     f" cost={waiter.cost}) waited"))
-            self._disarm()
+            self._wakeups.disarm()
         if waiters:
             _logger.info("ratelimit.closed", limiter=self.name, woken=len(waiters))
 
     # -- waiting ---------------------------------------------------------------------------
 
-    async def _wait(self, waiter: _Waiter, limit_s: float | None) -> None:
+    async def _wait(self, waiter: Waiter, limit_s: float | None) -> None:
         expiry = None
         if limit_s is not None:
             expiry = waiter.loop.call_later(limit_s, self._expire, waiter, limit_s)
@@ -340,19 +311,19 @@ class FairAsyncTokenBucket:
             if expiry is not None:
                 expiry.cancel()
         with self._lock:
-            assert waiter.state is _State.GRANTED, waiter.state
-            waiter.state = _State.RETURNED
+            assert waiter.state is State.GRANTED, waiter.state
+            waiter.state = State.RETURNED
             self._granted.discard(waiter)
             self._tally.record_return(waiter.key, waiter.cost, waiter.granted_at - waiter.queued_at)
 
-    def _abandon(self, waiter: _Waiter) -> None:
+    def _abandon(self, waiter: Waiter) -> None:
         # The caller is leaving with an exception (cancelled, most likely). Under the lock.
-        if waiter.state is _State.QUEUED:
+        if waiter.state is State.QUEUED:
             self._unqueue(waiter)
-            waiter.state = _State.DROPPED
+            waiter.state = State.DROPPED
             self._tally.record_cancel(waiter.key)
             self._dispatch(self._clock())  # the head may have changed
-        elif waiter.state is _State.GRANTED:
+        elif waiter.state is State.GRANTED:
             now = self._clock()
             self._dispatch(now)  # what fell due meanwhile keeps its ideal time
             idle = not self._queue.waiting
@@ -364,22 +335,22 @@ class FairAsyncTokenBucket:
                     self._clip(now)
             else:  # the bucket was full after the grant: these tokens would have overflowed
                 self._discarded += waiter.cost
-            waiter.state = _State.REFUNDED
+            waiter.state = State.REFUNDED
             self._granted.discard(waiter)
             self._tally.record_refund(waiter.key, waiter.cost)
             self._dispatch(now)
 
-    def _expire(self, waiter: _Waiter, timeout: float) -> None:
+    def _expire(self, waiter: Waiter, timeout: float) -> None:
         # Timer on the caller's own loop: a grant that won the race under the lock stands.
         with self._lock:
-            if waiter.state is not _State.QUEUED:
+            if waiter.state is not State.QUEUED:
                 return
             self._unqueue(waiter)
-            waiter.state = _State.DROPPED
+            waiter.state = State.DROPPED
             self._tally.record_timeout(waiter.key)
             self._dispatch(self._clock())
         message = self._timeout_message(waiter.key, waiter.cost, timeout)
-        _settle(waiter.future, TimeoutError(message))
+        settle(waiter.future, TimeoutError(message))
 
     # -- granting (all under the lock) -----------------------------------------------------
 
@@ -406,86 +377,29 @@ class FairAsyncTokenBucket:
         while (waiter := self._queue.head()) is not None:
             if waiter.loop.is_closed():  # its caller can never resume
                 self._unqueue(waiter)
-                waiter.state = _State.DROPPED
+                waiter.state = State.DROPPED
                 continue
             due = self._stamp + (waiter.cost - self._tokens) / rate  # its tokens are there
             if due > now + EPS / rate:
-                self._arm(due)
+                self._wakeups.arm(due, self._dispatch)
                 return
             self._queue.pop()
-            self._unloop(waiter.loop)
+            self._wakeups.remove(waiter.loop)
             # Book the grant at its ideal time, however late this code runs: lateness is
             # not lost at the capacity cap, so the rate holds under a late loop.
             ideal = min(now, max(waiter.queued_at, self._stamp, due))
             self._tokens += (ideal - self._stamp) * rate - waiter.cost
             self._stamp = ideal
-            waiter.state = _State.GRANTED
+            waiter.state = State.GRANTED
             waiter.granted_at, waiter.ideal = now, ideal
             self._granted.add(waiter)
             self._tally.record_issue(waiter.cost)
-            self._notify(waiter, None)
-        self._disarm()
+            notify(waiter, None)
+        self._wakeups.disarm()
 
-    def _unqueue(self, waiter: _Waiter) -> None:
+    def _unqueue(self, waiter: Waiter) -> None:
         if self._queue.remove(waiter):
-            self._unloop(waiter.loop)
-
-    def _unloop(self, loop: asyncio.AbstractEventLoop) -> None:
-        left = self._loops.get(loop, 0) - 1
-        if left > 0:
-            self._loops[loop] = left
-            return
-        self._loops.pop(loop, None)
-        wakeup = self._wakeups.pop(loop, None)
-        if wakeup is not None:
-            _cancel(wakeup)
-
-    def _notify(self, waiter: _Waiter, exc: BaseException | None) -> None:
-        if _running_loop() is waiter.loop:
-            _settle(waiter.future, exc)
-            return
-        with contextlib.suppress(RuntimeError):  # its loop closed: nobody is left to wake
-            waiter.loop.call_soon_threadsafe(_settle, waiter.future, exc)
-
-    def _arm(self, at: float) -> None:
-        # A timer on every loop with callers queued: whichever runs first dispatches for all.
-        running = _running_loop()
-        for loop in list(self._loops):
-            wakeup = self._wakeups.get(loop)
-            if wakeup is not None:
-                if wakeup.at <= at + EPS / self._rate:
-                    continue  # early enough; if early, it dispatches nothing and re-arms
-                _cancel(wakeup)
-            wakeup = self._wakeups[loop] = _Wakeup(loop, at)
-            if running is loop:
-                self._schedule(wakeup)
-                continue
-            try:
-                loop.call_soon_threadsafe(self._schedule_locked, wakeup)
-            except RuntimeError:  # loop closed; the next dispatch drops its waiters
-                del self._wakeups[loop]
-
-    def _schedule(self, wakeup: _Wakeup) -> None:
-        delay = max(0.0, wakeup.at - self._clock())
-        wakeup.handle = wakeup.loop.call_later(delay, self._on_wakeup, wakeup)
-
-    def _schedule_locked(self, wakeup: _Wakeup) -> None:
-        with self._lock:
-            if self._wakeups.get(wakeup.loop) is wakeup and wakeup.handle is None:
-                self._schedule(wakeup)
-
-    def _disarm(self) -> None:
-        wakeups = list(self._wakeups.values())
-        self._wakeups.clear()
-        for wakeup in wakeups:
-            _cancel(wakeup)
-
-    def _on_wakeup(self, wakeup: _Wakeup) -> None:
-        with self._lock:
-            if self._wakeups.get(wakeup.loop) is not wakeup:
-                return
-            del self._wakeups[wakeup.loop]
-            self._dispatch(self._clock())
+            self._wakeups.remove(waiter.loop)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -494,7 +408,7 @@ class FairAsyncTokenBucket:
 
     def _check_cost(self, cost: float) -> float:
         if type(cost) is not float:
-            cost = _positive("cost", cost)
+            cost = positive("cost", cost)
         elif not 0 < cost < math.inf:
             raise ValueError(f"cost must be a finite number > 0, got {cost!r}")
         if cost > self._capacity:
@@ -506,36 +420,3 @@ class FairAsyncTokenBucket:
     def _timeout_message(self, key: Hashable, cost: float, timeout: float | None) -> str:
         return (f"acquire(key={key!r}, cost={cost}) on rate limiter {self.name!r}"
                 f" timed out after {timeout}s")
-
-
-def _cancel(wakeup: _Wakeup) -> None:
-    # TimerHandle.cancel is not thread-safe: a timer on another thread's loop is left to
-    # fire once and find itself superseded.
-    if wakeup.handle is not None and _running_loop() is wakeup.loop:
-        wakeup.handle.cancel()
-
-
-def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
-    if future.done():  # cancelled meanwhile; the waiter state says who owns the tokens
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
-def _positive(name: str, value: object) -> float:
-    """``value`` as a float, or a ValueError naming ``name`` unless it is finite and > 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    number = float(value)
-    if not 0 < number < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return number

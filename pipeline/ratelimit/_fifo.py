@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Hashable
 
-from pipeline.ratelimit._bucket import _positive
+from pipeline.ratelimit._checks import positive
 from pipeline.ratelimit._drr import EPS
 from pipeline.ratelimit._errors import LimiterClosed
 from pipeline.ratelimit._stats import BucketStats, Tally
@@ -39,8 +39,8 @@ class FifoTokenBucket:
 
     def __init__(self, rate: float, capacity: float | None = None, *,
                  clock: Callable[[], float] = time.monotonic, name: str = "ratelimit-fifo"):
-        self._rate = _positive("rate", rate)
-        self._capacity = _positive("capacity", max(1.0, rate) if capacity is None else capacity)
+        self._rate = positive("rate", rate)
+        self._capacity = positive("capacity", max(1.0, rate) if capacity is None else capacity)
         self._clock = clock
         self.name = name
         self._tokens = self._capacity
@@ -76,7 +76,7 @@ class FifoTokenBucket:
             LimiterClosed: the bucket is closed.
             ValueError: ``cost`` is not > 0 or exceeds the capacity.
         """
-        cost = _positive("cost", cost)
+        cost = positive("cost", cost)
         if cost > self._capacity:
             raise ValueError(f"cost={cost} exceeds capacity={self._capacity} of rate limiter"
                              f" {self.name!r}; it could never be granted")

@@ -10,7 +10,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from pipeline.ratelimit._bucket import FairAsyncTokenBucket, _positive
+from pipeline.ratelimit._bucket import FairAsyncTokenBucket
+from pipeline.ratelimit._checks import positive
 from pipeline.ratelimit._errors import LimiterClosed, LimiterConflict
 from pipeline.ratelimit._stats import BucketStats
 
@@ -51,8 +52,8 @@ class LimiterRegistry:
             LimiterClosed: the registry was closed.
             ValueError: ``rate`` or ``capacity`` is not a finite number > 0.
         """
-        rate = _positive("rate", rate)
-        capacity = _positive("capacity", max(1.0, rate) if capacity is None else capacity)
+        rate = positive("rate", rate)
+        capacity = positive("capacity", max(1.0, rate) if capacity is None else capacity)
         with self._lock:
             if self._closed:
                 raise LimiterClosed(f"limiter registry is closed; get({name!r}) refused")
