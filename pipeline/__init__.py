@@ -45,16 +45,15 @@ from pipeline._exceptions import (
 )
 from pipeline._logging import configure_logging
 from pipeline._runner.context import Context, Resources
-from pipeline._runner.fill import SampleBuilder, fill_sample
-from pipeline._runner.pipeline import Pipeline
-from pipeline._runner.stream import (
+from pipeline._runner.dynamic import (
     DynamicSampling,
     GroupResult,
-    RolloutStream,
-    SampleResult,
     StreamReport,
     has_reward_variance,
 )
+from pipeline._runner.fill import SampleBuilder, fill_sample
+from pipeline._runner.pipeline import Pipeline
+from pipeline._runner.stream import RolloutStream, SampleResult
 from pipeline._text.tokenizer import Tokenizer
 from pipeline.batch import collate, group_advantages, summarize_groups, to_verl_batch, to_xtuner
 from pipeline.diagnostics import Watchdog, asyncio_run, capture_snapshot, install_task_dumper

@@ -147,3 +147,21 @@ def merge_config(
         return PipelineConfig.model_validate({**base, **options})
     except ValidationError as exc:
         raise config_error(exc) from None
+
+
+def check_count(value: object, field: str, minimum: int, *, maximum: int | None = None,
+                optional: bool = False) -> None:
+    """Refuse a count that is not an int in ``[minimum, maximum]`` (``None`` only when
+    ``optional``). A bool is not a count: ``True`` is refused, not read as 1.
+
+    Raises:
+        ConfigError: naming ``field``.
+    """
+    if value is None and optional:
+        return
+    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+            or (maximum is not None and value > maximum)):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        none = " or None" if optional else ""
+        raise ConfigError(f"field '{field}': must be an int {bounds}{none}, got {value!r:.60}",
+                          field=field)

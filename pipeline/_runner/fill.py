@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import structlog
+
 from pipeline import artifacts as A
+from pipeline._concurrency.callables import plain_result
 from pipeline._data.models import (
     AgentRolloutItem,
     ExitReason,
@@ -21,6 +24,9 @@ from pipeline._data.models import (
 )
 from pipeline._exceptions import ContractError
 from pipeline._runner.context import Context
+from pipeline._runner.outcome import force_end
+
+_logger = structlog.get_logger("pipeline")
 
 _ERROR = ExitReason.ERROR.value
 _validate_sample = RolloutSample.__pydantic_validator__.validate_python
@@ -151,3 +157,26 @@ def _int_list(value: Any) -> list[int] | None:
     except Exception:
         return None
     return ids if ids and all(_is_int(v) for v in ids) else None
+
+
+def build_sample(fill: SampleBuilder, item: AgentRolloutItem, ctx: Context,
+                 pad_token_id: Callable[[], int]) -> RolloutSample:
+    """The trainer view ``fill`` builds; never raises: falls back to a fully masked sample
+    (from ``pad_token_id()``, else 0) if ``fill`` raises anything or returns something else
+    than a :class:`RolloutSample`."""
+    try:
+        sample = plain_result(fill(item, ctx), "fill")
+        if not isinstance(sample, RolloutSample):
+            raise ContractError(f"fill returned {type(sample).__name__}, not a RolloutSample")
+        return sample
+    except BaseException as exc:  # a fill's SystemExit too: the sample stands in
+        error = f"building the sample failed: {type(exc).__name__}: {exc}"
+        if isinstance(item.error, str) and item.error:
+            error = f"{item.error}; {error}"
+        _logger.error("sample_build_failed", uid=_as_text(item.uid), error=error)
+        force_end(item, Status.FAILED, error, ExitReason.BUILD_FAILED)
+        try:
+            pad = pad_token_id()
+        except Exception:  # a tokenizer whose pad/eos properties raise
+            pad = 0
+        return minimal_sample(item, pad, error)

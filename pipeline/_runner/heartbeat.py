@@ -20,7 +20,7 @@ import structlog
 from pipeline._exceptions import ConfigError
 
 if TYPE_CHECKING:
-    from pipeline._runner.pipeline import Pipeline
+    from pipeline._runner.host import BatchHost
 
 _logger = structlog.get_logger("pipeline")
 
@@ -43,7 +43,7 @@ class ProgressHeartbeat:
         ConfigError: ``interval_s`` is not positive.
     """
 
-    def __init__(self, pipeline: Pipeline, *, interval_s: float = 30.0,
+    def __init__(self, pipeline: BatchHost, *, interval_s: float = 30.0,
                  total: int | None = None, logger: Any = None) -> None:
         if not interval_s > 0:
             raise ConfigError(f"ProgressHeartbeat: interval_s must be > 0, got {interval_s!r}")

@@ -7,12 +7,16 @@ raising, whatever a stage left on the item.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pipeline import artifacts as A
+from pipeline._concurrency.cancel import cancel_requested
 from pipeline._data.construct import set_fields
 from pipeline._data.models import AgentRolloutItem, ExitReason, FinishReason, Status
-from pipeline._exceptions import ContractError
+from pipeline._exceptions import ContractError, DeadlineExceeded, SampleAborted
+
+if TYPE_CHECKING:
+    from pipeline._runner.producer import Batch, SampleRun
 
 ENOUGH = "aborted: the batch had enough completed samples"
 BATCH_CANCELLED = "aborted: run_batch was cancelled"
@@ -97,13 +101,48 @@ def describe(exc: BaseException, item: AgentRolloutItem) -> str:
     return f"stage '{failed_stage(item)}' raised {type(exc).__name__}: {exc}"
 
 
-def as_text(value: Any) -> str:
-    return value if isinstance(value, str) else repr(value)
-
-
 def uncancel() -> None:
     """Take back a cancellation the pipeline asked for itself (an abort), keeping the
     task's cancellation count straight."""
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
+
+
+def settle(exc: BaseException, run: SampleRun, batch: Batch, deadline_expired: bool,
+           timeout_s: float | None) -> None:
+    """Turn how the stages ended into a status; re-raise only a cancelled batch.
+
+    The pipeline's own cancellations (a cancelled batch, an over-sampling abort, the
+    deadline) are known from its flags and clock, whatever the exception: a stage that
+    turns a cancellation into another error (an engine abort that raised) still ends as
+    the cancellation it was. Only for a bare ``CancelledError`` is the task's
+    ``cancelling()`` asked whether somebody else cancelled the sample (aborted) or a
+    future inside the stage was cancelled (a stray one: the stage failed).
+    """
+    item = run.item
+    if batch.cancelled:
+        force_end(item, Status.ABORTED, BATCH_CANCELLED)
+        raise asyncio.CancelledError from (
+            None if isinstance(exc, asyncio.CancelledError) else exc
+        )
+    if run.abort_requested:
+        uncancel()
+        end(item, Status.ABORTED, ENOUGH)
+    elif deadline_expired:
+        stage = failed_stage(item)
+        where = "between stages" if stage is None else f"in stage '{stage}'"
+        detail = f": {exc}" if isinstance(exc, DeadlineExceeded) else ""
+        end(item, Status.TIMEOUT,
+            f"sample timed out after {timeout_s}s {where}{detail}")
+    elif isinstance(exc, asyncio.CancelledError) and cancel_requested():
+        uncancel()
+        end(item, Status.ABORTED, OUTSIDE_CANCEL)
+    elif isinstance(exc, asyncio.CancelledError):
+        end(item, Status.FAILED, f"stage '{failed_stage(item)}' raised CancelledError "
+             "from inside it: nobody cancelled the sample (a task or future it awaited "
+             "was cancelled)")
+    elif isinstance(exc, SampleAborted):
+        end(item, Status.ABORTED, f"aborted in stage '{failed_stage(item)}': {exc}")
+    else:
+        end(item, Status.FAILED, describe(exc, item))

@@ -9,54 +9,49 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from pipeline._concurrency.callables import check_callable, plain_result
-from pipeline._concurrency.cancel import cancel_requested, stage_grace
+from pipeline._concurrency.cancel import stage_grace
 from pipeline._concurrency.slots import FifoSlots
 from pipeline._data.config import PipelineConfig, merge_config
 from pipeline._data.construct import set_fields
 from pipeline._data.items import make_items
 from pipeline._data.models import (
     AgentRolloutItem,
-    ExitReason,
     ProduceBatchResult,
     RolloutSample,
     Status,
 )
 from pipeline._data.rows import DatasetRow
 from pipeline._data.stats import safe_stats
-from pipeline._exceptions import ConfigError, ContractError, DeadlineExceeded, SampleAborted
+from pipeline._exceptions import ConfigError
 from pipeline._logging import log_batch_done
 from pipeline._runner.cleanup import cleanup_steps, run_cleanups
 from pipeline._runner.context import Context, Resources, Stage
 from pipeline._runner.deadline import DeadlineWheel, disarm
-from pipeline._runner.fill import SampleBuilder, fill_sample, minimal_sample
+from pipeline._runner.dynamic import DynamicSampling, GroupResult, StreamReport
+from pipeline._runner.fill import SampleBuilder, build_sample, fill_sample
 from pipeline._runner.heartbeat import ProgressHeartbeat
+from pipeline._runner.host import InflightSample
 from pipeline._runner.outcome import (
     BATCH_CANCELLED,
     ENOUGH,
     OUTSIDE_CANCEL,
-    as_text,
-    describe,
     end,
-    failed_stage,
     force_end,
+    settle,
     uncancel,
 )
 from pipeline._runner.producer import Batch, Producer, SampleCallback, SampleRun, check_callback
 from pipeline._runner.slice import loop_slice
 from pipeline._runner.stage import as_stages, run_stage
 from pipeline._runner.stream import (
-    DynamicSampling,
-    GroupResult,
     RolloutStream,
     RowSource,
     SampleResult,
-    StreamReport,
     check_num_needed,
     stream_groups,
     stream_samples,
@@ -64,18 +59,6 @@ from pipeline._runner.stream import (
 
 _logger = structlog.get_logger("pipeline")
 
-
-
-@dataclass(frozen=True, slots=True)
-class InflightSample:
-    """A running sample as diagnostics see it."""
-
-    uid: str
-    group_id: str
-    stage: str | None
-    turn: int | None
-    running_s: float
-    in_stage_s: float | None
 
 
 class _LoopState:
@@ -343,7 +326,7 @@ class Pipeline:
         task = run.task
         if task is None:  # its batch was cancelled before its task was made
             force_end(run.item, Status.ABORTED, BATCH_CANCELLED)
-            return self._build(run.item, run.ctx)
+            return self._build_sample(run.item, run.ctx)
         if task.done() and not task.cancelled():
             exc = task.exception()
             if exc is None:
@@ -352,11 +335,11 @@ class Pipeline:
         elif task.done() and run.item.status is Status.ABORTED:
             # The runner ended it as aborted, then let its batch's cancellation (a closed
             # stream) end the task: that status stands.
-            return self._build(run.item, run.ctx)
+            return self._build_sample(run.item, run.ctx)
         else:
             error = "the sample's task was cancelled from outside the pipeline"
         force_end(run.item, Status.FAILED, error)
-        return self._build(run.item, run.ctx)
+        return self._build_sample(run.item, run.ctx)
 
     def inflight(self) -> list[InflightSample]:
         """The samples running now, with their current stage and how long they have run."""
@@ -415,7 +398,7 @@ class Pipeline:
                 ) -> RolloutSample:
         """Build the ended sample's trainer view, count it, and tell ``on_done``."""
         item = run.item
-        sample = self._build(item, run.ctx)
+        sample = self._build_sample(item, run.ctx)
         with self._lock:
             self.samples_done += 1
             self.last_sample_done = time.monotonic()
@@ -470,7 +453,7 @@ class Pipeline:
                         task.uncancel()  # the deadline's cancel, taken back as asyncio.timeout does
             except BaseException as exc:  # SystemExit in a tool fails its sample, not the batch
                 if not run.abandoned:
-                    self._settle(exc, run, batch, ctx.deadline_passed())
+                    settle(exc, run, batch, ctx.deadline_passed(), self.config.sample_timeout_s)
             else:
                 if not run.abandoned:
                     end(item, Status.COMPLETED, None)
@@ -485,63 +468,6 @@ class Pipeline:
         if item.status is not Status.COMPLETED and item.status is not None:
             ctx.log.debug("sample_ended", status=item.status.value, error=item.error)
 
-    def _settle(
-        self, exc: BaseException, run: SampleRun, batch: Batch, deadline_expired: bool
-    ) -> None:
-        """Turn how the stages ended into a status; re-raise only a cancelled batch.
-
-        The pipeline's own cancellations (a cancelled batch, an over-sampling abort, the
-        deadline) are known from its flags and clock, whatever the exception: a stage that
-        turns a cancellation into another error (an engine abort that raised) still ends as
-        the cancellation it was. Only for a bare ``CancelledError`` is the task's
-        ``cancelling()`` asked whether somebody else cancelled the sample (aborted) or a
-        future inside the stage was cancelled (a stray one: the stage failed).
-        """
-        item = run.item
-        if batch.cancelled:
-            force_end(item, Status.ABORTED, BATCH_CANCELLED)
-            raise asyncio.CancelledError from (
-                None if isinstance(exc, asyncio.CancelledError) else exc
-            )
-        if run.abort_requested:
-            uncancel()
-            end(item, Status.ABORTED, ENOUGH)
-        elif deadline_expired:
-            stage = failed_stage(item)
-            where = "between stages" if stage is None else f"in stage '{stage}'"
-            detail = f": {exc}" if isinstance(exc, DeadlineExceeded) else ""
-            end(item, Status.TIMEOUT,
-                f"sample timed out after {self.config.sample_timeout_s}s {where}{detail}")
-        elif isinstance(exc, asyncio.CancelledError) and cancel_requested():
-            uncancel()
-            end(item, Status.ABORTED, OUTSIDE_CANCEL)
-        elif isinstance(exc, asyncio.CancelledError):
-            end(item, Status.FAILED, f"stage '{failed_stage(item)}' raised CancelledError "
-                 "from inside it: nobody cancelled the sample (a task or future it awaited "
-                 "was cancelled)")
-        elif isinstance(exc, SampleAborted):
-            end(item, Status.ABORTED, f"aborted in stage '{failed_stage(item)}': {exc}")
-        else:
-            end(item, Status.FAILED, describe(exc, item))
-
-    def _build(self, item: AgentRolloutItem, ctx: Context | None) -> RolloutSample:
-        """The trainer view; falls back to a fully masked sample if the builder raises or
-        returns something else than a :class:`RolloutSample`."""
-        try:
-            if ctx is None:  # aborted before it started: no context was ever made
-                ctx = Context(self.resources, self.config, item)
-            sample = plain_result(self.fill(item, ctx), "fill")
-            if not isinstance(sample, RolloutSample):
-                raise ContractError(f"fill returned {type(sample).__name__}, not a RolloutSample")
-            return sample
-        except BaseException as exc:  # a fill's SystemExit too: the sample stands in
-            error = f"building the sample failed: {type(exc).__name__}: {exc}"
-            if isinstance(item.error, str) and item.error:
-                error = f"{item.error}; {error}"
-            _logger.error("sample_build_failed", uid=as_text(item.uid), error=error)
-            force_end(item, Status.FAILED, error, ExitReason.BUILD_FAILED)
-            try:
-                pad = self.pad_token_id
-            except Exception:  # a tokenizer whose pad/eos properties raise
-                pad = 0
-            return minimal_sample(item, pad, error)
+    def _build_sample(self, item: AgentRolloutItem, ctx: Context | None) -> RolloutSample:
+        return build_sample(self.fill, item, ctx or Context(self.resources, self.config, item),
+                            lambda: self.pad_token_id)

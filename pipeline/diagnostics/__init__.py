@@ -15,7 +15,7 @@
 """
 
 from pipeline._gc import rollout_gc
-from pipeline._runner.pipeline import InflightSample
+from pipeline._runner.host import InflightSample
 from pipeline.diagnostics._cli import add_dump_arguments, run_dump
 from pipeline.diagnostics._dumper import (
     TaskDumper,

@@ -152,21 +152,24 @@ async def make_engine(name: str, *, model_dir: Path | None,
 def _simulated_engine(model_dir: Path | None, seed: int,
                       options: dict[str, Any]) -> tuple[Engine, Any]:
     """A :class:`SimulatedEngine` (``options`` are its arguments) and its tokenizer: the model
-    directory's, else the byte-level one; paired by the Pipeline's own check, so the engine
-    stops on the tokenizer's eos."""
-    from pipeline._runner.context import Resources
+    directory's, else the byte-level one; the engine stops on the tokenizer's eos."""
+    from pipeline._text.bytes import ByteTokenizer
     from pipeline.engines._simulated import SimulatedEngine
-    from pipeline.testing import ByteTokenizer
 
     tokenizer = ByteTokenizer() if model_dir is None else load_tokenizer(model_dir)
     vocab = getattr(tokenizer, "vocab_size", None)
     if isinstance(vocab, int) and vocab > 0:
         options.setdefault("vocab_size", vocab)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        if options.setdefault("eos_token_id", eos) != eos:
+            raise ConfigError(f"engine simulated: eos_token_id={options['eos_token_id']} differs "
+                              f"from the tokenizer's eos ({eos}): replies would not stop where "
+                              "the tokenizer ends a turn", field="engine.eos_token_id")
     try:
         engine = SimulatedEngine(seed=seed, **options)
     except TypeError as exc:
         raise ConfigError(f"engine simulated: {exc}") from None
-    Resources(engine=engine, tokenizer=tokenizer)  # eos pairing, as a Pipeline does
     return engine, tokenizer
 
 
