@@ -15,7 +15,6 @@ import structlog
 
 from pipeline._concurrency.callables import check_callable, plain_result
 from pipeline._concurrency.cancel import stage_grace
-from pipeline._concurrency.slots import FifoSlots
 from pipeline._data.config import PipelineConfig, merge_config
 from pipeline._data.construct import set_fields
 from pipeline._data.items import make_items
@@ -31,11 +30,12 @@ from pipeline._exceptions import ConfigError
 from pipeline._logging import log_batch_done
 from pipeline._runner.cleanup import cleanup_steps, run_cleanups
 from pipeline._runner.context import Context, Resources, Stage
-from pipeline._runner.deadline import DeadlineWheel, disarm
+from pipeline._runner.deadline import disarm
 from pipeline._runner.dynamic import DynamicSampling, GroupResult, StreamReport
 from pipeline._runner.fill import SampleBuilder, build_sample, fill_sample
 from pipeline._runner.heartbeat import ProgressHeartbeat
 from pipeline._runner.host import InflightSample
+from pipeline._runner.loop_state import LoopState
 from pipeline._runner.outcome import (
     BATCH_CANCELLED,
     ENOUGH,
@@ -46,7 +46,6 @@ from pipeline._runner.outcome import (
     uncancel,
 )
 from pipeline._runner.producer import Batch, Producer, SampleCallback, SampleRun, check_callback
-from pipeline._runner.slice import loop_slice
 from pipeline._runner.stage import as_stages, run_stage
 from pipeline._runner.stream import (
     RolloutStream,
@@ -59,18 +58,6 @@ from pipeline._runner.stream import (
 
 _logger = structlog.get_logger("pipeline")
 
-
-
-class _LoopState:
-    """What a pipeline's samples on one event loop share: concurrency slots, deadline
-    windows and the loop's slice clock (looked up once per loop, not per sample)."""
-
-    __slots__ = ("deadlines", "slice", "slots")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, config: PipelineConfig) -> None:
-        self.slots = FifoSlots(config.max_concurrency)
-        self.slice = loop_slice(loop)
-        self.deadlines = DeadlineWheel(grace_s=stage_grace(config.cleanup_timeout_s))
 
 
 _RUNNING: weakref.WeakSet[Pipeline] = weakref.WeakSet()
@@ -125,7 +112,7 @@ class Pipeline:
         check_callable(fill, "fill", "sync", shape="(item, ctx) -> RolloutSample")
         self.fill = fill
         # Slots are per event loop: a pipeline may serve a trainer's loop and a thread's loop.
-        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopState] = (
             weakref.WeakKeyDictionary()
         )
         self._inflight: dict[str, Context] = {}
@@ -367,7 +354,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         state = self._loops.get(loop)
         if state is None:
-            state = self._loops[loop] = _LoopState(loop, self.config)
+            state = self._loops[loop] = LoopState(loop, self.config)
         if run.abort_requested:  # over-sampling had enough before this task was made
             force_end(item, Status.ABORTED, ENOUGH)
         else:
@@ -425,7 +412,7 @@ class Pipeline:
         return self._finish(run, batch, on_done)
 
     async def _execute(self, run: SampleRun, batch: Batch, loop: asyncio.AbstractEventLoop,
-                       state: _LoopState) -> None:
+                       state: LoopState) -> None:
         item = run.item
         timeout = self.config.sample_timeout_s
         deadline = None if timeout is None else loop.time() + timeout
