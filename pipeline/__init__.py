@@ -5,7 +5,9 @@ A rollout is a list of async stages run on an :class:`AgentRolloutItem`; the
 hands the trainer one :class:`RolloutSample` per sample, in input order.
 
 Public API rule: inside each subpackage the modules are private (``_name.py``) and the
-subpackage's ``__init__`` is its public surface (``__all__``, snapshotted by a test). Public
+subpackage's ``__init__`` is its public surface (``__all__``, snapshotted by a test). The
+core's private rooms (``_runner``, ``_data``, ``_text``, ``_concurrency``) hold the sample
+runner, the data model, text rendering and the concurrency kit that all subpackages share. Public
 modules are kept only where importing the module is the point: the ones that load a heavy
 optional dependency (:mod:`pipeline.engines.vllm`, :mod:`pipeline.engines.transformers`,
 :mod:`pipeline.engines.moe`),
