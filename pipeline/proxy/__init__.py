@@ -9,7 +9,7 @@ history splits the session into segments. :class:`RemoteAgent` runs an agent per
 fills the standard artifacts from its session. Chat completions and the Responses API are
 served; every request field is served, enforced by an engine that declares it (its optional
 ``enforces`` attribute, :data:`ENFORCEABLE`, :class:`Constraints`) or refused. See
-``_history`` for the token rules, ``_server`` for the routes and ``_policy`` for the fields.
+``_history`` for the token rules, ``_app`` for the routes and ``_policy`` for the fields.
 """
 
 from pipeline._exceptions import AddressInUseError
@@ -23,6 +23,7 @@ from pipeline.proxy._agent import (
     Command,
     RemoteAgent,
 )
+from pipeline.proxy._config import ProxyConfig
 from pipeline.proxy._errors import (
     ProxyAuthError,
     ProxyError,
@@ -34,7 +35,7 @@ from pipeline.proxy._errors import (
 from pipeline.proxy._history import SPLIT_REASONS, History, Segment, message_key
 from pipeline.proxy._policy import ENFORCEABLE, Constraints
 from pipeline.proxy._records import SegmentRecord, SessionRecord, TurnRecord
-from pipeline.proxy._server import ProxyConfig, ProxyServer
+from pipeline.proxy._server import ProxyServer
 from pipeline.proxy._sessions import Session, SessionStore
 from pipeline.proxy._wire import ChatCompletionRequest
 

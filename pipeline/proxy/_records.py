@@ -1,14 +1,13 @@
 """What a session recorded, as the sessions API returns it (pydantic, JSON wire form).
 
 :class:`SessionRecord` is the answer of ``GET /sessions/{sid}`` and ``POST .../complete`` and
-what :class:`~pipeline.proxy.RemoteAgent` reads in-process. Turns are stored compactly (a
-turn's prompt is a prefix of its segment's sequence); the full per-turn views are built here,
-on request.
+what :class:`~pipeline.proxy.RemoteAgent` reads in-process. A session stores its turns
+compactly (``_sessions.Turn``: a turn's prompt is a prefix of its segment's sequence); the full
+per-turn views are built here, on request. Records read sessions, never the other way round.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
@@ -20,35 +19,6 @@ if TYPE_CHECKING:
     from pipeline.proxy._sessions import Session
 
 _TOKEN_FIELDS = {"token_ids", "logprobs", "finish_reason"}
-
-
-@dataclass(slots=True)
-class Turn:
-    """One chat completion served in a session (stored compactly).
-
-    ``prompt_len`` is where the turn's tokens start in its segment's sequence: the turn's
-    prompt is ``segment.sequence()[:prompt_len]`` and its request messages are the segment's
-    first ``message_count`` messages.
-    """
-
-    index: int
-    request_id: str
-    segment: int
-    merged: bool
-    split_reason: str | None
-    message_count: int
-    prompt_len: int
-    template_tokens: int
-    reused_tokens: int
-    reply: AgentMessage
-    finish_reason: str
-    raw_finish_reason: str | None
-    drift: tuple[str, ...]
-    stop_string: str | None
-    request: dict[str, Any]
-    sampling: dict[str, Any]
-    policy_version: int | None
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 class TurnRecord(BaseModel):

@@ -7,6 +7,9 @@ expire, completed ones included, except sessions *held* by their owner (a runnin
 ``RemoteAgent``: its agent may spend a long time in a tool or a test suite between requests).
 The ids and keys of the latest expired sessions are remembered, so a late request is told its
 session expired (404 ``session_expired``, final) instead of getting a puzzling 401.
+
+A session stores each turn compactly (:class:`Turn`); ``_records`` builds what the sessions
+API returns from them.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pipeline._data.config import SamplingParams
+from pipeline._data.models import AgentMessage
 from pipeline._text.tokenizer import Tokenizer
 from pipeline.proxy._errors import ProxyLimitError, ProxyRequestError, SessionNotFound
 from pipeline.proxy._history import History
-from pipeline.proxy._records import Turn
 from pipeline.proxy._responses import ResponseLink
 
 EXPIRED_MEMORY = 4096
@@ -31,6 +35,35 @@ EXPIRED_MEMORY = 4096
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 """Session ids a client may choose (``POST /sessions/{sid}``)."""
+
+
+@dataclass(slots=True)
+class Turn:
+    """One chat completion served in a session (stored compactly).
+
+    ``prompt_len`` is where the turn's tokens start in its segment's sequence: the turn's
+    prompt is ``segment.sequence()[:prompt_len]`` and its request messages are the segment's
+    first ``message_count`` messages.
+    """
+
+    index: int
+    request_id: str
+    segment: int
+    merged: bool
+    split_reason: str | None
+    message_count: int
+    prompt_len: int
+    template_tokens: int
+    reused_tokens: int
+    reply: AgentMessage
+    finish_reason: str
+    raw_finish_reason: str | None
+    drift: tuple[str, ...]
+    stop_string: str | None
+    request: dict[str, Any]
+    sampling: dict[str, Any]
+    policy_version: int | None
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class Session:

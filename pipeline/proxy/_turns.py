@@ -40,8 +40,7 @@ from pipeline.engines import Engine, Generation
 from pipeline.proxy._errors import FinalError, ProxyError, ProxyRequestError
 from pipeline.proxy._history import TurnPlan
 from pipeline.proxy._policy import Constraints
-from pipeline.proxy._records import Turn
-from pipeline.proxy._sessions import Session
+from pipeline.proxy._sessions import Session, Turn
 from pipeline.proxy._wire import ChatCompletionRequest
 from pipeline.tools import ToolParser, validate_arguments
 
