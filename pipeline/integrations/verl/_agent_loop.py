@@ -42,7 +42,7 @@ from pipeline._runner.pipeline import Pipeline
 from pipeline.batch import reward_extra_info, to_verl_outputs
 from pipeline.integrations.verl._engine import STEPS, StepRange, VerlServerEngine
 from pipeline.integrations.verl._factory import make_stages
-from pipeline.integrations.verl._register import import_verl
+from pipeline.integrations.verl._imports import import_verl
 from pipeline.integrations.verl._reward import Scoring
 from pipeline.stages import Loop, Route, Stage
 

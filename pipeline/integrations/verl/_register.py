@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from typing import Any
 
+from pipeline._exceptions import ConfigError
 from pipeline.batch import GRPO_MASKED, masked_grpo_advantage
-
-
-def import_verl(name: str) -> Any:
-    """Import a verl module, without the import-time warnings of verl 0.9.1 and ray.
-
-    (Engines it has no backend for, ray's moved state API: nothing a user can act on.)
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        return importlib.import_module(name)
+from pipeline.integrations.verl._agent_loop import OPTIONS
+from pipeline.integrations.verl._factory import resolve_factory
+from pipeline.integrations.verl._imports import import_verl
 
 
 def register_estimators() -> None:
@@ -49,14 +40,9 @@ def register_agent_loop(name: str, factory: str, **options: Any) -> None:
         ImportError: verl is not installed.
         ConfigError: ``factory`` cannot be resolved (checked now, not per sample).
     """
-    from pipeline.integrations.verl._agent_loop import OPTIONS
-    from pipeline.integrations.verl._factory import resolve_factory
-
     resolve_factory(factory, f"verl agent loop {name!r}")
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        from pipeline._exceptions import ConfigError
-
         raise ConfigError(f"verl agent loop {name!r}: unknown option(s) {unknown}; known: "
                           f"{list(OPTIONS)}", field=unknown[0])
     module = import_verl("verl.experimental.agent_loop.agent_loop")
