@@ -15,19 +15,11 @@
   samples any more (its pipeline loop ended).
 """
 
-from pipeline.distributed._limiter import (
-    FleetLimiterRegistry,
-    LeasedBucket,
-    LimiterActor,
-    start_limiter,
-)
-from pipeline.distributed._pool import (
-    DEFAULT_WORKER_OPTIONS,
-    PoolClosed,
-    PoolNotStarted,
-    RayRolloutPool,
-    WorkerInfo,
-)
+from pipeline.distributed._errors import PoolClosed, PoolNotStarted
+from pipeline.distributed._fleet import WorkerInfo
+from pipeline.distributed._leases import FleetLimiterRegistry, LeasedBucket
+from pipeline.distributed._limiter import LimiterActor, start_limiter
+from pipeline.distributed._pool import DEFAULT_WORKER_OPTIONS, RayRolloutPool
 from pipeline.distributed._worker import RolloutWorker, WorkerBroken
 
 __all__ = [

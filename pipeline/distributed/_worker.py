@@ -58,7 +58,7 @@ from pipeline.diagnostics import (
     render_json,
     render_text,
 )
-from pipeline.distributed._limiter import FleetLimiterRegistry
+from pipeline.distributed._leases import FleetLimiterRegistry
 
 _logger = structlog.get_logger("pipeline.distributed")
 
