@@ -21,7 +21,7 @@ import pytest
 from pipeline import AgentMessage, AgentRolloutItem, artifacts, parse_row
 from pipeline.judgers import CodeJudger, JudgeError, Sandbox, SandboxLimits, get_judger
 from pipeline.judgers._code import extract_code, parse_tests
-from pipeline.judgers._sandbox import remove_tree
+from pipeline.judgers._rmtree import remove_tree
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux sandbox")
 ROOT = os.geteuid() == 0
@@ -521,11 +521,11 @@ def test_remove_tree_as_an_unprivileged_owner(sandbox_dir: Path) -> None:
     same functions as another uid on a tree that uid made."""
     import inspect
 
-    from pipeline.judgers import _sandbox
+    from pipeline.judgers import _rmtree
 
     source = "\n".join(inspect.getsource(f) for f in (
-        _sandbox.remove_tree, _sandbox._open_dir, _sandbox._clear_files))
-    source = f"_DIR_FLAGS = {_sandbox._DIR_FLAGS}\n{source}"
+        _rmtree.remove_tree, _rmtree._open_dir, _rmtree._clear_files))
+    source = f"_DIR_FLAGS = {_rmtree._DIR_FLAGS}\n{source}"
     os.chmod(sandbox_dir, 0o1777)
     assert SYSTEM_PYTHON is not None
     done = subprocess.run([SYSTEM_PYTHON, "-I", "-c", REMOVE_AS_OWNER.format(source=source),

@@ -39,7 +39,8 @@ from pipeline.judgers._registry import (
     known_judgers,
     register_judger,
 )
-from pipeline.judgers._sandbox import Sandbox, SandboxFacts, SandboxLimits, SandboxRun
+from pipeline.judgers._sandbox import Sandbox
+from pipeline.judgers._sandbox_run import SandboxFacts, SandboxLimits, SandboxRun
 from pipeline.judgers._text import ExactMatchJudger, RegexJudger
 
 __all__ = [

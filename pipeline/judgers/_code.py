@@ -33,7 +33,8 @@ from typing import Any
 from pipeline._data.models import AgentRolloutItem
 from pipeline.judgers._base import JudgeError, JudgeResult, response_text
 from pipeline.judgers._registry import register_judger
-from pipeline.judgers._sandbox import Sandbox, SandboxLimits, SandboxRun
+from pipeline.judgers._sandbox import Sandbox
+from pipeline.judgers._sandbox_run import SandboxLimits, SandboxRun
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 
