@@ -17,12 +17,7 @@
 from pipeline._gc import rollout_gc
 from pipeline._runner.host import InflightSample
 from pipeline.diagnostics._cli import add_dump_arguments, run_dump
-from pipeline.diagnostics._dumper import (
-    TaskDumper,
-    add_dump_section,
-    dump,
-    install_task_dumper,
-)
+from pipeline.diagnostics._dumper import TaskDumper, dump, install_task_dumper
 from pipeline.diagnostics._errors import DiagnosticsError
 from pipeline.diagnostics._model import (
     LoopInfo,
@@ -35,6 +30,7 @@ from pipeline.diagnostics._model import (
 from pipeline.diagnostics._paths import DUMP_DIR_ENV, default_dump_dir
 from pipeline.diagnostics._render import render_json, render_text
 from pipeline.diagnostics._run import asyncio_run, diagnosed_loop
+from pipeline.diagnostics._sections import add_dump_section
 from pipeline.diagnostics._snapshot import capture_snapshot
 from pipeline.diagnostics._watchdog import BlockReport, LagStats, Watchdog
 

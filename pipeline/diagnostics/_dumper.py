@@ -1,23 +1,12 @@
 """The task dumper: a snapshot written to a file on SIGUSR1, a local socket, or ``dump()``.
 
-How it works when the event loop is stuck
------------------------------------------
-The signal handler does no work itself: it writes one byte to a pipe and returns (a handler
-that took the snapshot itself would run inside whatever the main thread was interrupted in,
-a held logging lock included). A dedicated dumper thread sleeps on that pipe (and on a Unix
-socket), takes the snapshot and writes the file. So the dump never waits for the loop:
-
-- loop idle in ``epoll``: the signal interrupts the wait, Python runs the handler at once;
-- loop thread blocked in ``time.sleep``, a blocking lock or a pure-Python loop: Python runs
-  the handler between bytecodes (sleep and lock waits are interrupted and resumed), the
-  dumper thread wakes and gets the GIL at the next switch interval (5 ms);
-- loop thread inside C code that holds the GIL: no Python code can run anywhere, so
-  ``faulthandler`` is chained on the same signal; its C-level handler writes every thread's
-  stack to ``faulthandler.txt`` in the dump directory right away.
-
-Task state is read from the dumper thread while the loop thread may be running: the task
-registry is copied with retries on a concurrent change, and await chains are read link by
-link (see :mod:`pipeline.diagnostics._snapshot`).
+A :class:`TaskDumper` owns the dump directory and writes the dumps; how a dump is asked for
+(the signal handler that only wakes a thread, the socket, the thread that serves both, and
+why that works while the event loop is stuck) is ``_trigger``. Task state is read from the
+dumper thread while the loop thread may be running: the task registry is copied with retries
+on a concurrent change, and await chains are read link by link (see
+:mod:`pipeline.diagnostics._snapshot`). Sections registered with :func:`add_dump_section`
+(``_sections``) are appended to every dump.
 
 Where dumps go
 --------------
@@ -35,25 +24,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import faulthandler
 import json
 import os
-import selectors
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import structlog
 
 from pipeline.diagnostics._errors import DiagnosticsError
-from pipeline.diagnostics._frames import HIDDEN_CODES
 from pipeline.diagnostics._paths import (
     FAULTHANDLER_FILE,
-    SOCKET_FILE,
     default_dump_dir,
     open_dump_base,
     open_private_child,
@@ -61,48 +45,12 @@ from pipeline.diagnostics._paths import (
     write_atomic,
 )
 from pipeline.diagnostics._render import render_json, render_text
+from pipeline.diagnostics._sections import collect_sections
 from pipeline.diagnostics._snapshot import capture_snapshot, note_loop_thread, track_task_ages
-
-_MAX_UNIX_PATH = 100
+from pipeline.diagnostics._trigger import DumpTrigger, signal_name
 
 _logger = structlog.get_logger("pipeline.diagnostics")
-_by_signal: dict[int, TaskDumper] = {}
 _latest: list[TaskDumper] = []
-_sections: dict[str, Callable[[], tuple[str, Any]]] = {}
-
-
-def add_dump_section(name: str, provider: Callable[[], tuple[str, Any]]) -> Callable[[], None]:
-    """Add a section to every dump this process writes, for state that lives elsewhere (the
-    Ray workers of a driver's ``RayRolloutPool``).
-
-    ``provider()`` runs on the dumper's thread at each dump and returns ``(text, data)``:
-    the text is appended to the text dump, the data (JSON-able) goes under
-    ``"sections": {name: data}`` in the JSON dump. It must bound its own time; if it raises,
-    the error is written in its place.
-
-    Returns:
-        A function that removes the section.
-    """
-    _sections[name] = provider
-
-    def remove() -> None:
-        if _sections.get(name) is provider:
-            del _sections[name]
-
-    return remove
-
-
-def _extra_sections() -> tuple[str, dict[str, Any]]:
-    texts: list[str] = []
-    data: dict[str, Any] = {}
-    for name, provider in list(_sections.items()):
-        try:
-            text, data[name] = provider()
-        except Exception as exc:  # a section must never cost the dump
-            text = f"(section failed: {type(exc).__name__}: {exc})"
-            data[name] = {"error": text}
-        texts.append(f"\n== {name} ==\n{text.rstrip()}\n")
-    return "".join(texts), data
 
 
 class TaskDumper:
@@ -139,20 +87,22 @@ class TaskDumper:
         self.echo_stderr = echo_stderr
         self.max_samples = max_samples
         self.lag_source = lag_source
-        self.socket_path: Path | None = None
-        self.installed_signal: int | None = None
         self._loops: list[asyncio.AbstractEventLoop] = []
         self._lock = threading.Lock()
         self._seq = 0
-        self._thread: threading.Thread | None = None
-        self._wake_r = self._wake_w = -1
-        self._listener: socket.socket | None = None
-        self._previous: Any = None
-        self._fault_file: IO[str] | None = None
-        self._stopping = False
-        self._pid = os.getpid()
+        self._trigger = DumpTrigger(self._dump_logged)
         self._token = f"{os.getpid()}-{id(self):x}-{time.time_ns()}"
-        self._socket_inode: int | None = None
+
+    @property
+    def socket_path(self) -> Path | None:
+        """The socket serving dump requests, once installed (None without one)."""
+        return self._trigger.socket_path
+
+    @property
+    def installed_signal(self) -> int | None:
+        """The signal handled, once installed (None: none, or installed off the main
+        thread)."""
+        return self._trigger.installed_signal
 
     @property
     def faulthandler_path(self) -> Path:
@@ -173,7 +123,7 @@ class TaskDumper:
             DiagnosticsError: already installed, another dumper holds the signal, or the
                 directory cannot be created.
         """
-        if self._thread is not None:
+        if self._trigger.started:
             raise DiagnosticsError("this TaskDumper is already installed")
         if loop is None:
             with contextlib.suppress(RuntimeError):
@@ -184,25 +134,21 @@ class TaskDumper:
                 note_loop_thread(loop)
                 track_task_ages(loop)
         try:
-            self._open_directory()
+            dir_fd = self._open_directory()
         except OSError as exc:
             raise DiagnosticsError(f"cannot use dump directory {self.directory}: {exc}") from exc
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
         try:
-            self._open_socket()
-            self._install_signal()
+            self._trigger.open(self.directory, dir_fd, signum=self.signum,
+                               trigger_socket=self.trigger_socket,
+                               chain_faulthandler=self.chain_faulthandler)
         except BaseException:
-            self._close_fds()
             self._close_directory()
             raise
-        self._thread = threading.Thread(target=self._serve, name="rollout-task-dumper",
-                                        daemon=True)
-        self._thread.start()
+        self._trigger.start()
         _latest.append(self)
         self._write_locator()
         _logger.info("task_dumper_installed", directory=str(self.directory),
-                     signal=_signal_name(self.installed_signal),
+                     signal=signal_name(self.installed_signal),
                      socket=None if self.socket_path is None else str(self.socket_path))
         return self
 
@@ -221,105 +167,12 @@ class TaskDumper:
         self.directory = base / str(os.getpid())
         return self._dir_fd
 
-    def _install_signal(self) -> None:
-        if self.signum is None:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            _logger.warning("task_dump_signal_skipped", signal=_signal_name(self.signum),
-                            reason="signals can only be installed from the main thread",
-                            hint="use the dump socket (rollout dump) or diagnostics.dump()")
-            return
-        other = _by_signal.get(self.signum)
-        if other is not None:
-            raise DiagnosticsError(f"a task dumper already handles {_signal_name(self.signum)} "
-                                   f"(writing to {other.directory}); close it first")
-        self._previous = signal.signal(self.signum, self._on_signal)
-        if self.chain_faulthandler:
-            fd = os.open(FAULTHANDLER_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT |
-                         os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._open_directory())
-            self._fault_file = open(fd, "a")  # kept open for C
-            faulthandler.register(self.signum, file=self._fault_file, all_threads=True,
-                                  chain=True)
-        self.installed_signal = self.signum
-        _by_signal[self.signum] = self
-
-    def _open_socket(self) -> None:
-        if not self.trigger_socket:
-            return
-        path = self.directory / SOCKET_FILE
-        if len(os.fsencode(path)) > _MAX_UNIX_PATH:
-            _logger.warning("task_dump_socket_skipped", path=str(path),
-                            reason="path too long for a Unix socket")
-            return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(SOCKET_FILE, dir_fd=self._open_directory())
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(os.fspath(path))
-            listener.listen(4)
-        except OSError as exc:
-            listener.close()
-            raise DiagnosticsError(f"cannot listen on {path}: {exc}") from exc
-        self._listener = listener
-        self.socket_path = path
-        self._socket_inode = path.stat().st_ino
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        """Runs in the main thread between bytecodes: only wakes the dumper thread."""
-        # A forked child shares the pipe but not the thread; after close() the fd is gone
-        # (and its number may belong to another file by now).
-        if os.getpid() == self._pid and self._wake_w >= 0:
-            try:
-                os.write(self._wake_w, bytes([signum & 0xFF]))
-            except OSError:  # pipe full: a dump is already pending
-                pass
-        previous = self._previous
-        if callable(previous):
-            previous(signum, frame)
-
-    def _serve(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        if self._listener is not None:
-            sel.register(self._listener, selectors.EVENT_READ, "socket")
-        try:
-            while not self._stopping:
-                for key, _ in sel.select():
-                    if key.data == "wake":
-                        data = os.read(self._wake_r, 512)
-                        if not self._stopping and any(b != 0 for b in data):
-                            self._dump_logged(f"signal {_signal_name(self.installed_signal)}")
-                    else:
-                        self._answer_socket()
-        finally:
-            sel.close()
-
     def _dump_logged(self, reason: str) -> Path | None:
         try:
             return self.dump(reason)
         except Exception as exc:  # keep serving: the next request may succeed
             _logger.error("task_dump_failed", reason=reason, error=f"{type(exc).__name__}: {exc}")
             return None
-
-    def _answer_socket(self) -> None:
-        assert self._listener is not None
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:
-            return
-        with conn:
-            conn.settimeout(2.0)
-            try:
-                request = conn.recv(64).decode("ascii", "replace").strip()
-            except OSError:
-                return
-            if request != "dump":
-                conn.sendall(b"error: send 'dump'\n")
-                return
-            path = self._dump_logged("socket request")
-            reply = "error: see the process log\n" if path is None else f"{path}\n"
-            with contextlib.suppress(OSError):
-                conn.sendall(reply.encode())
 
     def dump(self, reason: str = "dump() call") -> Path:
         """Take a snapshot now and write it; callable from any thread.
@@ -334,7 +187,7 @@ class TaskDumper:
             lags = self.lag_source() if self.lag_source is not None else None
             snap = capture_snapshot(reason=reason, loops=self._loops, lags=lags)
             text = render_text(snap, max_samples=self.max_samples)
-            extra_text, extra_data = _extra_sections()
+            extra_text, extra_data = collect_sections()
             text += extra_text
             self._seq += 1
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(snap.taken_at))
@@ -360,7 +213,8 @@ class TaskDumper:
         record = {"pid": os.getpid(), "token": self._token,
                   "directory": str(self.directory.resolve()), "signal": self.installed_signal,
                   "socket": None if self.socket_path is None else str(self.socket_path),
-                  "faulthandler": (str(self.faulthandler_path) if self._fault_file else None)}
+                  "faulthandler": (str(self.faulthandler_path) if self._trigger.fault_file
+                                   else None)}
         name = f"{os.getpid()}.json"
         try:
             _, self._base_fd = open_dump_base()
@@ -373,22 +227,7 @@ class TaskDumper:
 
         The dump directory is removed too when nothing was written to it.
         """
-        if self.installed_signal is not None:
-            if self._fault_file is not None:
-                faulthandler.unregister(self.installed_signal)
-                self._fault_file.close()
-                self._fault_file = None
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(self.installed_signal, self._previous or signal.SIG_DFL)
-            _by_signal.pop(self.installed_signal, None)
-            self.installed_signal = None
-        if self._thread is not None:
-            self._stopping = True
-            with contextlib.suppress(OSError):
-                os.write(self._wake_w, b"\0")
-            self._thread.join(timeout=10.0)
-            self._thread = None
-        self._close_fds()
+        self._trigger.close()
         if self in _latest:
             _latest.remove(self)
         if self._base_fd is not None:
@@ -417,37 +256,16 @@ class TaskDumper:
                 os.close(self._dir_fd)
             self._dir_fd = None
 
-    def _close_fds(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-            if self.socket_path is not None:
-                with contextlib.suppress(OSError):  # only ours: another may have replaced it
-                    if self.socket_path.stat().st_ino == self._socket_inode:
-                        self.socket_path.unlink()
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._wake_r = self._wake_w = -1
-
     def __enter__(self) -> TaskDumper:
-        return self.install() if self._thread is None else self
+        return self.install() if not self._trigger.started else self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-HIDDEN_CODES.add(TaskDumper._on_signal.__code__)
-
-
 def _after_fork_in_child() -> None:
-    """A forked child inherits the handlers but not the dumper thread: stand them down
-    (faulthandler would write the child's stacks into the parent's file)."""
-    for signum, dumper in list(_by_signal.items()):
-        if dumper._fault_file is not None:
-            faulthandler.unregister(signum)
-    _by_signal.clear()
+    """A forked child inherits no dumper thread: none of the parent's dumpers is active there
+    (``_trigger`` stands their signal handlers down)."""
     _latest.clear()
 
 
@@ -485,12 +303,3 @@ def dump(directory: str | Path | None = None, *, reason: str = "dump() call") ->
         return once.dump(reason)
     finally:
         once._close_directory()
-
-
-def _signal_name(signum: int | None) -> str | None:
-    if signum is None:
-        return None
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return str(signum)
