@@ -30,6 +30,7 @@ from pipeline._exceptions import ConfigError
 from pipeline._logging import log_batch_done
 from pipeline._runner.cleanup import cleanup_steps, run_cleanups
 from pipeline._runner.context import Context, Resources, Stage
+from pipeline._runner.contracts import check_chain
 from pipeline._runner.deadline import disarm
 from pipeline._runner.dynamic import DynamicSampling, GroupResult, StreamReport
 from pipeline._runner.fill import SampleBuilder, build_sample, fill_sample
@@ -107,6 +108,7 @@ class Pipeline:
             raise ConfigError(f"resources must be a Resources, got {type(resources).__name__}",
                               field="resources")
         self.stages: list[Stage] = as_stages(stages)
+        check_chain(self.stages)  # stage contracts: a chain that cannot work fails here
         self.resources = resources or Resources(**given)
         self.config = merge_config(config, options)
         check_callable(fill, "fill", "sync", shape="(item, ctx) -> RolloutSample")

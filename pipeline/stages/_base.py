@@ -11,6 +11,7 @@ from pipeline._concurrency.callables import call_either, check_callable
 from pipeline._data.models import AgentMessage, AgentRolloutItem, ExitReason
 from pipeline._exceptions import StageDefinitionError
 from pipeline._runner.context import Context
+from pipeline._runner.contracts import Available, check_chain
 from pipeline._runner.stage import as_stages, run_stage
 
 
@@ -76,6 +77,11 @@ class Loop:
             item.artifacts[A.EXIT_REASON] = ExitReason.MAX_TURNS.value
         finally:
             ctx.turn = outer_turn
+
+    def check_contract(self, available: Available) -> Available | None:
+        """The body's contracts, checked for its first turn (later turns also see what the
+        body wrote); what is available after the loop (None: anything may be)."""
+        return check_chain(self.stages, available, where=f" in Loop {self.name!r}")
 
     def __repr__(self) -> str:
         return f"Loop({[s.name for s in self.stages]}, max_turns={self.max_turns})"

@@ -12,6 +12,9 @@ limit (or nothing is left), the sample ends with ``finish_reason=length``,
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import ClassVar
 
 from pipeline import artifacts as A
 from pipeline._data.models import (
@@ -80,6 +83,10 @@ class Generate:
     """
 
     name = "generate"
+    requires: ClassVar[Mapping[str, str]] = MappingProxyType({A.PROMPT_IDS: "BuildPrompt"})
+    provides = frozenset({A.RESPONSE_IDS, A.RESPONSE_MASK, A.LOGPROBS, A.TURNS, A.MESSAGES,
+                          A.EXIT_REASON, A.RAW_FINISH_REASON, A.POLICY_VERSION,
+                          A.ROUTED_EXPERTS})
 
     def __init__(self, *, parser: ToolParser | None = None, parse_tool_calls: bool = True,
                  max_model_len: int | None = None) -> None:

@@ -22,7 +22,8 @@ import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal
 
 from pipeline import artifacts as A
 from pipeline._concurrency.callables import is_async_callable
@@ -80,6 +81,9 @@ class _Entry:
 class Judge:
     """Scores each sample with one or more judgers (see the module doc).
 
+    Contract: needs the conversation (``messages``, with the model's answer from
+    ``Generate``); writes ``reward`` and ``reward_payload``.
+
     Args:
         judgers: the judgers for every sample (or for samples no route matches). None, with
             no ``routes``: use the pipeline's ``judgers`` resource.
@@ -95,6 +99,9 @@ class Judge:
         ConfigError: an invalid policy, weight or timeout, or weights that sum to 0.
         JudgerRegistryError: an unknown judger name or a config it does not accept.
     """
+
+    requires: ClassVar[Mapping[str, str]] = MappingProxyType({A.MESSAGES: "Generate"})
+    provides = frozenset({A.REWARD, A.REWARD_PAYLOAD})
 
     def __init__(self, judgers: JudgerLike | Sequence[JudgerLike] | None = None, *,
                  routes: Mapping[str, JudgerLike | Sequence[JudgerLike]] | None = None,

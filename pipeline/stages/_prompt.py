@@ -35,6 +35,8 @@ class BuildPrompt:
     """
 
     name = "build_prompt"
+    requires: frozenset[str] = frozenset()
+    provides = frozenset({A.RAW_PROMPT, A.PROMPT_IDS, A.MESSAGES})
 
     def __init__(self, *, offload: bool = True, offload_chars: int = 32768) -> None:
         self.offload = offload

@@ -17,6 +17,7 @@ from pipeline._data.models import AgentRolloutItem, RolloutSample
 from pipeline._data.rows import DatasetRow, check_rows_argument, parse_row
 from pipeline._exceptions import RowError, StageDefinitionError
 from pipeline._runner.context import Context, Stage
+from pipeline._runner.contracts import Available, check_chain
 from pipeline._runner.stage import as_stages, run_stage
 
 AGENT_FIELDS = ("agent", "agent_name")
@@ -62,6 +63,17 @@ class Route:
             for key, stages in agents.items()}
         self.default = default
         self.name = name
+
+    def check_contract(self, available: Available) -> Available | None:
+        """Each agent's contracts; after the route, what every agent provides (None when an
+        agent's stages may write anything)."""
+        after: Available | None = None
+        for key, stages in self.agents.items():
+            have = check_chain(stages, available, where=f" of Route {self.name!r} agent {key!r}")
+            if have is None:
+                return None
+            after = have if after is None else after & have
+        return after
 
     def agent_of(self, row: DatasetRow, index: int | None = None) -> str:
         """The agent that runs ``row``.

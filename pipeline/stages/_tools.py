@@ -13,7 +13,8 @@ import json
 import time
 import weakref
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 from pipeline import artifacts as A
 from pipeline._concurrency.cancel import cancel_requested, run_owned
@@ -56,6 +57,11 @@ class CallTools:
     """
 
     name = "call_tools"
+    requires: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {A.MESSAGES: "BuildPrompt", A.RESPONSE_IDS: "Generate"})
+    provides = frozenset({A.MESSAGES, A.RESPONSE_IDS, A.RESPONSE_MASK, A.LOGPROBS,
+                          A.TOOL_TURNS, A.TOOL_CALLS, A.TOOL_ERRORS, A.TEMPLATE_DRIFT,
+                          A.LIMITER_WAIT_S, A.EXTRA_FIELDS})
 
     def __init__(self, *, max_calls_per_turn: int = 8, max_result_chars: int = 4096,
                  max_model_len: int | None = None, offload: bool = True,
