@@ -18,10 +18,15 @@ What each level prints, per batch of any size:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import os
 import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TextIO
 
 import structlog
@@ -119,3 +124,57 @@ def log_batch_done(logger: Any, stats: BatchStats, items: Iterable[AgentRolloutI
         return
     if summary is not None:
         logger.warning("batch_failures", samples=stats.num_samples, **summary)
+
+
+@dataclass(frozen=True)
+class Console:
+    """The terminal's standard output and error while :func:`output_to_file` holds fds 1 and 2."""
+
+    out: TextIO
+    err: TextIO
+
+
+@contextlib.contextmanager
+def output_to_file(path: Path) -> Iterator[Console]:
+    """Send everything written to file descriptors 1 and 2 into ``path`` while the block runs.
+
+    That is the whole process's output at the OS level: Python's own ``print``, logging
+    handlers bound to ``sys.stdout``/``sys.stderr`` (vLLM's), warnings, C++ and tqdm lines, and
+    every child process started inside the block (they inherit the descriptors, so an engine
+    process keeps writing into the file after the block). The block writes to the terminal
+    through the yielded :class:`Console`. On the way out the descriptors are restored, so an
+    error raised by the block is printed where the user sees it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    saved = (os.dup(1), os.dup(2))
+    console = Console(
+        out=io.TextIOWrapper(io.FileIO(saved[0], "w", closefd=False), line_buffering=True),
+        err=io.TextIOWrapper(io.FileIO(saved[1], "w", closefd=False), line_buffering=True))
+    try:
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        yield console
+    finally:
+        for stream in (sys.stdout, sys.stderr, console.out, console.err):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, log_fd):
+            os.close(fd)
+
+
+def tail_lines(path: Path, count: int = 20, *, max_bytes: int = 64_000) -> list[str]:
+    """The last ``count`` non-empty lines of a log file (read from its last ``max_bytes``);
+    empty when it cannot be read."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - max_bytes))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.replace("\r", "\n").splitlines() if line.strip()][-count:]

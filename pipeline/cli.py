@@ -3,6 +3,12 @@
 ``rollout run SCENARIO`` runs a scenario end to end and prints a summary table;
 ``rollout inspect FILE`` and ``rollout trace FILE`` read its trajectory dump;
 ``rollout dump PID`` asks a running process for a task dump.
+
+The global options (``--log-level``, ``--log-format``, ``--verbose``) go before or after the
+subcommand. ``rollout run`` prints the engine choice, one line naming the engine's log file,
+a progress bar (on a terminal) and the summary: what a local engine and its processes print
+(vLLM's logs, torch and transformers warnings) goes to that file, or to the terminal with
+``--verbose``; if the engine fails, its error and the log's last lines are shown.
 """
 
 from __future__ import annotations
@@ -12,10 +18,13 @@ import asyncio
 import gc
 import importlib
 import importlib.util
+import json
 import math
 import os
 import re
 import sys
+import tempfile
+import time
 import urllib.parse
 from pathlib import Path
 from types import ModuleType
@@ -24,11 +33,18 @@ from typing import Any, NoReturn
 from pipeline._data.models import ProduceBatchResult, Status
 from pipeline._exceptions import PipelineError
 from pipeline._gc import gc_tuning_enabled
-from pipeline._logging import configure_logging
+from pipeline._logging import Console, configure_logging, output_to_file, tail_lines
 from pipeline._runner.pipeline import Pipeline
 from pipeline.diagnostics import add_dump_arguments, asyncio_run, run_dump
-from pipeline.engines import ENGINE_NAMES, Engine, SimulatedEngine, make_engine, vllm_available
-from pipeline.models.tiny import ensure_tiny_model
+from pipeline.engines import (
+    ENGINE_NAMES,
+    Engine,
+    SimulatedEngine,
+    make_engine,
+    resolve_engine_name,
+    vllm_available,
+)
+from pipeline.models import ensure_random_tiny_model
 from pipeline.observability import (
     BatchProgress,
     TensorBoardSink,
@@ -71,7 +87,28 @@ def load_scenario(name: str) -> ModuleType:
     return importlib.import_module(SCENARIOS[name])
 
 
-async def _build_engine(args: argparse.Namespace, scenario: ModuleType) -> tuple[Engine, Any]:
+def checkpoint_dtype(model_dir: Path) -> str | None:
+    """The dtype a model directory's ``config.json`` records (``dtype``, or ``torch_dtype`` of
+    older transformers), or None when it records none or cannot be read."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    found = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return found if isinstance(found, str) else None
+
+
+def _engine_options(engine: str, model_dir: Path | None) -> dict[str, Any]:
+    """``make_engine`` options: vLLM runs a float32 checkpoint (the shipped tiny policy) in
+    float32; its ``auto`` dtype would cast it to bfloat16 (and warn once per weight)."""
+    chosen, _ = resolve_engine_name(engine)
+    if chosen == "vllm" and model_dir is not None and checkpoint_dtype(model_dir) == "float32":
+        return {"dtype": "float32"}
+    return {}
+
+
+async def _build_engine(args: argparse.Namespace, scenario: ModuleType,
+                        console: Console) -> tuple[Engine, Any]:
     """The engine and tokenizer ``--engine`` asks for (``auto``: vLLM if installed)."""
     if args.engine == "simulated":  # check_run_args made sure the scenario has a responder
         tokenizer = ByteTokenizer()
@@ -88,18 +125,23 @@ async def _build_engine(args: argparse.Namespace, scenario: ModuleType) -> tuple
         model_dir = None
     else:
         # a scenario may ship its own default model (arith: the trained tiny policy)
-        model_dir = await asyncio.to_thread(getattr(scenario, "default_model", ensure_tiny_model))
+        model_dir = await asyncio.to_thread(getattr(scenario, "default_model",
+                                                    ensure_random_tiny_model))
+    started = time.monotonic()
     try:
-        return await make_engine(
+        built = await make_engine(
             args.engine,
             model_dir=model_dir,
             base_url=args.base_url,
             seed=args.seed,
             device=args.device,
-            notify=lambda line: print(line, file=sys.stderr),
+            notify=lambda line: print(line, file=console.err),
+            options=_engine_options(args.engine, model_dir),
         )
     except PipelineError as exc:
         raise SystemExit(f"rollout run: {exc}") from None
+    print(f"engine ready in {time.monotonic() - started:.1f}s", file=console.err)
+    return built
 
 
 def check_run_args(args: argparse.Namespace) -> ModuleType:
@@ -196,8 +238,8 @@ def _summary(result: ProduceBatchResult) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
 
 
-async def _run(args: argparse.Namespace, scenario: ModuleType) -> int:
-    engine, tokenizer = await _build_engine(args, scenario)
+async def _run(args: argparse.Namespace, scenario: ModuleType, console: Console) -> int:
+    engine, tokenizer = await _build_engine(args, scenario, console)
     if gc_tuning_enabled(None):
         # asyncio_run froze what existed at start-up; an in-process engine (vLLM, torch) is
         # built after that: freeze it too, as vLLM's own server does (undone on exit).
@@ -214,7 +256,7 @@ async def _run(args: argparse.Namespace, scenario: ModuleType) -> int:
         sampling={"max_tokens": args.max_tokens, "max_response_tokens": args.max_response_tokens},
     )
     rows = scenario.rows(args.rows, seed=args.seed)
-    progress = BatchProgress(len(rows) * args.n)
+    progress = BatchProgress(len(rows) * args.n, stream=console.err)
     writer = TrajectoryWriter(args.out, tokenizer=tokenizer) if args.out else None
     try:
         if writer is not None:
@@ -228,26 +270,50 @@ async def _run(args: argparse.Namespace, scenario: ModuleType) -> int:
         if writer is not None:
             writer.close()
         await engine.aclose()
-    print(f"scenario {args.scenario} on the {type(engine).__name__} engine ({args.engine})")
-    print(_summary(result))
+    print(f"scenario {args.scenario} on the {type(engine).__name__} engine ({args.engine})",
+          file=console.out)
+    print(_summary(result), file=console.out)
     if args.out:
-        print(f"trajectories written to {args.out} (see: rollout inspect {args.out})")
+        print(f"trajectories written to {args.out} (see: rollout inspect {args.out} --list)",
+              file=console.out)
     if args.tensorboard:
         log_batch_metrics(result, [TensorBoardSink(args.tensorboard)], 0)
     completed = result.stats.by_status.get(Status.COMPLETED.value, 0)
     return 0 if completed else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of the ``rollout`` command."""
-    parser = _Parser(prog="rollout", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="warning", type=str.lower,
+def _global_options(defaults: dict[str, Any] | None) -> _Parser:
+    """The global options, accepted before and after the subcommand (a fresh parser each
+    time: argparse shares the action objects of a parent with its children)."""
+    def default(name: str) -> Any:
+        return argparse.SUPPRESS if defaults is None else defaults[name]
+
+    common = _Parser(add_help=False)
+    common.add_argument("--log-level", default=default("log_level"), type=str.lower,
                         choices=("debug", "info", "warning", "error", "critical"),
                         help="which log lines to print (default warning)")
-    parser.add_argument("--log-format", default="kv", choices=("kv", "json"),
+    common.add_argument("--log-format", default=default("log_format"), choices=("kv", "json"),
                         help="log lines as key=value (default) or JSON")
+    common.add_argument("-v", "--verbose", action="store_true", default=default("verbose"),
+                        help="rollout run: print the engine's own output (vLLM's logs, torch "
+                             "warnings) here instead of into its log file")
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the ``rollout`` command."""
+    parser = _Parser(prog="rollout", description=__doc__.splitlines()[0],
+                     parents=[_global_options(GLOBAL_DEFAULTS)])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    run = sub.add_parser("run", help="run a scenario end to end")
+
+    def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        # the subcommand's copies set nothing unless given (SUPPRESS): a value given after
+        # the subcommand wins over one given before, and neither given keeps the defaults
+        made: argparse.ArgumentParser = sub.add_parser(
+            name, parents=[_global_options(None)], **kwargs)
+        return made
+
+    run = add("run", help="run a scenario end to end")
     run.add_argument("scenario", help=f"one of: {', '.join(sorted(SCENARIOS))}")
     run.add_argument("--n", type=int, default=4, help="rollouts per prompt")
     run.add_argument("--rows", type=int, default=32, help="prompts to run")
@@ -282,17 +348,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="median latency of the simulated engine (s, default 0.05)",
     )
     run.add_argument("--tensorboard", metavar="DIR", help="also log batch metrics to TensorBoard")
-    trace = sub.add_parser("trace", help="convert a trajectory dump to a Chrome/Perfetto trace")
+    trace = add("trace", help="convert a trajectory dump to a Chrome/Perfetto trace")
     trace.add_argument("file", help="dump (.jsonl) or folder of rotated dumps")
     trace.add_argument("-o", "--out", help="trace file (default: FILE with suffix .trace.json)")
-    inspect = sub.add_parser("inspect", help="summarize a dump, show one sample, list failures")
+    inspect = add("inspect", help="summarize a dump, list its samples, show one, list failures")
     inspect.add_argument("file", help="dump (.jsonl) or folder of rotated dumps")
     shown = inspect.add_mutually_exclusive_group()
     shown.add_argument("--show", metavar="UID", help="print one trajectory (unique uid prefix)")
     shown.add_argument("--failed", action="store_true", help="failures grouped by error")
-    dump = sub.add_parser("dump", help="ask a running process for a task dump and print it")
+    shown.add_argument("--list", action="store_true",
+                       help="one line per sample: uid, status, reward (the uids --show takes)")
+    inspect.add_argument("--limit", type=int, default=50, metavar="N",
+                         help="--list: at most N lines (default 50; 0 for all)")
+    dump = add("dump", help="ask a running process for a task dump and print it")
     add_dump_arguments(dump)
     return parser
+
+
+GLOBAL_DEFAULTS: dict[str, Any] = {"log_level": "warning", "log_format": "kv", "verbose": False}
+"""Values of the global options when given neither before nor after the subcommand."""
+
+ENGINE_LOG_DIR_VARIABLE = "ROLLOUT_LOG_DIR"
+"""Environment variable: the folder of ``rollout run``'s engine log files (default: a
+``rollout`` folder in the system's temporary directory)."""
+
+_TAIL = 20
+"""Lines of the engine's log shown when ``rollout run`` fails."""
+
+
+def engine_log_path() -> Path:
+    """A new log file for one ``rollout run``: ``$ROLLOUT_LOG_DIR/run-<time>-<pid>.log``."""
+    folder = os.environ.get(ENGINE_LOG_DIR_VARIABLE) or os.path.join(tempfile.gettempdir(),
+                                                                       "rollout")
+    return Path(folder) / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,14 +397,47 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         scenario = check_run_args(args)
-        return asyncio_run(_run(args, scenario))
+        if args.verbose or args.engine in ("simulated", "openai"):  # no engine output here
+            return asyncio_run(_run(args, scenario, Console(out=sys.stdout, err=sys.stderr)))
+        return _run_quietly(args, scenario)
     if args.command == "trace":
         return trace_command(args.file, args.out)
     if args.command == "inspect":
-        return inspect_command(args.file, show=args.show, failed=args.failed)
+        if args.limit < 0:
+            _refuse("inspect", f"--limit must be >= 0, got {args.limit}")
+        return inspect_command(args.file, show=args.show, failed=args.failed,
+                               listing=args.list, limit=args.limit or None)
     if args.command == "dump":
         return run_dump(args)
     return 2
+
+
+def _run_quietly(args: argparse.Namespace, scenario: ModuleType) -> int:
+    """``rollout run`` with a local engine: its output (and its processes') into a log file
+    named in one line; on a failure, the error and the log's last lines on the terminal."""
+    log = engine_log_path()
+    try:
+        with output_to_file(log) as console:
+            print(f"engine log: {log} (--verbose prints it here)", file=console.err)
+            configure_logging(args.log_level, format=args.log_format, stream=console.err)
+            try:
+                return asyncio_run(_run(args, scenario, console))
+            except BaseException as exc:
+                stopped = isinstance(exc, KeyboardInterrupt) or (
+                    isinstance(exc, SystemExit) and exc.code in (0, None))
+                if not stopped:
+                    _show_tail(log, console)
+                raise
+    finally:
+        configure_logging(args.log_level, format=args.log_format)
+
+
+def _show_tail(log: Path, console: Console) -> None:
+    lines = tail_lines(log, _TAIL)
+    if lines:
+        print(f"rollout run: failed; the last {len(lines)} lines of {log}:", file=console.err)
+        for line in lines:
+            print(f"  | {line[:300]}", file=console.err)
 
 
 if __name__ == "__main__":

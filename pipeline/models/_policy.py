@@ -20,9 +20,15 @@ _FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_confi
 
 
 def tiny_policy_dir() -> Path:
-    """The directory holding the shipped tiny policy (weights, tokenizer, chat template).
+    """The directory holding the shipped tiny policy (weights, tokenizer, chat template):
+    the trained model ``rollout run arith`` runs (the random tiny model is
+    :func:`~pipeline.models.ensure_random_tiny_model`).
 
-    It is read-only package data: copy it before changing anything in it.
+    It was trained on one prompt format, the rows of :func:`scenarios.arith_tools.rows`: the
+    scenario's system prompt, a word problem, the calculator's tool schema, rendered by its
+    chat template; with those and the calculator tool it solves about a third of the problems
+    (a bare question without the system prompt and tools: a few percent). Its weights are
+    float32. It is read-only package data: copy it before changing anything in it.
 
     Raises:
         ConfigError: the package was installed without its data files.

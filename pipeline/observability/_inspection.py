@@ -5,7 +5,9 @@
 - :func:`render_trajectory`: one sample as a conversation with token counts, its reward and
   its stage timeline;
 - :func:`render_failures`: samples that did not complete, grouped by error (ids and numbers
-  in messages folded, so one cause is one group).
+  in messages folded, so one cause is one group);
+- ``--list``: one line per sample (uid, status, reward, ...), the uids ``--show`` takes, cut
+  at a limit so a large dump prints a bounded page.
 """
 
 from __future__ import annotations
@@ -120,6 +122,43 @@ class _FailureTally:
         return "\n".join(lines)
 
 
+class _ListTally:
+    """The first ``limit`` samples' lines and the counts of all, gathered while streaming."""
+
+    HEADERS = ("uid", "status", "reward", "finish", "exit", "tool_turns", "response_len",
+               "latency_s")
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.total = 0
+        self.by_status: Counter[str] = Counter()
+        self.rows: list[list[str]] = []
+
+    def add(self, line: BatchSummary | TrajectoryRecord | BatchEnd) -> None:
+        if not isinstance(line, TrajectoryRecord):
+            return
+        self.total += 1
+        self.by_status[line.status.value] += 1
+        if self.limit is None or len(self.rows) < self.limit:
+            self.rows.append([
+                line.uid, line.status.value, "-" if line.reward is None else f"{line.reward:g}",
+                line.finish_reason.value, line.exit_reason or "-", str(line.agent.tool_turns),
+                str(line.response_len),
+                "-" if line.latency_s is None else f"{line.latency_s:.3f}"])
+
+    def render(self, problems: list[str]) -> str:
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(self.by_status.items()))
+        lines = [*problems, _table(list(self.HEADERS), self.rows) if self.rows else "(no samples)"]
+        shown = len(self.rows)
+        if shown < self.total:
+            lines.append(f"... {self.total - shown} more: {shown} of {self.total} samples "
+                         f"shown ({counts}); --limit N shows more, --limit 0 all")
+        else:
+            lines.append(f"{self.total} samples ({counts})")
+        lines.append("rollout inspect FILE --show UID prints one (a unique uid prefix is enough)")
+        return "\n".join(lines)
+
+
 def render_summary(dump: TrajectoryDump) -> str:
     """Tables of a dump: per batch, per status / finish / exit reason, per data source."""
     tally = _SummaryTally()
@@ -173,23 +212,29 @@ def render_failures(dump: TrajectoryDump, *, examples: int = 3) -> str:
 
 
 def inspect_command(path: str | os.PathLike[str], *, show: str | None = None,
-                    failed: bool = False) -> int:
-    """``rollout inspect FILE [--show UID] [--failed]``: print to stdout.
+                    failed: bool = False, listing: bool = False,
+                    limit: int | None = 50) -> int:
+    """``rollout inspect FILE [--show UID | --failed | --list [--limit N]]``: print to stdout.
 
     The dump is streamed: only the figures of each sample are kept (for ``--show``, the
-    matching samples), so dumps larger than memory can be inspected.
+    matching samples; for ``--list``, the first ``limit`` lines), so dumps larger than memory
+    can be inspected.
 
     Args:
         path: the dump (file or folder of rotated dumps).
         show: print this sample (a unique uid prefix is enough).
         failed: list failures grouped by error.
+        listing: one line per sample: uid, status, reward, finish and exit reasons, tool
+            turns, response length, latency.
+        limit: for ``listing``, at most this many lines (None: all); a last line counts the
+            rest by status.
 
     Returns:
         0 on success, 1 when ``show`` matches no sample or several, 2 when the dump cannot
         be read or is not a trajectory dump (no line of it is one).
     """
     reader = TrajectoryReader(path, sniff_lines=_SNIFF_LINES)
-    summary, failures = _SummaryTally(), _FailureTally(examples=3)
+    summary, failures, listed = _SummaryTally(), _FailureTally(examples=3), _ListTally(limit)
     exact: list[TrajectoryRecord] = []
     prefixed: list[TrajectoryRecord] = []
     read = 0
@@ -201,6 +246,8 @@ def inspect_command(path: str | os.PathLike[str], *, show: str | None = None,
                     (exact if line.uid == show else prefixed).append(line)
             elif failed:
                 failures.add(line)
+            elif listing:
+                listed.add(line)
             else:
                 summary.add(line)
     except NotADumpError as exc:
@@ -218,14 +265,17 @@ def inspect_command(path: str | os.PathLike[str], *, show: str | None = None,
         matches = exact or prefixed
         if len(matches) != 1:
             what = "no sample" if not matches else f"{len(matches)} samples"
-            print(f"rollout inspect: {what} with uid {show!r} in {Path(path).name}",
-                  file=sys.stderr)
+            print(f"rollout inspect: {what} with uid {show!r} in {Path(path).name} "
+                  f"(--list lists the uids)", file=sys.stderr)
             for m in matches[:10]:
                 print(f"  {m.uid}", file=sys.stderr)
             return 1
         print(render_trajectory(matches[0]))
         return 0
-    print(failures.render(problems) if failed else summary.render(Path(path).name, problems))
+    if listing:
+        print(listed.render(problems))
+    else:
+        print(failures.render(problems) if failed else summary.render(Path(path).name, problems))
     return 0
 
 

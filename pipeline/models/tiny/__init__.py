@@ -1,7 +1,12 @@
-"""A tiny Qwen2 chat model built locally: no hub, seeded, a few seconds on a CPU.
+"""The *random* tiny Qwen2 chat model, built locally: no hub, seeded, a few seconds on a CPU.
+
+Its weights are random: it shows the machinery (engines, templates, token accounting), not
+skill. The model ``rollout run arith`` runs is another one, the tiny *policy* trained from this
+shape to call the calculator: :func:`pipeline.models.tiny_policy_dir`.
 
 Run ``python -m pipeline.models.tiny DIR`` to build it into ``DIR`` (or call
-:func:`ensure_tiny_model`, which builds once and caches). The result is a standard Hugging Face
+:func:`ensure_random_tiny_model`, which builds once and caches; :func:`ensure_tiny_model` is
+its older name). The result is a standard Hugging Face
 model directory (``config.json``, ``model.safetensors``, ``tokenizer.json``, chat template), so
 ``transformers`` and vLLM load it like any other Qwen2 model.
 
@@ -66,9 +71,12 @@ def default_model_dir() -> Path:
     return DENSE.default_dir()
 
 
-def ensure_tiny_model(directory: Path | None = None, spec: TinyModelSpec | None = None, *,
-                      rebuild: bool = False) -> Path:
-    """Return a directory holding the tiny model, building it first if needed.
+def ensure_random_tiny_model(directory: Path | None = None, spec: TinyModelSpec | None = None,
+                             *, rebuild: bool = False) -> Path:
+    """Return a directory holding the random tiny model, building it first if needed.
+
+    Random weights: not the trained tiny policy of ``rollout run arith``
+    (:func:`pipeline.models.tiny_policy_dir`).
 
     A finished build is recognised by its marker file; a build with another spec (or an older
     builder) is replaced. Builds go to a temporary sibling directory and are renamed into place,
@@ -86,6 +94,14 @@ def ensure_tiny_model(directory: Path | None = None, spec: TinyModelSpec | None 
         ConfigError: ``directory`` exists, is not empty and is not a tiny-model build.
     """
     return DENSE.ensure(directory, spec or TinyModelSpec(), rebuild=rebuild)
+
+
+def ensure_tiny_model(directory: Path | None = None, spec: TinyModelSpec | None = None, *,
+                      rebuild: bool = False) -> Path:
+    """The random tiny model: the older name of :func:`ensure_random_tiny_model` (same
+    arguments, same directory). It is not the trained policy ``rollout run arith`` runs;
+    that is :func:`pipeline.models.tiny_policy_dir`."""
+    return ensure_random_tiny_model(directory, spec, rebuild=rebuild)
 
 
 def build_tiny_model(directory: Path, spec: TinyModelSpec | None = None) -> Path:
