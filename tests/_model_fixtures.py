@@ -1,8 +1,9 @@
 """Fixtures and helpers for tests on the real tiny model.
 
 A test module registers the fixtures with ``pytest_plugins = ["_model_fixtures"]`` and imports
-the helpers it uses. The model is built once per session: into ``$ROLLOUT_TINY_MODEL_DIR``
-when that is set (a cache across runs), else into the session's temporary directory.
+the helpers it uses. The model is built once per run: into ``$ROLLOUT_TINY_MODEL_DIR``
+when that is set (a cache across runs), else into the run's temporary directory (under xdist,
+the folder all workers share; the first worker builds it, the others wait and reuse it).
 
 PYTEST_DONT_REWRITE (no asserts here; lets test modules import helpers before registering).
 """
@@ -20,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from filelock import FileLock  # noqa: E402  (installed with transformers)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from pipeline.engines.transformers import TransformersEngine  # noqa: E402
@@ -32,7 +34,13 @@ MAX_MODEL_LEN = 1024
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if os.environ.get(ENV_DIR):
         return ensure_tiny_model()
-    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, shared by its xdist workers: one build per run
+    target = root / "models" / "tiny-qwen2"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):  # the others wait for the first build, then reuse it
+        return ensure_tiny_model(target)
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,8 @@ from pipeline.diagnostics import install_task_dumper  # noqa: E402
 from pipeline.distributed import RayRolloutPool  # noqa: E402
 from pipeline.testing import ByteTokenizer  # noqa: E402
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"),
+              pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (tests/conftest.py)
 
 
 # -- what the workers run (pickled by value: the workers cannot import this module) ------------

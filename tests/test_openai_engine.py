@@ -30,6 +30,7 @@ from pipeline.stages import BuildPrompt, Generate
 from pipeline.testing import ByteTokenizer
 
 pytest_plugins = ["_model_fixtures"]
+pytestmark = pytest.mark.xdist_group("vllm")  # one vLLM engine at a time (tests/conftest.py)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed "

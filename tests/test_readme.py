@@ -14,9 +14,14 @@ README = (ROOT / "README.md").read_text()
 
 
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+# An example that starts a Ray cluster runs in the Ray group, one cluster at a time
+# (tests/conftest.py).
+RAY = pytest.mark.xdist_group("ray")
+PARAMS = [pytest.param(code, id=f"block{i}", marks=[RAY] if re.search(r"\b[Rr]ay", code) else [])
+          for i, code in enumerate(BLOCKS)]
 
 
-@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+@pytest.mark.parametrize("code", PARAMS)
 def test_python_examples_run(tmp_path, code):
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=110, cwd=tmp_path

@@ -29,6 +29,7 @@ from pipeline import ConfigError  # noqa: E402
 from pipeline.integrations.verl import register_agent_loop, register_estimators  # noqa: E402
 
 pytest_plugins = ["_model_fixtures"]
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
 
 P, R = 384, 160  # rollout.prompt_length / response_length
 N = 2  # rollouts per prompt

@@ -23,6 +23,8 @@ from pipeline.batch import to_verl_outputs  # noqa: E402
 from pipeline.integrations.verl import register_estimators  # noqa: E402
 from pipeline.testing import ByteTokenizer  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
+
 
 async def fail_early(item, ctx):
     if item.sample_index == 1:

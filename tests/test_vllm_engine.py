@@ -17,6 +17,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vllm is not installed (see scripts/install_vllm.sh)"),
     pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.xdist_group("vllm"),  # one vLLM engine at a time (tests/conftest.py)
     pytest.mark.slow,  # one vLLM engine start for the module: 30-90 s
     pytest.mark.timeout(600),  # the first test pays for the engine start (30-90 s)
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"
