@@ -231,7 +231,9 @@ def test_every_ordering_of_block_threshold_stall_and_hard_limit(tmp_path):
         Watchdog(**limits)  # accepted in process too
         short = (limits[T] + limits[H]) / 2  # past the threshold, short of the hard limit
         children[name] = (limits, _start_limits_child(
-            tmp_path, name, {**limits, "stall_check_s": 0.05}, slow=max(values) + 0.6,
+            # the stall must be seen before the slow sample ends: 2 s past the longest limit,
+            # since 0.6 s was missed with three children and the suite's workers on 2 cores
+            tmp_path, name, {**limits, "stall_check_s": 0.05}, slow=max(values) + 2.0,
             blocks=[short, limits[H] + 1.0]))
     assert len(refused) == 3 and len(children) == 3  # H<=T is half of the orderings
     for name, (limits, proc) in children.items():
