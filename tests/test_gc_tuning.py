@@ -54,8 +54,8 @@ def test_the_cli_freezes_the_engine_it_built(tuned, monkeypatch, tmp_path):
     seen: dict[str, int] = {}
     start_up: list[list[int]] = []
 
-    async def build(args, scenario):
-        built = await real_build(args, scenario)
+    async def build(*args):  # (args, scenario, console)
+        built = await real_build(*args)
         start_up.extend([] for _ in range(20_000))  # an engine's start-up objects (tracked)
         seen["built"] = gc.get_freeze_count()
         return built
