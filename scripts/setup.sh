@@ -58,12 +58,12 @@ up_to_date() { echo "setup: $1 is up to date"; }
 install_base() {
   [ -x "$PY" ] || python3 -m venv .venv
   .venv/bin/pip install --upgrade pip
-  .venv/bin/pip install -e '.[dev,transformers]'
+  .venv/bin/pip install -e '.[dev,transformers,docs]'
   stamp base pyproject.toml scripts/setup.sh
 }
 BASE_CHECK="import importlib.util as u, pathlib, pipeline
 assert pathlib.Path(pipeline.__file__).resolve().parent == pathlib.Path('pipeline').resolve()
-assert all(u.find_spec(m) for m in ('pytest', 'mypy', 'ruff', 'torch', 'transformers'))"
+assert all(u.find_spec(m) for m in ('pytest', 'mypy', 'ruff', 'torch', 'transformers', 'mkdocs'))"
 if [ -x "$PY" ] && fresh base "$BASE_CHECK" pyproject.toml scripts/setup.sh; then
   up_to_date base
 else
