@@ -249,7 +249,9 @@ def to_verl_batch(
 
     Args:
         samples: the batch, in the order of the trainer's input batch.
-        pad_token_id / max_prompt_len / max_response_len: as for :func:`collate`.
+        pad_token_id: as for :func:`collate`.
+        max_prompt_len: as for :func:`collate`.
+        max_response_len: as for :func:`collate`.
         items: the matching items, for ``__num_turns__``, the metrics, ``raw_prompt`` and,
             for items from :func:`from_verl_batch`, verl's input columns (emitted again, as
             verl's worker does).

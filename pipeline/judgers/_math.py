@@ -167,7 +167,8 @@ class MathJudger:
         rel_tol: relative tolerance for numeric answers that are not exactly equal.
         fallback_last_number: use the last number in the text when nothing else marks the
             answer.
-        correct_score / incorrect_score: the two scores.
+        correct_score: the score of a correct answer.
+        incorrect_score: the score of any other answer.
     """
 
     name = "math"

@@ -23,7 +23,9 @@ def judge_item(answer: str | None, *, ground_truth: Any = None, data_source: str
 
     Args:
         answer: the final assistant message's text (None: no assistant message at all).
-        ground_truth / data_source / extra: the row's fields.
+        ground_truth: the row's field.
+        data_source: the row's field.
+        extra: the row's field.
         question: the user message.
         uid: the item's uid (its group id is the part before the last ``-``).
     """
