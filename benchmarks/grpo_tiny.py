@@ -126,7 +126,7 @@ def main() -> None:
     for seed in seeds:
         run = run_seed(seed, args.engine, args.out / f"seed{seed}", args.minutes)
         runs[f"seed{seed}"] = run
-        if seed == seeds[0]:  # the README shows the first seed's curve
+        if seed == seeds[0]:  # docs/guides/rl-loop.md shows the first seed's curve
             shutil.copy(args.out / f"seed{seed}" / "reward_curve.png",
                         RESULTS / "grpo_tiny_reward_curve.png")
         print(f"seed {seed}: held-out {run['heldout_before']['mean']:.3f} -> "

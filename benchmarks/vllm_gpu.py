@@ -1,6 +1,7 @@
 """vLLM on a GPU: the ceiling, the in-process engine's knobs, weight-update time, bf16 gap.
 
-Run (on the GPU machine, vLLM installed; see the README's GPU paragraph)::
+Run (on the GPU machine, vLLM installed; see docs/vllm_gpu.md, "Running it on the GPU
+machines")::
 
     python benchmarks/vllm_gpu.py --config qwen2-0.5b --prompts 256 1024 --output-len 256 \\
         --parts ceiling knobs sync gap

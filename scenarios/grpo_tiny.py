@@ -77,7 +77,7 @@ HELDOUT_SEED = 20_231
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    """Every knob of one run (defaults: the run measured in the README)."""
+    """Every knob of one run (defaults: the run measured in docs/guides/rl-loop.md)."""
 
     seed: int = 1
     engine: str = "auto"

@@ -71,7 +71,7 @@ async def fail_first(item: Any, ctx: Any) -> None:
 
 
 async def score_by_k(item: Any, ctx: Any) -> None:
-    """A README-style custom stage: writes the reward and a payload, no ``Judge``."""
+    """A custom stage as in the guides: writes the reward and a payload, no ``Judge``."""
     score = 0.0 if where(item)[1] == 0 else 1.0
     item.artifacts[artifacts.REWARD] = score
     item.artifacts[artifacts.REWARD_PAYLOAD] = {"acc": bool(score),

@@ -4,7 +4,8 @@
   file named in one line (its last lines shown if the engine fails), the shipped policy loads
   in its own dtype; ``scripts/setup.sh`` prints one line per step;
 - item 3: the trained tiny policy and the random tiny model have names that say which is
-  which, and the README runs the policy on the rows it was trained on;
+  which, and the set-up guide (docs/guides/getting-started.md) runs the policy on the rows it
+  was trained on;
 - item 5: global options after the subcommand, and ``rollout inspect --list``.
 """
 
@@ -25,7 +26,9 @@ import pytest
 from pipeline.observability import read_trajectories
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+# The guide that quotes this run's figures and runs the policy from Python (it was the
+# README's "Set up and run" and "The tiny policy from Python" before the docs site).
+GUIDE = (ROOT / "docs" / "guides" / "getting-started.md").read_text()
 MAX_LINES = 40
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -62,7 +65,7 @@ def test_item1_rollout_run_arith_prints_a_short_report_on_a_first_run(tmp_path, 
     """Default options, the real default engine (in-process vLLM), an empty compile cache:
     at most 40 lines in all (were 80-435), the log file named in one line and holding vLLM's
     own lines, the float32 policy loaded as float32 (no per-weight dtype warnings), and the
-    summary the README quotes."""
+    summary the set-up guide quotes."""
     env = _first_run_env(tmp_path)
     proc = rollout("run", "arith", env=env, timeout=540)
     out = lines_of(proc)
@@ -78,12 +81,12 @@ def test_item1_rollout_run_arith_prints_a_short_report_on_a_first_run(tmp_path, 
     summary = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in proc.stdout
                    .splitlines()[1:] if re.search(r"\S\s{2,}\S", line))
     assert summary["status"] == "completed=128"
-    # the figures the README quotes for this run
+    # the figures the set-up guide quotes for this run
     reward = summary["reward mean/std"].split(" / ")[0]
     tools = summary["tool calls/errors/drift"]
-    assert f"`reward mean {reward}`" in README, summary
-    assert f"`tool calls/errors/drift\n{tools}`" in README or \
-        f"`tool calls/errors/drift {tools}`" in README, summary
+    assert f"`reward mean {reward}`" in GUIDE, summary
+    assert f"`tool calls/errors/drift\n{tools}`" in GUIDE or \
+        f"`tool calls/errors/drift {tools}`" in GUIDE, summary
 
 
 @pytest.mark.parametrize("_", [pytest.param(0, marks=vllm_run)], ids=["vllm"])
@@ -205,16 +208,16 @@ def test_item3_the_policy_and_the_random_model_are_named_apart(tmp_path):
     assert "ensure_random_tiny_model" in models.__all__
 
 
-def _readme_section(title: str) -> str:
-    start = README.index(f"## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start:end if end != -1 else None]
+def _guide_section(title: str) -> str:
+    start = GUIDE.index(f"## {title}\n")
+    end = GUIDE.find("\n## ", start + 1)
+    return GUIDE[start:end if end != -1 else None]
 
 
-def test_item3_readme_runs_the_shipped_policy_on_the_rows_it_was_trained_on(tmp_path):
-    """The README names the two models and runs the policy on ``arith_tools.rows``: it calls
-    the calculator and earns a reward well above a bare prompt's few percent."""
-    section = _readme_section("The tiny policy from Python")
+def test_item3_the_guide_runs_the_shipped_policy_on_the_rows_it_was_trained_on(tmp_path):
+    """The set-up guide names the two models and runs the policy on ``arith_tools.rows``: it
+    calls the calculator and earns a reward well above a bare prompt's few percent."""
+    section = _guide_section("The tiny policy from Python")
     assert "tiny_policy_dir()" in section and "ensure_random_tiny_model()" in section
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert "arith_tools.rows(" in code

@@ -1,10 +1,10 @@
 """The Responses API (``/v1/responses``) and the field policy of both APIs.
 
 Fast part, over real HTTP on 127.0.0.1 with the simulated engine (named as such) and the
-byte-level tokenizer: every field of both APIs has a rule and a README row, refusals are final
-and reach no engine, an engine that declares a constraint gets it, Responses turns record the
-same tokens as chat turns, ``previous_response_id`` stays inside its session, strict tools,
-fuzzed bodies never get a 5xx.
+byte-level tokenizer: every field of both APIs has a rule and a row in the proxy guide
+(docs/guides/proxy.md), refusals are final and reach no engine, an engine that declares a
+constraint gets it, Responses turns record the same tokens as chat turns,
+``previous_response_id`` stays inside its session, strict tools, fuzzed bodies never get a 5xx.
 
 Slow part (marked ``slow``, still in CI), on the tiny model: openai-agents on its defaults
 (``OpenAIResponsesModel``) and the official SDK's ``responses.create``/``responses.stream`` as
@@ -37,7 +37,8 @@ from pipeline.testing import ByteTokenizer, SimulatedEngine
 
 pytest_plugins = ["_model_fixtures"]
 TOK = ByteTokenizer()
-README = Path(__file__).parents[1] / "README.md"
+# The proxy guide, with a table row per request field (moved there from the README).
+GUIDE = Path(__file__).parents[1] / "docs" / "guides" / "proxy.md"
 CHAT_TOOLS = [{"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
 RESP_TOOLS = [{"type": "function", "name": "add",
@@ -102,7 +103,7 @@ def sse_events(text: str) -> list[dict[str, Any]]:
 # ----- the field policy -------------------------------------------------------------------
 
 
-def test_every_request_field_of_both_apis_has_a_rule_and_a_readme_row():
+def test_every_request_field_of_both_apis_has_a_rule_and_a_row_in_the_guide():
     pytest.importorskip("openai")
     from openai.types.chat.completion_create_params import CompletionCreateParamsBase
     from openai.types.responses.response_create_params import ResponseCreateParamsBase
@@ -111,9 +112,8 @@ def test_every_request_field_of_both_apis_has_a_rule_and_a_readme_row():
                           (ResponseCreateParamsBase, RESPONSES_FIELDS)):
         fields = params.__required_keys__ | params.__optional_keys__ | {"stream"}
         assert fields == set(rules), sorted(fields ^ set(rules))
-    text = README.read_text()
-    section = text[text.index("## Black-box agents"):]
-    section = section[:section.index("\n## ", 4)]
+    text = GUIDE.read_text()
+    section = text[text.index("## Every request field has a policy"):]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     named = {name for row in rows for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
     missing = (set(CHAT_FIELDS) | set(RESPONSES_FIELDS)) - named
