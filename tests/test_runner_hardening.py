@@ -388,3 +388,30 @@ async def test_item10_a_huge_exception_message_is_capped_head_and_tail_kept():
     record = item.records[0]
     assert len(record.error_message) <= ERROR_CHARS + 100
     assert record.error_message.startswith("HEAD") and record.error_message.endswith("TAIL")
+
+
+async def test_a_cleanup_scheduled_late_on_a_loaded_loop_still_runs_once():
+    """The cleanup timeout counts from the cleanup's first step. On a loaded loop (a thousand
+    samples cleaning up at once) a cleanup's task can wait longer than ``cleanup_timeout_s`` to
+    be scheduled; it was then cancelled before it began and never ran (seen in the chaos test
+    under parallel load). Here every new task's first step comes 0.3 s late, as on such a loop."""
+    loop = asyncio.get_running_loop()
+    default_factory = loop.get_task_factory()
+
+    def late_start(loop, coro, **kwargs):
+        async def late():
+            await asyncio.sleep(0.3)
+            return await coro
+        kwargs.pop("eager_start", None)
+        return asyncio.Task(late(), loop=loop, **kwargs)
+
+    counter = CleanupCounter()
+    pipe = make([BuildPrompt(), counter, Generate()], cleanup_timeout_s=0.05)
+    loop.set_task_factory(late_start)
+    try:
+        result = await pipe.run_batch(ROWS[:3], n=1)
+    finally:
+        loop.set_task_factory(default_factory)
+    assert [s.status for s in result.samples] == [Status.COMPLETED] * 3
+    assert counter.cleanups == counter.started and set(counter.started.values()) == {1}
+    assert counter.cleanup_finished == counter.cleanups

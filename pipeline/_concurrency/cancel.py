@@ -74,7 +74,8 @@ def abandoned_tasks() -> dict[asyncio.Task[Any], str]:
 
 
 async def shielded(make: Callable[[], Awaitable[T]], timeout_s: float | None) -> T:
-    """Run ``make()`` to its end in a task of its own, bounded by ``timeout_s``.
+    """Run ``make()`` to its end in a task of its own, bounded by ``timeout_s`` (counted from
+    its first step).
 
     A cancellation of the caller while it runs is deferred: ``CancelledError`` is raised once
     the work has ended, so a cleanup is never cut short and never runs twice. Work still
@@ -88,8 +89,14 @@ async def shielded(make: Callable[[], Awaitable[T]], timeout_s: float | None) ->
         Exception: whatever the work raised (when the caller was not cancelled).
     """
     work = make()
-    inner = asyncio.get_running_loop().create_task(_as_coroutine(work))
-    cancelled = await wait_through_cancellation([inner], timeout_s)
+    loop = asyncio.get_running_loop()
+    began: asyncio.Future[None] = loop.create_future()
+    inner = loop.create_task(_as_coroutine(work, began))
+    # The bound counts from the work's first step, not from the task's creation: on a loaded
+    # loop (a thousand samples cleaning up at once) a task can wait longer than a short
+    # timeout to be scheduled, and work cancelled before it began would never run at all.
+    cancelled = await wait_through_cancellation([began])
+    cancelled = await wait_through_cancellation([inner], timeout_s) or cancelled
     timed_out = not inner.done()
     if timed_out:
         inner.cancel()
@@ -184,7 +191,10 @@ def _close_unstarted(awaitable: Awaitable[Any]) -> None:
         awaitable.close()
 
 
-async def _as_coroutine(awaitable: Awaitable[T]) -> T:
+async def _as_coroutine(awaitable: Awaitable[T],
+                        began: asyncio.Future[None] | None = None) -> T:
+    if began is not None and not began.done():
+        began.set_result(None)
     try:
         return await awaitable
     except (Exception, asyncio.CancelledError):
