@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The guide that quotes this run's figures and runs the policy from Python (it was the
 # README's "Set up and run" and "The tiny policy from Python" before the docs site).
 GUIDE = (ROOT / "docs" / "guides" / "getting-started.md").read_text()
+README = (ROOT / "README.md").read_text()
 MAX_LINES = 40
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -85,6 +86,7 @@ def test_item1_rollout_run_arith_prints_a_short_report_on_a_first_run(tmp_path, 
     reward = summary["reward mean/std"].split(" / ")[0]
     tools = summary["tool calls/errors/drift"]
     assert f"`reward mean {reward}`" in GUIDE, summary
+    assert f"`reward mean {reward}`" in README, summary  # the landing page quotes it too
     assert f"`tool calls/errors/drift\n{tools}`" in GUIDE or \
         f"`tool calls/errors/drift {tools}`" in GUIDE, summary
 
