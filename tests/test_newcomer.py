@@ -173,18 +173,19 @@ def _fake_venv(tmp_path):
     root = Path(__file__).resolve().parent.parent
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for name in ("setup.sh", "install_vllm.sh", "install_verl.sh"):
+    for name in ("setup.sh", "_install.sh", "install_vllm.sh", "install_verl.sh"):
         shutil.copy(root / "scripts" / name, repo / "scripts" / name)
     shutil.copy(root / "pyproject.toml", repo / "pyproject.toml")
     (repo / "pipeline").symlink_to(root / "pipeline")
     bin_dir = repo / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
-    log = tmp_path / "pip.log"
-    (bin_dir / "pip").write_text(f'#!/bin/sh\necho "pip $*" >> {log}\n')
+    log = tmp_path / "installer.log"
+    (bin_dir / "uv").write_text(f'#!/bin/sh\necho "uv $*" >> {log}\n')
+    (bin_dir / "pip").write_text('#!/bin/sh\nexit 0\n')  # `pip config list`: nothing set
     (bin_dir / "python").write_text(
         f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then shift 2; '
         f'echo "pip $*" >> {log}; exit 0; fi\nexec {sys.executable} "$@"\n')
-    for exe in ("pip", "python"):
+    for exe in ("uv", "pip", "python"):
         os.chmod(bin_dir / exe, 0o755)
     return repo, log
 
