@@ -214,7 +214,7 @@ def _unsendable(items: list[AgentRolloutItem]) -> dict[str, str]:
     found = {}
     for item in items:
         try:
-            ray.cloudpickle.dumps(item)  # type: ignore[no-untyped-call]
+            ray.cloudpickle.dumps(item)
         except Exception as exc:
             found[item.uid] = describe(exc, first_line=True, limit=500)
     return found

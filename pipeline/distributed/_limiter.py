@@ -135,7 +135,7 @@ class LimiterActor:
             grants[0] = [first[0], first[1] + grants[0][1]]
         return granted_at
 
-    @ray.method(concurrency_group=CONTROL)
+    @ray.method(concurrency_group=CONTROL)  # type: ignore[untyped-decorator]
     async def give_back(self, worker: str, name: str, key: Hashable, cost: float,
                         granted_at: float | None = None) -> float:
         """Hand back unused tokens of ``worker``'s leases for ``key``.
@@ -177,7 +177,7 @@ class LimiterActor:
             del self._ledger[(worker, name, key)]
         return credited
 
-    @ray.method(concurrency_group=CONTROL)
+    @ray.method(concurrency_group=CONTROL)  # type: ignore[untyped-decorator]
     async def release(self, worker: str) -> int:
         """Withdraw a dead worker's queued lease requests (they consumed nothing); the tokens
         it was granted count as spent (no give-back of them is credited).
@@ -199,7 +199,7 @@ class LimiterActor:
         _logger.info("fleet_limiter_released", worker=worker, withdrawn=len(tasks))
         return len(tasks)
 
-    @ray.method(concurrency_group=CONTROL)
+    @ray.method(concurrency_group=CONTROL)  # type: ignore[untyped-decorator]
     async def stats(self) -> dict[str, BucketStats]:
         """Fleet-wide figures of every limit (the real buckets)."""
         return await self._on_loop(self._stats())

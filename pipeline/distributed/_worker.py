@@ -403,7 +403,7 @@ def _escaped(producer: Producer, sent: set[str]) -> list[SampleRun]:
 
 
 def _dumps(value: Any) -> bytes:
-    data: bytes = ray.cloudpickle.dumps(value, protocol=5)  # type: ignore[no-untyped-call]
+    data: bytes = ray.cloudpickle.dumps(value, protocol=5)
     return data
 
 

@@ -343,7 +343,7 @@ class TransformersEngine:
         self._step_valid = mask[:, -ids.shape[1]:]
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
-        return out.logits[:, -1, :].float()  # type: ignore[no-any-return]
+        return out.logits[:, -1, :].float()
 
     def _sample_and_settle(self, batch: Batch, logits: torch.Tensor) -> Batch | None:
         rows = batch.rows
