@@ -5,8 +5,10 @@ Each xdist worker is its own process; a *group* (``xdist_group`` mark) runs whol
 - ``xdist_group("vllm")``: modules that start a vLLM engine (in-process or a server). vLLM's
   CPU build computes on one core and reserves the other, so two engines at once oversubscribe
   the machine: they must never overlap, and one group serialises them.
-- ``xdist_group("ray")``: modules (and the docs examples that mention Ray) that start a local
-  Ray cluster (``num_cpus=2``): one cluster at a time.
+- ``xdist_group("ray")``: modules that use a local Ray cluster (``num_cpus=2``), all through
+  the session fixture ``ray_cluster`` below (one cluster for them all, started once on the
+  worker that runs the group), and the docs examples that mention Ray (their own cluster,
+  in a subprocess).
 - Every other module that has a module-scoped fixture becomes a group of its own here, so its
   fixture (a batch run, a loaded model) is built once, not once per worker.
 - The rest is spread test by test.
@@ -17,11 +19,55 @@ gives): vLLM, then Ray, then the tests marked ``slow``, then the rest in file or
 
 from __future__ import annotations
 
+import os
+import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 GROUP_ORDER = {"vllm": 0, "ray": 1}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """The local Ray cluster (127.0.0.1, ``num_cpus=2``) of the ``ray`` group's modules: one
+    start (5-10 s) serves the whole group, which runs on one worker, module after module.
+    Modules register what they pickle by value. A module that leaves actors holding CPUs gets
+    the cluster shut down behind it (the next module starts a fresh one), and the cluster is
+    shut down once the worker's next test is not in the group (see the hook below)."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False)
+    yield ray
+    if not _all_cpus_free(ray):
+        ray.shutdown()
+
+
+def _all_cpus_free(ray: Any, wait_s: float = 5.0) -> bool:
+    """Whether every CPU of the cluster is free again (killed actors free theirs shortly)."""
+    until = time.monotonic() + wait_s
+    while True:
+        if ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0):
+            return True
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Shut the group's Ray cluster down after its last test on this worker, so that it does
+    not idle beside the tests that follow."""
+    ray = sys.modules.get("ray")
+    if ray is None or not getattr(ray, "is_initialized", lambda: False)():
+        return
+    if nextitem is None or _group(nextitem) != "ray":
+        ray.shutdown()
 
 
 def _group(item: pytest.Item) -> str | None:

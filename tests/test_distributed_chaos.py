@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -112,16 +112,9 @@ async def chaos(item: AgentRolloutItem, ctx: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+def cluster(ray_cluster: Any) -> None:
+    """The session's Ray cluster (tests/conftest.py), with this module pickled by value."""
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

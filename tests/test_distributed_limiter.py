@@ -11,10 +11,9 @@ within a second with 2,000 leases pending.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -32,15 +31,8 @@ SPREAD = {"w0": ["k0", "k1", "k2", "k3", "k4"], "w1": ["k5"], "w2": ["k6"], "w3"
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+def cluster(ray_cluster: Any) -> None:
+    """The session's Ray cluster (tests/conftest.py)."""
 
 
 @pytest_asyncio.fixture(loop_scope="module")

@@ -116,20 +116,17 @@ def verl_config(model_dir, agents_yaml):
 
 
 @pytest.fixture(scope="module")
-def verl_env(tmp_path_factory, tiny_model_dir):
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+def verl_env(tmp_path_factory, tiny_model_dir, ray_cluster):
     register_estimators()  # imports verl without its import-time warnings
-    import ray
     import transfer_queue
     from verl.workers.rollout.router import get_router_handle
 
     model_dir = tiny_model_dir
     agents_yaml = tmp_path_factory.mktemp("verl") / "agents.yaml"
     agents_yaml.write_text(AGENTS_YAML)
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+    ray = ray_cluster  # the session's cluster (tests/conftest.py)
     ray.cloudpickle.register_pickle_by_value(sys.modules["_verl_server"])
+    server = None
     try:
         server = ray.remote(_verl_server.StandInServer).options(num_cpus=0).remote(
             str(model_dir))  # starts while TransferQueue does
@@ -142,7 +139,8 @@ def verl_env(tmp_path_factory, tiny_model_dir):
                               config=verl_config(model_dir, agents_yaml))
         transfer_queue.close()
     finally:
-        ray.shutdown()
+        if server is not None:
+            ray.kill(server)
 
 
 def client(env):

@@ -10,7 +10,6 @@ module; the worker class is verl's, with the attributes its post-processing read
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
@@ -38,21 +37,14 @@ async def judge(item, ctx):
 
 
 @pytest.fixture(scope="module")
-def tq():
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+def tq(ray_cluster):
+    """TransferQueue on the session's Ray cluster (tests/conftest.py)."""
     register_estimators()  # imports verl without its import-time warnings
-    import ray
     import transfer_queue
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    try:
-        transfer_queue.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
-        yield transfer_queue
-        transfer_queue.close()
-    finally:
-        ray.shutdown()
+    transfer_queue.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+    yield transfer_queue
+    transfer_queue.close()
 
 
 def test_v1_worker_stores_every_sample_with_scores_and_metrics(tq):
