@@ -147,6 +147,10 @@ def returns_mapping() -> dict[str, Any]:
     return {"solver": [Generate()]}
 
 
+def misses_a_provider() -> list[Any]:
+    return [Generate()]  # no BuildPrompt: nothing provides prompt_ids (issue 35 item 2)
+
+
 async def constant_reward(item: Any, ctx: Any) -> None:
     item.artifacts[artifacts.REWARD] = 1.0
 

@@ -135,6 +135,24 @@ async def test_same_samples_as_one_process_in_input_order_groups_on_one_worker(
     assert set().union(*pids.values()) == worker_pids and len(worker_pids) == 2
 
 
+def misses_a_provider() -> Pipeline:
+    return Pipeline([Generate()], engine=SimulatedEngine(latency_s=0.002),
+                    tokenizer=ByteTokenizer())
+
+
+async def test_a_factory_whose_stage_list_misses_a_provider_fails_the_start(
+        cluster: None) -> None:
+    """Issue 35 item 2: the worker's Pipeline is refused when it is built, and the error that
+    reaches the driver names the artifact, the stage that needs it and its provider."""
+    pool = RayRolloutPool(1, misses_a_provider)
+    try:
+        with pytest.raises(Exception, match=r"stage 'generate' needs the artifact "
+                                            r"'prompt_ids'.*BuildPrompt"):
+            await pool.start()
+    finally:
+        await pool.aclose()
+
+
 async def test_stream_hands_over_samples_while_others_still_run(
         pool: RayRolloutPool, tmp_path: Path) -> None:
     fast = [{"prompt": f"fast {i}"} for i in range(6)]

@@ -46,6 +46,7 @@ BROKEN = {  # YAML entry -> a factory that fails one way (issue 33 item 9)
     "returns_stage": "_verl_agents.returns_stage",
     "async_factory": "_verl_agents.async_factory",
     "returns_mapping": "_verl_agents.returns_mapping",
+    "misses_a_provider": "_verl_agents.misses_a_provider",
 }
 
 AGENTS_YAML = f"""\
@@ -511,6 +512,8 @@ def test_item9_route_in_an_entry_routes_on_the_row(verl_env):
     ("returns_stage", r"returned one stage, Generate 'generate'.*wrap it in a list"),
     ("async_factory", r"returned a coroutine.*plain function"),
     ("returns_mapping", r"returned \{'solver'.*not a stage list or a Pipeline \(a dict\)"),
+    ("misses_a_provider", r"StageDefinitionError: stage 'generate' needs the artifact "
+                          r"'prompt_ids'.*BuildPrompt"),
 ])
 def test_item9_every_factory_failure_is_a_config_error_naming_the_entry(verl_env, entry, says):
     """Through verl's worker (YAML entry, ``hydra.utils.instantiate``): whatever way the
