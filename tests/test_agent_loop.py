@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.util
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 from _model_fixtures import ForcedText, rescore, torch
@@ -303,6 +305,65 @@ async def test_a_template_that_rewrites_history_is_counted_as_drift(make_engine,
     assert sample.status is Status.COMPLETED and sample.tool_turns == 1
     assert sample.extra_fields[TEMPLATE_DRIFT] == 1
     assert any(e["event"] == "template_drift" and DRIFT_PREFIX in e["kinds"] for e in logs)
+
+
+def qwen3_template() -> str:
+    """Qwen3's original chat template, as trl ships it (read, not imported: trl pulls in
+    accelerate and datasets)."""
+    spec = importlib.util.find_spec("trl")
+    assert spec is not None and spec.submodule_search_locations, "trl is not installed"
+    folder = Path(next(iter(spec.submodule_search_locations))) / "chat_templates"
+    return (folder / "qwen3.jinja").read_text()
+
+
+async def test_qwen3_history_rewrite_keeps_the_sampled_tokens_and_renders_only_the_bridge(
+        make_engine, tiny_tokenizer):
+    """Qwen3's template renders an empty ``<think></think>`` in the last assistant turn only:
+    once a tool result follows, the earlier turn renders without it (not prefix-stable). The
+    delta used to be cut at the longest common *character* prefix, so every tool turn appended
+    a garbled copy of the model's call starting mid-token (``\\nool_call>...``) as context.
+    Now the model's tokens stay as sampled and each tool turn adds exactly the template's
+    bridge: the end of turn, the tool response, the next generation prompt."""
+    qwen3 = copy.deepcopy(tiny_tokenizer)
+    qwen3.chat_template = qwen3_template()
+    turns = [call_text("calculator", '{"expression": "2 + 2"}'),
+             call_text("calculator", '{"expression": "4 * 1"}'), "Answer: 4"]
+
+    def script(request_id, prompt_ids):
+        text = turns[int(request_id.rsplit("-", 1)[1])]
+        return ForcedText([qwen3.encode(text)], qwen3.eos_token_id)
+
+    engine = make_engine(processor_factory=script)
+    pipe = Pipeline(agent_stages(), engine=engine, tokenizer=qwen3,
+                    tools=make_registry([CALC]), sampling={"max_tokens": 48})
+    sample = await pipe.run(question_row("What is two plus two?", "4"))
+    assert sample.status is Status.COMPLETED and sample.tool_turns == 2, sample.error
+    assert sample.extra_fields[TEMPLATE_DRIFT] == 2  # recorded: the template rewrote history
+    context = [qwen3.decode(sample.response_ids[start:end]) for mask, start, end
+               in runs(sample.response_mask) if mask == 0]
+    assert context == ["\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>"
+                       "\n<|im_start|>assistant\n"] * 2, context
+    sampled = [qwen3.decode(sample.response_ids[start:end]) for mask, start, end
+               in runs(sample.response_mask) if mask == 1]
+    assert sampled == [turn + "<|im_end|>" for turn in turns], sampled
+
+
+def test_qwen3_delta_for_a_follow_up_question_is_the_bridge_only(tiny_tokenizer):
+    """The proxy's case: the agent asks a follow-up question after the model's answer (the
+    earlier turn loses its empty think block in Qwen3's rendering): the delta is the end of
+    the turn, the question and the generation prompt, nothing of the model's own text."""
+    from pipeline import AgentMessage
+
+    qwen3 = copy.deepcopy(tiny_tokenizer)
+    qwen3.chat_template = qwen3_template()
+    conversation = [AgentMessage(role="user", content="What is 2 + 2?"),
+                    AgentMessage(role="assistant", content="It is 4.")]
+    end = qwen3.convert_tokens_to_ids("<|im_end|>")
+    delta = render_turn_delta(qwen3, conversation,
+                              [AgentMessage(role="user", content="And 3 + 3?")], None, end)
+    assert delta.text == ("\n<|im_start|>user\nAnd 3 + 3?<|im_end|>\n"
+                          "<|im_start|>assistant\n"), delta.text
+    assert delta.drift == (DRIFT_PREFIX,) and delta.ids == qwen3.encode(delta.text)
 
 
 def test_turn_delta_with_the_byte_tokenizer():

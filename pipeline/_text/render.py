@@ -5,9 +5,11 @@ Token accounting across turns: the prompt is the template's rendering of the row
 as the *delta* between two small renderings: the last assistant turn alone (after the last user
 message) and the same plus the new messages plus the generation prompt. Only that delta is
 tokenized and appended; the model's own tokens are never re-tokenized. If the second rendering
-does not extend the first (the template rewrites history: not prefix-stable), or the delta does
-not tokenize the same on its own as after the model's last token, that is template drift: it is
-recorded, never an error.
+does not extend the first (the template rewrites history: not prefix-stable, e.g. Qwen3 drops
+an empty ``<think>`` block from an assistant turn that is no longer the last), the model's
+sampled tokens are kept and the delta is what the template renders after that turn's stop
+token; this, a missing stop token, or a delta that does not tokenize the same on its own as
+after the model's last token, is template drift: recorded, never an error.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pipeline._data.models import AgentMessage
 from pipeline._text.tokenizer import Tokenizer
 
 DRIFT_PREFIX = "prefix"
-"""Rendering the conversation plus new messages rewrote what was rendered before."""
+"""Rendering the conversation plus new messages rewrote what was rendered before (the delta
+is then taken after the assistant turn's stop token; the sampled tokens are kept)."""
 DRIFT_CLOSING = "closing"
 """The template's assistant turn does not contain the token the model stopped on."""
 DRIFT_BOUNDARY = "boundary"
@@ -155,19 +158,26 @@ def render_turn_delta(tokenizer: Tokenizer, conversation: Sequence[AgentMessage]
     after = render(tokenizer, context + [chat_form(m) for m in new_messages], tools,
                    add_generation_prompt=True)
     drift: list[str] = []
-    if after.startswith(before):
-        added = after[len(before):]
-    else:
+    stable = after.startswith(before)
+    if not stable:
         drift.append(DRIFT_PREFIX)
-        added = after[_common_prefix_length(before, after):]
     stop_text = decode_text(tokenizer, [last_token], skip_special_tokens=False)
     at = before.rfind(stop_text) if stop_text else -1
     if at < 0:
         drift.append(DRIFT_CLOSING)
-        closing = ""
+        text = after[len(before) if stable else _common_prefix_length(before, after):]
+    elif stable:
+        text = before[at + len(stop_text):] + after[len(before):]
     else:
-        closing = before[at + len(stop_text):]
-    text = closing + added
+        # The template renders the assistant turn differently once messages follow it (Qwen3
+        # drops an empty <think> block from a turn that is no longer the last). The sampled
+        # tokens stay as the model produced them; the delta is what the template renders
+        # after that turn's stop token: the same-numbered stop token in ``after``, since every
+        # message before it ends with one. Never a cut inside the turn, which would append a
+        # garbled copy of the model's own text starting mid-token.
+        end = _nth_occurrence(after, stop_text, before.count(stop_text, 0, at))
+        text = after[end + len(stop_text):] if end >= 0 else \
+            after[_common_prefix_length(before, after):]
     ids = encode_text(tokenizer, text)
     if at >= 0 and not _splits_cleanly_after(tokenizer, last_token) and (
             encode_text(tokenizer, stop_text + text) != [last_token, *ids]):
@@ -195,6 +205,16 @@ def _splits_cleanly_after(tokenizer: Tokenizer, token: int) -> bool:
         with contextlib.suppress(TypeError):
             _CLEAN_SPLITS[tokenizer] = clean
     return token in clean
+
+
+def _nth_occurrence(text: str, part: str, n: int) -> int:
+    """Where the ``n``-th (from 0) occurrence of ``part`` starts in ``text``, or -1."""
+    at = -1
+    for _ in range(n + 1):
+        at = text.find(part, at + 1)
+        if at < 0:
+            return -1
+    return at
 
 
 def _common_prefix_length(a: str, b: str) -> int:
