@@ -44,6 +44,7 @@ from pipeline._exceptions import (
     RowError,
     SampleAborted,
     StageDefinitionError,
+    TokenIntegrityError,
 )
 from pipeline._logging import configure_logging
 from pipeline._runner.context import Context, Resources
@@ -135,6 +136,7 @@ __all__ = [
     "Status",
     "StreamReport",
     "StructlogSink",
+    "TokenIntegrityError",
     "Tokenizer",
     "Tool",
     "ToolCall",

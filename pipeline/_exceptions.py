@@ -9,6 +9,8 @@ Every error the library raises on purpose derives from :class:`PipelineError`::
     ├── StageDefinitionError something in a stage list that is not a stage
     ├── EngineError          an engine failed to generate (foreign errors translated here)
     ├── ContractError        data that breaks a trainer-facing contract
+    │   └── TokenIntegrityError  a turn's ids, text, logprobs or prefix disagree (the
+    │                        sample is quarantined: ends failed, masked)
     ├── AddressInUseError    a server port stayed busy after the bind retries
     ├── RateLimitError       (pipeline.ratelimit) LimiterClosed, LimiterConflict
     ├── DiagnosticsError     (pipeline.diagnostics) a dump or watchdog could not be set up
@@ -67,6 +69,23 @@ class EngineError(PipelineError):
 
 class ContractError(PipelineError):
     """Data that violates a contract with the trainer (e.g. misaligned logprobs)."""
+
+
+class TokenIntegrityError(ContractError):
+    """A live token-integrity check failed: the sample is quarantined (ends ``failed``,
+    masked) with the reason. See :mod:`pipeline._text.integrity`.
+
+    Attributes:
+        reason: ``decode``, ``logprobs`` or ``prefix``.
+        turn: the turn (0-based) whose check failed.
+        detail: what differed, and where (positions).
+    """
+
+    def __init__(self, reason: str, turn: int, detail: str) -> None:
+        super().__init__(f"token integrity: {reason}: turn {turn}: {detail}")
+        self.reason = reason
+        self.turn = turn
+        self.detail = detail
 
 
 class AddressInUseError(PipelineError, OSError):

@@ -63,6 +63,10 @@ TOOL_ERRORS: Final = "tool_errors"
 TEMPLATE_DRIFT: Final = "template_drift"
 """int: turns where the chat template was not prefix-stable (the delta had to be recovered)."""
 
+TOKEN_INTEGRITY: Final = "token_integrity"
+"""str: the token-integrity check that failed (``decode``, ``logprobs``, ``prefix``); set only
+on a quarantined sample (see ``pipeline.TokenIntegrityError``)."""
+
 LIMITER_WAIT_S: Final = "limiter_wait_s"
 """float: seconds the sample's tool calls waited for rate-limiter tokens."""
 

@@ -209,6 +209,10 @@ def _summary(result: ProduceBatchResult) -> str:
     def fmt(v: float | None, unit: str = "") -> str:
         return "-" if v is None else f"{v:.3f}{unit}"
 
+    # quarantined samples (token integrity) get a line only when there are some
+    integrity = [("token integrity failed", f"{sum(s.token_integrity.values())} ("
+                  + ", ".join(f"{k}={v}" for k, v in sorted(s.token_integrity.items())) + ")")
+                 ] if s.token_integrity else []
     lines = [
         ("samples", str(s.num_samples)),
         ("status", ", ".join(f"{k}={v}" for k, v in sorted(s.by_status.items()))),
@@ -216,6 +220,7 @@ def _summary(result: ProduceBatchResult) -> str:
         ("exit_reason", ", ".join(f"{k}={v}" for k, v in sorted(s.by_exit_reason.items()))),
         ("reward mean/std", f"{fmt(s.reward_mean)} / {fmt(s.reward_std)}"),
         ("tool calls/errors/drift", f"{s.tool_calls} / {s.tool_errors} / {s.template_drift}"),
+        *integrity,
         (
             "tool turns mean/min/max",
             f"{s.tool_turns_mean:.2f} / {s.tool_turns_min} / {s.tool_turns_max}",

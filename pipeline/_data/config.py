@@ -7,9 +7,16 @@ naming the field instead of a silently ignored key.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from pipeline._exceptions import ConfigError
 
@@ -47,11 +54,13 @@ class _RaisesConfigError(BaseModel):
     # Nested fields (``PipelineConfig.sampling``) keep pydantic's own validation path.
     __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
+    _bool_fields: ClassVar[frozenset[str]] = frozenset()
+
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bools(cls, value: Any) -> Any:
+    def _no_bools(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic reads True as 1: ``max_concurrency=True`` is a mistake, not a choice.
-        if isinstance(value, bool):
+        if isinstance(value, bool) and info.field_name not in cls._bool_fields:
             raise ValueError("must be a number, not a bool")
         return value
 
@@ -105,9 +114,14 @@ class PipelineConfig(_RaisesConfigError):
         progress_log_s: log a ``batch_heartbeat`` line (done, running, samples per stage,
             oldest running sample, rate, ETA) this often while a batch runs; None: never.
         sampling: default sampling parameters; rows may override them.
+        token_integrity_checks: check every turn's tokens live (ids decode to the text the
+            agent saw, one logprob per sampled token, each prompt extends the previous turn)
+            and quarantine a sample that fails one (``failed``, masked, the reason in its
+            error and in ``BatchStats.token_integrity``). False turns the checks off.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    _bool_fields: ClassVar[frozenset[str]] = frozenset({"token_integrity_checks"})
 
     sample_timeout_s: float | None = Field(600.0, gt=0)
     max_concurrency: int = Field(256, gt=0)
@@ -116,6 +130,7 @@ class PipelineConfig(_RaisesConfigError):
     pad_token_id: int | None = Field(None, ge=0)
     progress_log_s: float | None = Field(60.0, gt=0)
     sampling: SamplingParams = SamplingParams()
+    token_integrity_checks: bool = True
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PipelineConfig:

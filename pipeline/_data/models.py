@@ -242,6 +242,9 @@ class BatchStats(BaseModel):
     tool_errors: int = 0
     template_drift: int = 0
     limiter_wait_s: float = 0.0
+    token_integrity: dict[str, int] = Field(default_factory=dict)
+    """Samples quarantined by a live token-integrity check, by the check's reason
+    (``decode``, ``logprobs``, ``prefix``); empty when none was."""
     wall_time_s: float
     skipped_values: dict[str, int] = Field(default_factory=dict)
     """Counter artifacts left out of the sums, by key: not a number, not finite, negative

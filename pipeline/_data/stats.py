@@ -31,7 +31,8 @@ def compute_stats(
     samples: Sequence[RolloutSample], items: Sequence[AgentRolloutItem], wall_time_s: float
 ) -> BatchStats:
     """Counts by status / finish / exit reason, tool turns, reward, latency, tokens, and the
-    tool counters (calls, errors, template drift, rate-limiter wait) summed over items.
+    tool counters (calls, errors, template drift, rate-limiter wait) summed over items, and
+    the samples a token-integrity check quarantined, by reason.
 
     Counter artifacts that are not finite numbers in ``[0, 2**53]`` are left out of the
     sums and counted in ``skipped_values``.
@@ -56,6 +57,12 @@ def compute_stats(
     rewards = np.array(reward_list, dtype=float)
     latencies = np.array([lat for it in items if (lat := _latency(it)) is not None], dtype=float)
     pct = np.percentile(latencies, [50, 95, 99]).tolist() if latencies.size else [None, None, None]
+    integrity: Counter[str] = Counter()
+    for item in items:
+        artifacts: Any = item.artifacts
+        reason = artifacts.get(A.TOKEN_INTEGRITY) if isinstance(artifacts, dict) else None
+        if isinstance(reason, str):
+            integrity[reason] += 1
     counters = _totals(items, (A.TOOL_CALLS, A.TOOL_ERRORS, A.TEMPLATE_DRIFT, A.LIMITER_WAIT_S),
                        skipped)
     return BatchStats(
@@ -79,6 +86,7 @@ def compute_stats(
         tool_errors=int(counters[1]),
         template_drift=int(counters[2]),
         limiter_wait_s=float(counters[3]),
+        token_integrity=dict(integrity),
         wall_time_s=wall_time_s,
         skipped_values=dict(skipped),
     )

@@ -34,6 +34,8 @@ class Generation:
         routed_experts: MoE router choices ``[prompt_len + len(token_ids), num_layers, topk]``
             when the engine reports them, else None.
         policy_version: version of the weights that produced these tokens, if tracked.
+        text: the engine's own detokenization of ``token_ids``, when it reports one; the
+            token-integrity check compares it with the tokenizer's decode.
     """
 
     token_ids: list[int]
@@ -42,6 +44,7 @@ class Generation:
     raw_finish_reason: str | None = None
     routed_experts: Any = None
     policy_version: int | None = None
+    text: str | None = None
 
 
 @runtime_checkable

@@ -22,6 +22,9 @@
 ``rollout/tool_error_frac``                         tool_errors / tool_calls (0 without calls)
 ``rollout/template_drift``                          samples with template drift in any turn
 ``rollout/template_drift_turns``                    drifted tool turns, summed over samples
+``rollout/token_integrity/<r>``                     samples quarantined by a token-integrity
+                                                    check, per reason (``decode``,
+                                                    ``logprobs``, ``prefix``; all always)
 ``rollout/reward/{mean,std,min,max}``               only when some sample has a reward
 ``rollout/latency_s/{mean,p50,p95,p99,max}``        only when samples ran (running time)
 ``rollout/queue_s/{mean,max}``                      wait for a concurrency slot, same condition
@@ -47,6 +50,7 @@ import numpy as np
 import structlog
 
 from pipeline._data.models import ExitReason, FinishReason, ProduceBatchResult, Status
+from pipeline._text.integrity import REASONS as INTEGRITY_REASONS
 from pipeline.observability._records import counter_value
 
 PREFIX = "rollout/"
@@ -66,6 +70,7 @@ ALWAYS_KEYS: tuple[str, ...] = (
     "rollout/throughput/samples_per_s", "rollout/throughput/model_tokens_per_s",
     "rollout/tool_calls", "rollout/tool_errors", "rollout/tool_error_frac",
     "rollout/template_drift", "rollout/template_drift_turns",
+    *(f"rollout/token_integrity/{r}" for r in INTEGRITY_REASONS),
 )
 """Keys every non-empty batch's metrics have (the conditional ones are in the table above)."""
 
@@ -120,6 +125,7 @@ def batch_metrics(result: ProduceBatchResult, *, limiters: Any = None) -> dict[s
              if "template_drift" in it.artifacts]
     out[f"{PREFIX}template_drift"] = float(sum(d > 0 for d in drift))
     out[f"{PREFIX}template_drift_turns"] = float(sum(drift))
+    _counts(out, "token_integrity", list(INTEGRITY_REASONS), stats.token_integrity)
     rewards = [s.reward for s in samples if s.reward is not None]
     if rewards:
         out[f"{PREFIX}reward/mean"] = float(np.mean(rewards))

@@ -32,6 +32,11 @@ history or ran a second conversation (a sub-agent), earlier segments are kept in
 ``extra_fields["proxy_segments"]`` (token fields of each: ``prompt_ids``, ``response_ids``,
 ``response_mask``, ``logprobs``, ``reason``, ``conversation``, ...) and in full under the
 :data:`SEGMENTS` artifact; they share the sample's group and reward.
+
+Token integrity: when a live check failed in the session (see the record's
+``token_integrity``), the sample is quarantined: it ends ``failed`` (masked) with a
+:class:`~pipeline.TokenIntegrityError` naming the reason, the turn and the session, and
+``artifacts.TOKEN_INTEGRITY`` set to the reason (counted in ``BatchStats.token_integrity``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from typing import Any, Literal, cast
 
 from pipeline import artifacts as A
 from pipeline._data.models import AgentMessage, AgentRolloutItem, ExitReason, FinishReason
+from pipeline._exceptions import TokenIntegrityError
 from pipeline._runner.context import Context
 from pipeline.proxy._errors import RemoteAgentError
 from pipeline.proxy._history import content_text
@@ -179,6 +185,11 @@ class RemoteAgent:
             self._fill(item, proxy, session, session_record(session, with_turns=False), answer)
         if failure is not None:
             raise failure
+        if session.integrity:  # quarantine: the sample ends failed, the reason named
+            first = session.integrity[0]
+            item.artifacts[A.TOKEN_INTEGRITY] = first["reason"]
+            raise TokenIntegrityError(first["reason"], first["turn"],
+                                      f"{first['detail']} (proxy session {session.id})")
         if not session.history.segments:
             raise RemoteAgentError(f"the agent made no model request (session {session.id})")
 

@@ -27,6 +27,9 @@ class ProxyConfig(BaseModel):
             failed or slow abort is logged, never an error of the request.
         read_timeout_s: a request body must arrive within this (408 after it).
         offload_bytes: decode, validate and match larger bodies in a worker thread.
+        token_integrity_checks: check every turn's tokens live (see
+            ``pipeline.TokenIntegrityError``); a failure is recorded on the session record
+            (``token_integrity``) and quarantines the sample ``RemoteAgent`` builds from it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -45,3 +48,4 @@ class ProxyConfig(BaseModel):
     abort_timeout_s: float = Field(10.0, gt=0)
     read_timeout_s: float = Field(60.0, gt=0)
     offload_bytes: int = Field(256 * 1024, ge=0)
+    token_integrity_checks: bool = True

@@ -117,6 +117,9 @@ class SessionRecord(BaseModel):
         splits: split count by reason (see :data:`pipeline.proxy.SPLIT_REASONS`).
         requests: chat completions served, including ones that recorded no turn (a spent
             response budget).
+        token_integrity: the live token-integrity checks that failed in this session,
+            ``{"reason", "turn", "detail"}`` each (see ``pipeline.TokenIntegrityError``);
+            empty when every turn passed (or the checks are off).
     """
 
     id: str
@@ -130,6 +133,7 @@ class SessionRecord(BaseModel):
     requests: int
     ended: str | None = None
     conversations: int = 1
+    token_integrity: list[dict[str, Any]] = Field(default_factory=list)
 
 
 _MESSAGE_TOKENS = {"__all__": set(_TOKEN_FIELDS)}
@@ -190,7 +194,8 @@ def session_record(session: Session, *, with_turns: bool = True,
         metadata=dict(session.metadata), turns=turns, segments=segments,
         splits=dict(history.splits), num_splits=sum(history.splits.values()),
         requests=session.requests, ended=session.ended,
-        conversations=1 + max((s.conversation for s in history.segments), default=0))
+        conversations=1 + max((s.conversation for s in history.segments), default=0),
+        token_integrity=[dict(f) for f in session.integrity])
 
 
 def segment_record(seg: Segment) -> SegmentRecord:

@@ -78,7 +78,8 @@ class ProxyServer:
         self.turns = TurnRunner(engine, tokenizer, parser or HermesToolParser(),
                                 max_tokens=cfg.max_tokens, max_turns=cfg.max_turns,
                                 offload_chars=cfg.offload_chars,
-                                abort_timeout_s=cfg.abort_timeout_s)
+                                abort_timeout_s=cfg.abort_timeout_s,
+                                check_integrity=cfg.token_integrity_checks)
         self.enforces = engine_enforces(engine)
         """Decoding constraints the engine declared it enforces (``_policy``)."""
         self.app = build_app(self)

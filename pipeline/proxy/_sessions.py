@@ -23,12 +23,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import structlog
+
 from pipeline._data.config import SamplingParams
 from pipeline._data.models import AgentMessage
 from pipeline._text.tokenizer import Tokenizer
 from pipeline.proxy._errors import ProxyLimitError, ProxyRequestError, SessionNotFound
 from pipeline.proxy._history import History
 from pipeline.proxy._responses import ResponseLink
+
+_logger = structlog.get_logger("pipeline.proxy")
 
 EXPIRED_MEMORY = 4096
 """How many expired sessions are remembered (to answer their late requests)."""
@@ -108,6 +112,14 @@ class Session:
         self.held = held
         self.ended: str | None = None
         self.responses: dict[str, ResponseLink] = {}
+        self.integrity: list[dict[str, Any]] = []
+        """Failed token-integrity checks: ``{"reason", "turn", "detail"}`` each."""
+
+    def integrity_failed(self, reason: str, turn: int, detail: str) -> None:
+        """Record a failed token-integrity check (the sample will be quarantined)."""
+        self.integrity.append({"reason": reason, "turn": turn, "detail": detail})
+        _logger.warning("token_integrity", session=self.id, reason=reason, turn=turn,
+                        detail=detail)
         """Responses API answers by id (what ``previous_response_id`` refers to)."""
 
     @property

@@ -25,6 +25,7 @@ that completed it (a prefix of what the engine produced, never re-tokenized).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from pipeline._concurrency.cancel import abort_request
 from pipeline._data.config import SamplingParams
 from pipeline._data.models import TOOL_CALL_ERRORS, AgentMessage, FinishReason
 from pipeline._exceptions import EngineError
+from pipeline._text import integrity
 from pipeline._text.render import decode_text
 from pipeline._text.tokenizer import Tokenizer
 from pipeline.engines import Engine, Generation
@@ -69,12 +71,17 @@ class TurnRunner:
         max_turns: chat completions one session may make.
         offload_chars: render in a worker thread when the new messages hold more text.
         abort_timeout_s: bound on the engine abort when a client goes away.
+        check_integrity: run the live token-integrity checks on every turn (see
+            :mod:`pipeline._text.integrity`); a failed one is recorded on the session
+            (``Session.integrity``, the record's ``token_integrity``), never an error of the
+            request: the agent goes on, and the sample built from the session is quarantined.
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, parser: ToolParser, *,
                  max_tokens: int | None, max_turns: int, offload_chars: int,
-                 abort_timeout_s: float) -> None:
+                 abort_timeout_s: float, check_integrity: bool = True) -> None:
         self.engine = engine
+        self.check_integrity = check_integrity
         self.abort_timeout_s = abort_timeout_s
         self.tokenizer = tokenizer
         self.parser = parser
@@ -129,6 +136,8 @@ class TurnRunner:
             gen = await self._generate(session, request_id, plan.prompt_ids, sampling,
                                        constraints)
             generated = time.perf_counter()
+            if self.check_integrity:
+                gen = self._check(session, plan, gen)
             outcome = self._commit(session, request, plan, gen, sampling, request_id)
             if binding == "response_budget" and gen.finish_reason is FinishReason.LENGTH:
                 seg = session.history.segments[outcome.turn.segment] if outcome.turn else None
@@ -141,6 +150,24 @@ class TurnRunner:
                 "total_s": time.perf_counter() - start}
             session.touch()
             return outcome
+
+    @staticmethod
+    def _check(session: Session, plan: TurnPlan, gen: Generation) -> Generation:
+        """The prefix and logprobs checks of a turn; a failure is recorded on the session,
+        and logprobs are aligned with the tokens so that the record stays well formed."""
+        turn = len(session.turns)
+        seg = plan.match.segment
+        if seg is not None:  # a merge: the prompt extends the segment's whole sequence
+            bad = integrity.prefix_mismatch(seg.sequence(), plan.prompt_ids)
+            if bad is not None:
+                session.integrity_failed(integrity.PREFIX, turn, bad)
+        bad = integrity.logprobs_mismatch(gen.token_ids, gen.logprobs)
+        if bad is not None:
+            session.integrity_failed(integrity.LOGPROBS, turn, bad)
+            n = len(gen.token_ids)
+            gen = dataclasses.replace(gen, logprobs=[*gen.logprobs[:n],
+                                                     *[0.0] * (n - len(gen.logprobs))])
+        return gen
 
     @staticmethod
     def _end_on_budget(session: Session, plan: TurnPlan) -> NoReturn:
@@ -224,6 +251,10 @@ class TurnRunner:
                 gen: Generation, sampling: SamplingParams, request_id: str) -> TurnOutcome:
         tokens, logprobs = list(gen.token_ids), list(gen.logprobs)
         text = decode_text(self.tokenizer, tokens, skip_special_tokens=True)
+        if self.check_integrity and gen.text is not None:
+            bad = integrity.decode_mismatch(text, gen.text)
+            if bad is not None:
+                session.integrity_failed(integrity.DECODE, len(session.turns), bad)
         finish, stop_string = gen.finish_reason, None
         if request.stop:
             cut = self._cut(tokens, text, request.stops)

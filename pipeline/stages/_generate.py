@@ -26,6 +26,7 @@ from pipeline._data.models import (
 )
 from pipeline._exceptions import ConfigError, SampleAborted, StageDefinitionError
 from pipeline._runner.context import Context
+from pipeline._text import integrity
 from pipeline._text.render import decode_text
 from pipeline.tools import HermesToolParser, ToolParser
 
@@ -52,6 +53,11 @@ def length_limits(item: AgentRolloutItem, max_model_len: int | None) -> dict[str
     if max_model_len is not None:
         limits["context"] = max_model_len - len(art.get(A.PROMPT_IDS, ())) - used
     return limits
+
+
+def quarantine(item: AgentRolloutItem, reason: str) -> None:
+    """Record a failed token-integrity check on the sample (before raising the error)."""
+    item.artifacts[A.TOKEN_INTEGRITY] = reason
 
 
 def end_on_length(item: AgentRolloutItem, limit: str) -> None:
@@ -86,7 +92,7 @@ class Generate:
     requires: ClassVar[Mapping[str, str]] = MappingProxyType({A.PROMPT_IDS: "BuildPrompt"})
     provides = frozenset({A.RESPONSE_IDS, A.RESPONSE_MASK, A.LOGPROBS, A.TURNS, A.MESSAGES,
                           A.EXIT_REASON, A.RAW_FINISH_REASON, A.POLICY_VERSION,
-                          A.ROUTED_EXPERTS})
+                          A.ROUTED_EXPERTS, A.TOKEN_INTEGRITY})
 
     def __init__(self, *, parser: ToolParser | None = None, parse_tool_calls: bool = True,
                  max_model_len: int | None = None) -> None:
@@ -113,6 +119,11 @@ class Generate:
             end_on_length(item, limit)
             return
         turn = art.get(A.TURNS, 0)
+        check = ctx.config.token_integrity_checks
+        if check:
+            bad = integrity.loop_prefix_mismatch(art, art[A.PROMPT_IDS], response)
+            if bad is not None:
+                self._quarantine(item, integrity.PREFIX, turn, bad)
         request_id = f"{item.uid}-{turn}"
         sampling = item.sampling
         if max_tokens != sampling.max_tokens:
@@ -124,6 +135,10 @@ class Generate:
             raise
         if gen.finish_reason is FinishReason.ABORT:
             raise SampleAborted(f"engine aborted request {request_id}")
+        if check:
+            bad = integrity.logprobs_mismatch(gen.token_ids, gen.logprobs)
+            if bad is not None:
+                self._quarantine(item, integrity.LOGPROBS, turn, bad)
         art[A.TURNS] = turn + 1
         response.extend(gen.token_ids)
         mask.extend([1] * len(gen.token_ids))
@@ -132,17 +147,34 @@ class Generate:
             art[A.POLICY_VERSION] = gen.policy_version
         if gen.routed_experts is not None:
             art[A.ROUTED_EXPERTS] = gen.routed_experts
-        art.setdefault(A.MESSAGES, []).append(self._message(item, ctx, gen.token_ids,
+        text = self._decode(ctx, gen.token_ids)
+        if check:
+            if gen.text is not None and text is not None:
+                bad = integrity.decode_mismatch(text, gen.text)
+                if bad is not None:
+                    self._quarantine(item, integrity.DECODE, turn, bad)
+            integrity.mark_turn(art, art[A.PROMPT_IDS], response)
+        art.setdefault(A.MESSAGES, []).append(self._message(item, text, gen.token_ids,
                                                              gen.logprobs, gen.finish_reason))
         if gen.finish_reason is FinishReason.LENGTH:
             end_on_length(item, "context" if gen.raw_finish_reason == "context" else limit)
         else:
             item.finish_reason, item.raw_finish_reason = gen.finish_reason, gen.raw_finish_reason
 
-    def _message(self, item: AgentRolloutItem, ctx: Context, token_ids: list[int],
-                 logprobs: list[float], finish_reason: FinishReason) -> AgentMessage:
+    @staticmethod
+    def _decode(ctx: Context, token_ids: list[int]) -> str | None:
+        """The text the agent sees: the same decode the parser reads."""
         tokenizer = ctx.resources.tokenizer
-        text = decode_text(tokenizer, token_ids, skip_special_tokens=True) if tokenizer else None
+        return decode_text(tokenizer, token_ids, skip_special_tokens=True) if tokenizer else None
+
+    @staticmethod
+    def _quarantine(item: AgentRolloutItem, reason: str, turn: int, detail: str) -> None:
+        """Fail the sample (masked) with the check's reason; the batch goes on."""
+        quarantine(item, reason)
+        raise integrity.fail(reason, turn, detail)
+
+    def _message(self, item: AgentRolloutItem, text: str | None, token_ids: list[int],
+                 logprobs: list[float], finish_reason: FinishReason) -> AgentMessage:
         if text is None or finish_reason is not FinishReason.STOP:
             return AgentMessage(role="assistant", content=text, token_ids=token_ids,
                                 logprobs=logprobs, finish_reason=finish_reason)

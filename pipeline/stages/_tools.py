@@ -21,6 +21,7 @@ from pipeline._concurrency.cancel import cancel_requested, run_owned
 from pipeline._concurrency.slots import FifoSlots
 from pipeline._data.models import TOOL_CALL_ERRORS, AgentMessage, AgentRolloutItem, ToolCall
 from pipeline._runner.context import Context
+from pipeline._text import integrity
 from pipeline._text.render import render_turn_delta
 from pipeline.stages._generate import check_positive_int, end_on_length, length_limits
 from pipeline.tools import Tool, validate_arguments
@@ -125,6 +126,8 @@ class CallTools:
         response.extend(delta.ids)
         art.setdefault(A.RESPONSE_MASK, []).extend([0] * len(delta.ids))
         art.setdefault(A.LOGPROBS, []).extend([0.0] * len(delta.ids))
+        if ctx.config.token_integrity_checks and A.PROMPT_IDS in art:
+            integrity.mark_turn(art, art[A.PROMPT_IDS], response)  # the delta's end
 
     async def _answer_all(self, calls: list[ToolCall], parse_errors: dict[str, str],
                           item: AgentRolloutItem, ctx: Context) -> list[tuple[str, str | None]]:
