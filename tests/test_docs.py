@@ -60,6 +60,12 @@ def test_mkdocs_build_strict_passes(tmp_path):
     api = (site / "api" / "pipeline" / "index.html").read_text()
     assert 'id="pipeline.Pipeline"' in api
     assert 'id="pipeline.proxy.ProxyServer"' in (site / "api/proxy/index.html").read_text()
+    # the docstrings' reST roles show as code (docs/hooks/sphinx_roles.py), never literally
+    for html in (site / "api").rglob("*.html"):
+        roles = re.findall(r":(?:class|func|meth|attr|mod|exc):<code>", html.read_text())
+        assert not roles, (html, roles[:3])
+    assert "<code>SandboxLimits</code>" in (site / "api/judgers/index.html").read_text()
+    assert not (site / "hooks").exists()  # the hook is build code, not a page
 
 
 def test_the_build_fetches_nothing_from_the_network():
