@@ -12,6 +12,7 @@ tokenizer, easy to mix up:
 Importing this package is cheap; torch and transformers load only when a model is built.
 """
 
+from pipeline.models._cache import ModelKind
 from pipeline.models._moe import (
     TinyMoeSpec,
     build_tiny_moe_model,
@@ -28,6 +29,7 @@ from pipeline.models.tiny import (
 )
 
 __all__ = [
+    "ModelKind",
     "TinyModelSpec",
     "TinyMoeSpec",
     "build_tiny_model",
