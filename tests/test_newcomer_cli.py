@@ -167,7 +167,7 @@ def test_item1_setup_prints_one_line_per_step_and_is_quick_when_up_to_date(tmp_p
     log = (repo / ".venv" / "setup.log").read_text()
     assert "Downloading torch" in log and "Resolved 145 packages" in log
     installs = [c for c in calls.read_text().splitlines() if c.startswith("uv pip install")]
-    assert any("-e .[dev,transformers,docs]" in c for c in installs), installs
+    assert any("-e .[dev,transformers,docs,families]" in c for c in installs), installs
     assert any("--no-deps verl==0.9.1" in c for c in installs), installs
 
     before = calls.read_text()
