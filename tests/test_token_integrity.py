@@ -372,8 +372,35 @@ async def test_tiny_policy_through_the_proxy_with_the_openai_sdk_has_no_mismatch
     assert result.stats.token_integrity == {}
 
 
-def test_regex_free_helpers():
+def test_check_helpers_report_what_differs_and_where():
     assert integrity.decode_mismatch("abc", "abc") is None
     assert integrity.decode_mismatch("abcd", "abc", prefix=True) is None
     assert re.search(r"at character 2", integrity.decode_mismatch("abX", "abc") or "")
     assert integrity.logprobs_mismatch([1, 2], [0.1]) == "1 logprobs for 2 sampled tokens"
+
+
+async def test_proxy_record_lists_the_failure_and_the_agent_view_hides_it():
+    from pipeline.proxy._records import agent_view
+
+    async with ProxyServer(engine(ShortLogprobsEngine), TOK, model_name="m") as proxy:
+        session = proxy.create_session()
+        client = openai.AsyncOpenAI(base_url=proxy.session_url(session),
+                                    api_key=session.api_key, max_retries=0)
+        messages = [{"role": "user", "content": "BAD: what is 2 + 2?"}]
+        first = await client.chat.completions.create(model="m", messages=messages,
+                                                     tools=TOOLS)
+        call = first.choices[0].message
+        second = await client.chat.completions.create(
+            model="m", tools=TOOLS, logprobs=True,
+            messages=[*messages, call.model_dump(exclude_none=True),
+                      {"role": "tool", "content": "4", "tool_call_id": call.tool_calls[0].id}])
+        await client.close()
+        record = proxy.record(session.id)
+    # the agent got its answer (the request did not fail), logprobs aligned with its tokens
+    assert second.choices[0].message.content == "Answer: 4"
+    assert len(second.choices[0].logprobs.content) == len(TOK.encode("Answer: 4")) + 1
+    assert [(f["reason"], f["turn"]) for f in record.token_integrity] == [("logprobs", 1)]
+    assert "9 logprobs for 10 sampled tokens" in record.token_integrity[0]["detail"]
+    seg = record.segments[-1]
+    assert len(seg.logprobs) == len(seg.response_ids)
+    assert "token_integrity" not in agent_view(record)

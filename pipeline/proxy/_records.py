@@ -139,6 +139,7 @@ class SessionRecord(BaseModel):
 _MESSAGE_TOKENS = {"__all__": set(_TOKEN_FIELDS)}
 AGENT_VIEW: dict[str, Any] = {
     "metadata": True,  # the trainer's (a ground truth, say): never the agent's to read
+    "token_integrity": True,  # the trainer's verdict, with token ids in its details
     "segments": {"__all__": {"prompt_ids": True, "response_ids": True, "response_mask": True,
                              "logprobs": True, "raw_prompt": True,
                              "messages": _MESSAGE_TOKENS}},
@@ -147,8 +148,9 @@ AGENT_VIEW: dict[str, Any] = {
 }
 """``model_dump(exclude=...)`` of a record without any token payload (what an agent's own
 key reads, ``_access``): the segments' and turns' token lists, the rendered prompt, and the
-token ids, logprobs and engine finish reason of every message in them; and without the
-session's ``metadata``, which the trainer set (it may carry the answer)."""
+token ids, logprobs and engine finish reason of every message in them; without the
+session's ``metadata``, which the trainer set (it may carry the answer); and without the
+failed token-integrity checks (their details name token ids)."""
 
 
 def agent_view(record: SessionRecord) -> dict[str, Any]:
