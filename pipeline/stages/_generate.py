@@ -82,6 +82,12 @@ class Generate:
     ``tool_call_errors``). Cancelling the stage (timeout, abort) aborts the engine request; an
     engine abort ends the sample as aborted.
 
+    Token integrity (``PipelineConfig.token_integrity_checks``, on by default): before the
+    turn, the prompt must still extend the previous turn's sequence; after it, one logprob per
+    sampled token, and the ids must decode to the engine's own text when it reports one. A
+    failed check raises :class:`~pipeline.TokenIntegrityError`: the sample is quarantined
+    (``failed``, masked) with ``artifacts.TOKEN_INTEGRITY`` set to the reason.
+
     Args:
         parser: finds tool calls in the decoded text (default :class:`HermesToolParser`).
         parse_tool_calls: False keeps the text as content and looks for no calls.
