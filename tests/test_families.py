@@ -99,6 +99,9 @@ def test_templates_are_trls_files(tokenizers):
             assert family_chat_template(name, training=True) == (
                 templates / family.training_template_file).read_text()
     assert FAMILIES["llama3.1"].training_template_file is None
+    for family in FAMILIES.values():  # the options recorded are ones the template reads
+        for option in family.template_options:
+            assert option in family_chat_template(family.name), (family.name, option)
 
 
 def test_missing_package_names_the_extra(monkeypatch):

@@ -195,7 +195,7 @@ _ALL = (
     Family(name="llama3.1", models="Llama 3.1 / 3.2 Instruct",
            architecture="LlamaForCausalLM", template_file="llama3_1.jinja",
            training_template_file=None, prefix_stable=True,
-           template_options=("date_string", "tools_in_user_message"),
+           template_options=("date_string", "tools_in_user_message", "builtin_tools"),
            vocab_package="llama-models", vocab_module="llama_models",
            vocab_file="llama3/tokenizer.model", vocab_format="tiktoken",
            pretokenizer_pattern=LLAMA3_PATTERN, base_vocab_size=128000,
