@@ -7,6 +7,7 @@ model, in the loop and through the proxy with the real ``openai`` SDK, show no m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from typing import Any
@@ -32,6 +33,7 @@ from pipeline.proxy._history import History
 from pipeline.stages import CallTools
 from pipeline.testing import ByteTokenizer
 from pipeline.tools import calculator_tool, make_registry
+from scenarios import arith_tools
 
 TOK = ByteTokenizer()
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 2"}}\n</tool_call>'
@@ -193,26 +195,32 @@ openai = pytest.importorskip("openai")
 TASK_TOOLS = TOOLS
 
 
-async def sdk_agent(endpoint: Any) -> str | None:
-    """A plain tool loop on the official SDK: call the model, answer its tool calls."""
+async def sdk_agent(endpoint: Any, turns: list[int] | None = None) -> str | None:
+    """A plain tool loop on the official SDK: call the model, answer its tool calls with the
+    calculator; the number of model calls it took goes to ``turns`` when given."""
     client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key,
                                 max_retries=0)
     messages = list(endpoint.task["messages"])
+    calculator = arith_tools.tools()["calculator"]
     try:
-        for _ in range(4):
+        for turn in range(4):
             reply = await client.chat.completions.create(
                 model=endpoint.model, messages=messages, tools=endpoint.task["tools"],
                 logprobs=True)
             message = reply.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
             if not message.tool_calls:
+                if turns is not None:
+                    turns.append(turn + 1)
                 return message.content
             for call in message.tool_calls:
-                expression = json.loads(call.function.arguments)["expression"]
+                result = await calculator(json.loads(call.function.arguments))
                 messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": str(eval(expression, {}))})  # "2 + 2" only
+                                 "content": str(result)})
     finally:
         await client.close()
+    if turns is not None:
+        turns.append(4)
     return None
 
 
@@ -316,7 +324,6 @@ class ServerText:
 
 
 async def test_tiny_policy_tool_loop_has_no_mismatch(tiny_policy):
-    from scenarios import arith_tools
     from scenarios.train_tiny_policy import HELDOUT_SEED
 
     tok = tiny_policy.tokenizer
@@ -331,39 +338,15 @@ async def test_tiny_policy_tool_loop_has_no_mismatch(tiny_policy):
 
 
 async def test_tiny_policy_through_the_proxy_with_the_openai_sdk_has_no_mismatch(tiny_policy):
-    from scenarios import arith_tools
     from scenarios.train_tiny_policy import HELDOUT_SEED
 
     tok = tiny_policy.tokenizer
     rows = arith_tools.rows(8, seed=HELDOUT_SEED)
     turns: list[int] = []
 
-    async def calculator_agent(endpoint: Any) -> str | None:
-        client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key,
-                                    max_retries=0)
-        messages = list(endpoint.task["messages"])
-        try:
-            for turn in range(4):
-                reply = await client.chat.completions.create(
-                    model=endpoint.model, messages=messages, tools=endpoint.task["tools"],
-                    logprobs=True)
-                message = reply.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
-                if not message.tool_calls:
-                    turns.append(turn + 1)
-                    return message.content
-                for call in message.tool_calls:
-                    result = await arith_tools.tools()["calculator"](
-                        json.loads(call.function.arguments))
-                    messages.append({"role": "tool", "tool_call_id": call.id,
-                                     "content": str(result)})
-        finally:
-            await client.close()
-        turns.append(4)
-        return None
-
     async with ProxyServer(tiny_policy, tok, model_name="tiny") as proxy:
-        pipe = Pipeline([RemoteAgent(calculator_agent, proxy=proxy)], engine=tiny_policy,
+        pipe = Pipeline([RemoteAgent(functools.partial(sdk_agent, turns=turns), proxy=proxy)],
+                        engine=tiny_policy,
                         tokenizer=tok, seed=3, sample_timeout_s=120,
                         sampling={"max_tokens": 96, "max_response_tokens": 512})
         result = await pipe.run_batch(rows, n=2)
