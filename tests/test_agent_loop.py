@@ -348,6 +348,60 @@ async def test_qwen3_history_rewrite_keeps_the_sampled_tokens_and_renders_only_t
     assert sampled == [turn + "<|im_end|>" for turn in turns], sampled
 
 
+THINK_OFF = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+async def test_template_options_from_the_pipeline_and_the_row_reach_every_rendering(
+        make_engine, tiny_tokenizer):
+    """``enable_thinking`` (Qwen3's template option) from ``chat_template_kwargs``: the
+    pipeline's default, a row's own value over it, in the prompt and in every tool turn's
+    bridge (each next generation prompt opens the empty think block the model then follows)."""
+    qwen3 = copy.deepcopy(tiny_tokenizer)
+    qwen3.chat_template = qwen3_template()
+    turns = [call_text("calculator", '{"expression": "2 + 2"}'), "Answer: 4"]
+
+    def script(request_id, prompt_ids):
+        text = turns[int(request_id.rsplit("-", 1)[1])]
+        return ForcedText([qwen3.encode(text)], qwen3.eos_token_id)
+
+    pipe = Pipeline(agent_stages(), engine=make_engine(processor_factory=script),
+                    tokenizer=qwen3, tools=make_registry([CALC]), sampling={"max_tokens": 48},
+                    chat_template_kwargs={"enable_thinking": False})
+    result = await pipe.run_batch([
+        question_row("What is two plus two?", "4"),
+        question_row("What is two plus two?", "4",
+                     chat_template_kwargs={"enable_thinking": True})], n=1)
+    off, on = result.samples
+    assert [s.status for s in result.samples] == [Status.COMPLETED] * 2, \
+        [s.error for s in result.samples]
+    assert qwen3.decode(off.prompt_ids).endswith(THINK_OFF)
+    assert not qwen3.decode(on.prompt_ids).endswith(THINK_OFF)
+    bridge = [qwen3.decode(off.response_ids[start:end]) for mask, start, end
+              in runs(off.response_mask) if mask == 0]
+    assert len(bridge) == 1 and bridge[0].endswith("</tool_response><|im_end|>\n" + THINK_OFF)
+    bridge = [qwen3.decode(on.response_ids[start:end]) for mask, start, end
+              in runs(on.response_mask) if mask == 0]
+    assert len(bridge) == 1 and bridge[0].endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({"tokenize": True}, "option 'tokenize' is set by the pipeline itself"),
+    ({"add_generation_prompt": False}, "option 'add_generation_prompt' is set by the pipeline"),
+    ({"enable thinking": False}, "option name 'enable thinking' is not an identifier"),
+    ("enable_thinking", "Input should be a valid dictionary"),
+])
+def test_bad_template_options_are_refused_naming_the_field(options, says):
+    from pipeline import ConfigError, RowError
+
+    with pytest.raises(RowError, match=says) as row_error:
+        parse_row({"prompt": "hi", "chat_template_kwargs": options}, index=7)
+    assert "chat_template_kwargs" in str(row_error.value) and "row 7" in str(row_error.value)
+    with pytest.raises(ConfigError, match=says) as config_error:
+        Pipeline([BuildPrompt(), Generate()], tokenizer=ByteTokenizer(),
+                 chat_template_kwargs=options)
+    assert config_error.value.field == "chat_template_kwargs"
+
+
 def test_qwen3_delta_for_a_follow_up_question_is_the_bridge_only(tiny_tokenizer):
     """The proxy's case: the agent asks a follow-up question after the model's answer (the
     earlier turn loses its empty think block in Qwen3's rendering): the delta is the end of

@@ -101,6 +101,30 @@ class SamplingParams(_RaisesConfigError):
             raise config_error(exc, where) from None
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+    "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs",
+})
+"""``apply_chat_template`` arguments the pipeline sets itself: not template options."""
+
+
+def check_template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
+    """Chat-template options (``enable_thinking``, ``reasoning_effort``, ...), validated as a
+    dict already: identifier names only, and none the pipeline passes itself.
+
+    Raises:
+        ValueError: naming the bad key (pydantic turns it into a field error).
+    """
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"option name {key!r} is not an identifier")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"option {key!r} is set by the pipeline itself, not a template "
+                             "option")
+    return value
+
+
 class PipelineConfig(_RaisesConfigError):
     """Options of a :class:`pipeline.Pipeline`; build from Python or from a plain dict.
 
@@ -114,6 +138,9 @@ class PipelineConfig(_RaisesConfigError):
         progress_log_s: log a ``batch_heartbeat`` line (done, running, samples per stage,
             oldest running sample, rate, ETA) this often while a batch runs; None: never.
         sampling: default sampling parameters; rows may override them.
+        chat_template_kwargs: options every rendering passes to the chat template (e.g.
+            ``{"enable_thinking": False}`` for Qwen3, ``{"reasoning_effort": "low"}`` for
+            gpt-oss); a row's own ``chat_template_kwargs`` override them key by key.
         token_integrity_checks: check every turn's tokens live (ids decode to the text the
             agent saw, one logprob per sampled token, each prompt extends the previous turn)
             and quarantine a sample that fails one (``failed``, masked, the reason in its
@@ -130,7 +157,13 @@ class PipelineConfig(_RaisesConfigError):
     pad_token_id: int | None = Field(None, ge=0)
     progress_log_s: float | None = Field(60.0, gt=0)
     sampling: SamplingParams = SamplingParams()
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     token_integrity_checks: bool = True
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_template_kwargs(value)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PipelineConfig:

@@ -7,6 +7,7 @@ A row is::
      "ground_truth": ...,                                 # optional, read by judgers
      "data_source": "gsm8k",                              # optional, routes judgers
      "sampling": {"temperature": 0.6},                    # optional per-row overrides
+     "chat_template_kwargs": {"enable_thinking": False},  # optional template options
      "extra": {...}}                                      # optional, anything else
 
 verl-style rows load with this mapping: ``prompt`` (a list of chat messages) -> ``messages``,
@@ -21,9 +22,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline._data.config import describe_validation_error
+from pipeline._data.config import check_template_kwargs, describe_validation_error
 from pipeline._exceptions import RowError
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -39,7 +40,13 @@ class DatasetRow(BaseModel):
     ground_truth: Any = None
     data_source: str = "default"
     sampling: dict[str, Any] = Field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     extra: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_template_kwargs(value)
 
 
 _ROW_FIELDS = frozenset(DatasetRow.model_fields)  # the class property costs ~5 us a read

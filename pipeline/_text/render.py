@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,20 +34,24 @@ DRIFT_BOUNDARY = "boundary"
 
 
 def render_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
-                  tools: Sequence[dict[str, Any]] | None) -> tuple[str, list[int]]:
+                  tools: Sequence[dict[str, Any]] | None,
+                  options: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
     """Render ``messages`` (with tool schemas) for generation and tokenize the text.
 
     Returns:
         ``(raw_prompt, prompt_ids)``.
     """
-    text = render(tokenizer, messages, tools, add_generation_prompt=True)
+    text = render(tokenizer, messages, tools, add_generation_prompt=True, options=options)
     return text, encode_text(tokenizer, text)
 
 
 def render(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
-           tools: Sequence[dict[str, Any]] | None, *, add_generation_prompt: bool) -> str:
-    """The chat template's text for ``messages`` (never token ids)."""
-    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+           tools: Sequence[dict[str, Any]] | None, *, add_generation_prompt: bool,
+           options: Mapping[str, Any] | None = None) -> str:
+    """The chat template's text for ``messages`` (never token ids). ``options`` are the
+    template's own variables (``enable_thinking``, ``reasoning_effort``, ...)."""
+    kwargs: dict[str, Any] = {**options} if options else {}
+    kwargs["tokenize"], kwargs["add_generation_prompt"] = False, add_generation_prompt
     if tools:
         kwargs["tools"] = list(tools)
     text = tokenizer.apply_chat_template(list(messages), **kwargs)
@@ -137,7 +141,8 @@ class TurnDelta:
 
 def render_turn_delta(tokenizer: Tokenizer, conversation: Sequence[AgentMessage],
                       new_messages: Sequence[AgentMessage],
-                      tools: Sequence[dict[str, Any]] | None, last_token: int) -> TurnDelta:
+                      tools: Sequence[dict[str, Any]] | None, last_token: int,
+                      options: Mapping[str, Any] | None = None) -> TurnDelta:
     """Tokenize what follows the last assistant turn of ``conversation`` once
     ``new_messages`` (tool results) are added, up to the next generation prompt.
 
@@ -150,13 +155,14 @@ def render_turn_delta(tokenizer: Tokenizer, conversation: Sequence[AgentMessage]
         new_messages: the messages to append.
         tools: the tool schemas the prompt was rendered with.
         last_token: the last token the model sampled (its stop token).
+        options: the chat template's own variables, as the prompt was rendered with.
     """
     assistant = conversation[-1]
     anchor = next((m for m in reversed(conversation[:-1]) if m.role == "user"), None)
     context = [chat_form(m) for m in ([anchor] if anchor else []) + [assistant]]
-    before = render(tokenizer, context, tools, add_generation_prompt=False)
+    before = render(tokenizer, context, tools, add_generation_prompt=False, options=options)
     after = render(tokenizer, context + [chat_form(m) for m in new_messages], tools,
-                   add_generation_prompt=True)
+                   add_generation_prompt=True, options=options)
     drift: list[str] = []
     stable = after.startswith(before)
     if not stable:

@@ -18,7 +18,9 @@ from pipeline._text.render import encode_text, render, render_prompt
 class BuildPrompt:
     """Writes ``raw_prompt``, ``prompt_ids`` and the prompt ``messages``.
 
-    The row's ``tools`` (OpenAI schemas) are rendered into the prompt by the chat template.
+    The row's ``tools`` (OpenAI schemas) are rendered into the prompt by the chat template,
+    with the template options of :func:`template_options` (``chat_template_kwargs`` of the
+    pipeline and the row, e.g. ``enable_thinking``).
     The ``n`` samples of a prompt (one group) share one rendering. A prompt
     of more than ``offload_chars`` characters is rendered and tokenized in a worker thread,
     so a long prompt never stalls the event loop that serves every other sample. A short one
@@ -49,11 +51,13 @@ class BuildPrompt:
         if cached is not None:
             text = cached
         else:
+            options = template_options(item, ctx)
             if self.offload and prompt_size(row.messages, row.tools) > self.offload_chars:
                 text, ids = await asyncio.to_thread(render_prompt, tokenizer, row.messages,
-                                                    row.tools)
+                                                    row.tools, options)
             else:
-                text = render(tokenizer, row.messages, row.tools, add_generation_prompt=True)
+                text = render(tokenizer, row.messages, row.tools, add_generation_prompt=True,
+                              options=options)
             self._rendered.put(item.group_id, row, tokenizer, text, ids)
         if ids is None:
             ids = await self._encode(tokenizer, text)
@@ -70,6 +74,15 @@ class BuildPrompt:
             except Exception:  # the same ids inline (e.g. another thread reconfigured it)
                 pass
         return encode_text(tokenizer, text)
+
+
+def template_options(item: AgentRolloutItem, ctx: Context) -> Mapping[str, Any]:
+    """The chat template's own variables for this sample: the pipeline's
+    ``chat_template_kwargs``, overridden key by key by the row's."""
+    defaults, own = ctx.config.chat_template_kwargs, item.data.chat_template_kwargs
+    if not own:
+        return defaults
+    return {**defaults, **own} if defaults else own
 
 
 def prompt_size(messages: Sequence[Mapping[str, Any]],

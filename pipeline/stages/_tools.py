@@ -24,6 +24,7 @@ from pipeline._runner.context import Context
 from pipeline._text import integrity
 from pipeline._text.render import render_turn_delta
 from pipeline.stages._generate import check_positive_int, end_on_length, length_limits
+from pipeline.stages._prompt import template_options
 from pipeline.tools import Tool, validate_arguments
 
 TOOL_CALLS = A.TOOL_CALLS
@@ -107,7 +108,8 @@ class CallTools:
         art = item.artifacts
         response: list[int] = art.setdefault(A.RESPONSE_IDS, [])
         last_token = response[-1] if response else (history[-1].token_ids or [-1])[-1]
-        args = (ctx.tokenizer, history, replies, item.data.tools, last_token)
+        args = (ctx.tokenizer, history, replies, item.data.tools, last_token,
+                template_options(item, ctx))
         size = sum(len(str(m.content or "")) for m in (history[-1], *replies))
         delta = (await asyncio.to_thread(render_turn_delta, *args)
                  if self.offload and size > self.offload_chars else render_turn_delta(*args))

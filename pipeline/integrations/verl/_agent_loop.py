@@ -348,6 +348,13 @@ def _build(where: str, options: dict[str, Any], verl_args: dict[str, Any]) -> _A
         max_model_len=int(rollout.get("max_model_len") or prompt_length + response_length),
         base_params={"repetition_penalty": 1.0})
     overrides: dict[str, Any] = {"progress_log_s": None}
+    # verl's own agent loops render with ``data.apply_chat_template_kwargs`` (e.g.
+    # enable_thinking): ours do too, under the factory's own options.
+    data_get = getattr(getattr(verl_args["trainer_config"].config, "data", None), "get", None)
+    verl_options = data_get("apply_chat_template_kwargs") if callable(data_get) else None
+    if verl_options:
+        overrides["chat_template_kwargs"] = {**dict(verl_options),
+                                             **config.chat_template_kwargs}
     for field in ("sample_timeout_s", "max_concurrency"):
         if field in options:
             overrides[field] = options[field]
