@@ -331,3 +331,48 @@ async def test_invalid_messages_are_request_errors_naming_the_message():
     assert check_fields({"messages": BASE, **nulls}, CHAT_FIELDS, frozenset()) == frozenset()
     outcome = await runner.run(session, accepted)
     assert outcome.turn is not None and outcome.logprobs is None
+
+
+class ThinkingBytes(ByteTokenizer):
+    """The byte tokenizer with a template option, as Qwen3's ``enable_thinking``: off, the
+    generation prompt opens an empty think block."""
+
+    def apply_chat_template(self, conversation: Any, *, enable_thinking: bool = True,
+                            **kwargs: Any) -> Any:
+        text = super().apply_chat_template(conversation, **kwargs)
+        if kwargs.get("add_generation_prompt") and not enable_thinking:
+            text += "<think>\n\n</think>\n\n"
+        return text
+
+
+async def test_chat_template_kwargs_reach_every_rendering_and_a_change_starts_a_segment():
+    """vLLM's ``chat_template_kwargs`` extension: the options reach the prompt and each
+    merged turn's delta; a request with other options starts a new segment."""
+    tok = ThinkingBytes()
+    script = Script()
+    engine = SimulatedEngine(latency_s=0, latency_sigma=0, tail_prob=0, responder=script,
+                             eos_token_id=EOS)
+    runner = TurnRunner(engine, tok, HermesToolParser(), max_tokens=None, max_turns=50,
+                        offload_chars=10_000, abort_timeout_s=5.0)
+    session = SessionStore(tok, max_sessions=10, idle_timeout_s=60).create(
+        sampling=SamplingParams(max_tokens=100))
+    off = {"enable_thinking": False}
+    first = await ask(runner, session, BASE, chat_template_kwargs=off)
+    think_off = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tok.decode(script.prompts[-1]).endswith(think_off)
+    messages = [*BASE, reply_dict(first), {"role": "user", "content": "and 2 and 3?"}]
+    second = await ask(runner, session, messages, chat_template_kwargs=off)
+    assert second.turn is not None and second.turn.merged
+    assert tok.decode(script.prompts[-1]).endswith(think_off)
+    messages = [*messages, reply_dict(second), {"role": "user", "content": "thanks"}]
+    third = await ask(runner, session, messages)  # thinking on again: another rendering
+    assert third.turn is not None and not third.turn.merged
+    assert third.turn.split_reason == "tools_changed"
+    assert not tok.decode(script.prompts[-1]).endswith(think_off)
+
+
+@pytest.mark.parametrize("options", [{"tokenize": True}, {"tools": []}, {"not a name": 1}])
+def test_reserved_or_malformed_chat_template_kwargs_are_refused(options):
+    with pytest.raises(ProxyRequestError) as info:
+        parse_request({"model": "m", "messages": BASE, "chat_template_kwargs": options})
+    assert "chat_template_kwargs" in str(info.value)

@@ -39,7 +39,8 @@ from pipeline.proxy._wire import WireMessage, parse_message
 SPLIT_START = "start"
 """The first segment of a session (not counted as a split)."""
 SPLIT_TOOLS = "tools_changed"
-"""The request's tool schemas differ from the segment's (the system prompt changes)."""
+"""The request's tool schemas or chat-template options (``chat_template_kwargs``) differ from
+the segment's (the rendered prompt changes)."""
 SPLIT_RETRY = "retry"
 """The request repeats the previous request's messages (the last reply is abandoned)."""
 SPLIT_TRUNCATED = "truncated"
@@ -110,6 +111,8 @@ class Segment:
     policy_version: int | None = None
     routed_experts: Any = None
     conversation: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+    """The chat-template options its prompt and deltas were rendered with."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -136,6 +139,8 @@ class Match:
     keep: int = 0
     new: list[tuple[WireMessage, dict[str, Any]]] = field(default_factory=list)
     conversation: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+    """The request's chat-template options (``chat_template_kwargs``)."""
 
     def render_chars(self) -> int:
         """Rough size of the text to render (to decide whether to render off the loop)."""
@@ -187,8 +192,10 @@ class History:
 
     # ----- matching (cheap; on the event loop) --------------------------------------------
 
-    def match(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Match:
-        """Find the segment ``messages`` extend, or how a new segment would start.
+    def match(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+              options: dict[str, Any] | None = None) -> Match:
+        """Find the segment ``messages`` extend, or how a new segment would start. A segment
+        rendered with other tools or chat-template ``options`` is never extended.
 
         A new segment's reason and reused prefix come from the segment sharing the longest
         prefix with ``messages`` (the latest one on ties).
@@ -196,11 +203,17 @@ class History:
         Raises:
             ProxyRequestError: a message that has to be compared or rendered is invalid.
         """
+        found = self._match(messages, tools, options or {})
+        found.options = options or {}
+        return found
+
+    def _match(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               options: dict[str, Any]) -> Match:
         order = [self.current] if self.current is not None else []
         order += [s for s in reversed(self.segments) if s is not self.current]
         base, common = None, -1
         for segment in order:
-            if not _same_tools(segment.tools, tools):
+            if not _same_tools(segment.tools, tools) or segment.options != options:
                 continue
             count = len(segment.entries)
             shared = self._common(messages, segment.entries, min(len(messages), count))
@@ -258,7 +271,7 @@ class History:
         try:
             if match.segment is not None:
                 seg = match.segment
-                ids, drift = self._delta(seg.entries, seg.anchor, new_messages, match.tools,
+                ids, drift = self._delta(seg.entries, seg.anchor, new_messages, match,
                                          seg.response_ids[-1:] or seg.prompt_ids[-1:])
                 return TurnPlan(match, ids, seg.sequence() + ids, len(seg), None, drift,
                                 new_entries)
@@ -269,12 +282,12 @@ class History:
                 prefix = match.base.sequence()[:end]
                 anchor = next((e.message for e in reversed(kept) if e.message.role == "user"),
                               None)
-                ids, drift = self._delta(kept, anchor, new_messages, match.tools, prefix[-1:])
+                ids, drift = self._delta(kept, anchor, new_messages, match, prefix[-1:])
                 reused = [Entry(e.message, e.key, e.echo, e.end, e.closed) for e in kept]
                 return TurnPlan(match, ids, prefix + ids, end, None, drift,
                                 reused + new_entries)
             text, ids = render_prompt(self.tokenizer, [chat_form(m) for m in new_messages],
-                                      match.tools)
+                                      match.tools, match.options)
             return TurnPlan(match, ids, ids, 0, text, (), new_entries)
         except ProxyRequestError:
             raise
@@ -284,19 +297,22 @@ class History:
                                     code="template_error") from exc
 
     def _delta(self, entries: Sequence[Entry], anchor: AgentMessage | None,
-               new_messages: list[AgentMessage], tools: list[dict[str, Any]] | None,
+               new_messages: list[AgentMessage], match: Match,
                last: list[int]) -> tuple[list[int], tuple[str, ...]]:
         """Template tokens after the model turn ``entries[-1]`` up to the next generation."""
         reply = entries[-1]
         context = [anchor, reply.message] if anchor is not None else [reply.message]
+        tools, options = match.tools, match.options
         if reply.closed and last:
-            delta = render_turn_delta(self.tokenizer, context, new_messages, tools, last[0])
+            delta = render_turn_delta(self.tokenizer, context, new_messages, tools, last[0],
+                                      options)
             return delta.ids, delta.drift
         if self.eos_token_id is None:  # no end-of-turn token known: the delta as it comes
-            delta = render_turn_delta(self.tokenizer, context, new_messages, tools, -1)
+            delta = render_turn_delta(self.tokenizer, context, new_messages, tools, -1,
+                                      options)
             return delta.ids, delta.drift
         delta = render_turn_delta(self.tokenizer, context, new_messages, tools,
-                                  self.eos_token_id)
+                                  self.eos_token_id, options)
         return [self.eos_token_id, *delta.ids], delta.drift
 
     # ----- committing (after the engine answered) ----------------------------------------
@@ -313,7 +329,7 @@ class History:
                           at_message=match.at_message, tools=match.tools,
                           prompt_ids=list(plan.prompt_ids), reused_tokens=plan.reused_tokens,
                           raw_prompt=plan.raw_prompt, entries=list(plan.new_entries),
-                          conversation=match.conversation)
+                          conversation=match.conversation, options=match.options)
             self.segments.append(seg)
             if seg.reason in SPLIT_REASONS:
                 self.splits[seg.reason] = self.splits.get(seg.reason, 0) + 1

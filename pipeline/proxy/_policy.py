@@ -231,8 +231,15 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "audio": _refused("audio output"),
     "prediction": _refused("predicted outputs"),
     "web_search_options": _refused("web search: the proxy serves no hosted tools"),
+    "chat_template_kwargs": FieldRule(
+        "supported", "the chat template's own options (vLLM's extension: enable_thinking, "
+        "...); a change starts a new segment (tools_changed)"),
 }
-"""Every field of ``POST /v1/chat/completions``."""
+"""Every field of ``POST /v1/chat/completions``, and :data:`EXTENSION_FIELDS`."""
+
+EXTENSION_FIELDS = frozenset({"chat_template_kwargs"})
+"""Fields of vLLM's OpenAI-compatible server, not of OpenAI's API, that the proxy serves (the
+official SDK sends them through ``extra_body``)."""
 
 RESPONSES_FIELDS: dict[str, FieldRule] = {
     **_COMMON,

@@ -119,11 +119,12 @@ class TurnRunner:
             session.requests += 1
             session.touch()
             history = session.history
+            options = request.chat_template_kwargs
             if offload:
                 match = await asyncio.to_thread(history.match, request.messages,
-                                                request.tool_schemas)
+                                                request.tool_schemas, options)
             else:
-                match = history.match(request.messages, request.tool_schemas)
+                match = history.match(request.messages, request.tool_schemas, options)
             if offload or match.render_chars() > self.offload_chars:
                 plan = await asyncio.to_thread(history.render, match)
             else:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline._data.config import describe_validation_error
+from pipeline._data.config import check_template_kwargs, describe_validation_error
 from pipeline._data.models import AgentMessage, ToolCall, ToolFunction
 from pipeline.proxy._errors import ProxyRequestError
 
@@ -131,6 +131,13 @@ class ChatCompletionRequest(_Lenient):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """The chat template's own options (vLLM's extension: ``enable_thinking``, ...)."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else check_template_kwargs(value)
 
     @field_validator("stop")
     @classmethod
