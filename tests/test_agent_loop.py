@@ -420,6 +420,27 @@ def test_qwen3_delta_for_a_follow_up_question_is_the_bridge_only(tiny_tokenizer)
     assert delta.drift == (DRIFT_PREFIX,) and delta.ids == qwen3.encode(delta.text)
 
 
+def test_qwen3_delta_after_a_stop_the_template_does_not_render_is_still_the_bridge(
+        tiny_tokenizer):
+    """The model ended its turn on ``<|endoftext|>`` (also an eos of Qwen's), which the
+    template never renders, on the template that rewrites the turn: the delta starts after
+    the turn's rendered end in the new rendering, never inside the model's own text."""
+    from pipeline import AgentMessage, ToolCall, ToolFunction
+
+    qwen3 = copy.deepcopy(tiny_tokenizer)
+    qwen3.chat_template = qwen3_template()
+    conversation = [AgentMessage(role="user", content="What is 2 + 3?"),
+                    AgentMessage(role="assistant", content="", tool_calls=[ToolCall(
+                        id="c1", function=ToolFunction(name="calc",
+                                                       arguments='{"e": "2 + 3"}'))])]
+    endoftext = qwen3.convert_tokens_to_ids("<|endoftext|>")
+    delta = render_turn_delta(qwen3, conversation, [AgentMessage(
+        role="tool", content="5", tool_call_id="c1")], None, endoftext)
+    assert delta.text == ("<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>"
+                          "\n<|im_start|>assistant\n"), delta.text
+    assert set(delta.drift) == {DRIFT_PREFIX, "closing"}
+
+
 def test_turn_delta_with_the_byte_tokenizer():
     from pipeline import AgentMessage, ToolCall, ToolFunction
 

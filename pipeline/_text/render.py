@@ -169,9 +169,9 @@ def render_turn_delta(tokenizer: Tokenizer, conversation: Sequence[AgentMessage]
         drift.append(DRIFT_PREFIX)
     stop_text = decode_text(tokenizer, [last_token], skip_special_tokens=False)
     at = before.rfind(stop_text) if stop_text else -1
-    if at < 0:
+    if at < 0:  # the model stopped on a token the template does not end turns with
         drift.append(DRIFT_CLOSING)
-        text = after[len(before) if stable else _common_prefix_length(before, after):]
+        text = after[len(before) if stable else _end_of_shared_tail(before, after):]
     elif stable:
         text = before[at + len(stop_text):] + after[len(before):]
     else:
@@ -211,6 +211,20 @@ def _splits_cleanly_after(tokenizer: Tokenizer, token: int) -> bool:
         with contextlib.suppress(TypeError):
             _CLEAN_SPLITS[tokenizer] = clean
     return token in clean
+
+
+def _end_of_shared_tail(before: str, after: str) -> int:
+    """Where the last assistant turn ends in ``after`` when ``after`` rewrote it and its stop
+    token is unknown: the end of the longest tail of ``before`` (past the point where the two
+    differ) that ``after`` renders too. Qwen3: ``before`` ends ``<think>\\n\\n</think>\\n\\n
+    <tool_call>...<|im_end|>\\n``, ``after`` has the same turn without the think block."""
+    split = _common_prefix_length(before, after)
+    tail = before[split:]
+    for start in range(len(tail)):  # longest first: a short tail (a newline) matches anywhere
+        found = after.find(tail[start:], split)
+        if found >= 0:
+            return found + len(tail) - start
+    return split
 
 
 def _nth_occurrence(text: str, part: str, n: int) -> int:
