@@ -268,6 +268,17 @@ async def test_proxy_prefix_check_quarantines_a_prompt_that_does_not_extend_the_
     assert "differs from the previous turn's sequence at position" in error
 
 
+async def test_proxy_checks_off_an_engine_short_of_logprobs_is_an_engine_error_not_a_crash():
+    """With the checks off nothing aligns the logprobs: the turn is refused as the engine's
+    fault (502, the counts named), the agent's sample fails with that error, the others
+    complete; the proxy never answers 500."""
+    result = await run_proxy_batch(engine(ShortLogprobsEngine), token_integrity_checks=False)
+    assert result.stats.by_status == {"completed": 4, "failed": 1}, \
+        [s.error for s in result.samples]
+    (failed,) = [s for s in result.samples if s.status == "failed"]
+    assert "9 logprobs for 10 sampled tokens" in (failed.error or ""), failed.error
+
+
 async def test_proxy_checks_off_and_a_split_is_not_a_mismatch():
     off = await run_proxy_batch(engine(LyingTextEngine), token_integrity_checks=False)
     assert off.stats.by_status == {"completed": 5}

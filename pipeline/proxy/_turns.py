@@ -251,6 +251,9 @@ class TurnRunner:
     def _commit(self, session: Session, request: ChatCompletionRequest, plan: TurnPlan,
                 gen: Generation, sampling: SamplingParams, request_id: str) -> TurnOutcome:
         tokens, logprobs = list(gen.token_ids), list(gen.logprobs)
+        if len(logprobs) != len(tokens):  # with the integrity checks off (they align them)
+            raise ProxyError(f"the engine returned {len(logprobs)} logprobs for {len(tokens)} "
+                             "sampled tokens", status=502, code="engine_error")
         text = decode_text(self.tokenizer, tokens, skip_special_tokens=True)
         if self.check_integrity and gen.text is not None:
             bad = integrity.decode_mismatch(text, gen.text)
