@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline._exceptions import TokenIntegrityError
+from pipeline._text.render import common_prefix_length
 
 DECODE = "decode"
 LOGPROBS = "logprobs"
@@ -42,20 +43,12 @@ MARKS = "_token_integrity_marks"
 token, (position, token) of each turn boundary in the response ...]``."""
 
 
-def _first_difference(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def decode_mismatch(decoded: str, seen: str, *, prefix: bool = False) -> str | None:
     """None when ``decoded`` is ``seen`` (or, with ``prefix``, starts with it), else what
     differs, with the first differing character position."""
     if decoded == seen or (prefix and decoded.startswith(seen)):
         return None
-    at = _first_difference(decoded, seen)
+    at = common_prefix_length(decoded, seen)
     return (f"the ids decode to {decoded[at:at + 40]!r} at character {at} but the agent saw "
             f"{seen[at:at + 40]!r} ({len(decoded)} vs {len(seen)} characters)")
 

@@ -183,7 +183,7 @@ def render_turn_delta(tokenizer: Tokenizer, conversation: Sequence[AgentMessage]
         # garbled copy of the model's own text starting mid-token.
         end = _nth_occurrence(after, stop_text, before.count(stop_text, 0, at))
         text = after[end + len(stop_text):] if end >= 0 else \
-            after[_common_prefix_length(before, after):]
+            after[common_prefix_length(before, after):]
     ids = encode_text(tokenizer, text)
     if at >= 0 and not _splits_cleanly_after(tokenizer, last_token) and (
             encode_text(tokenizer, stop_text + text) != [last_token, *ids]):
@@ -218,7 +218,7 @@ def _end_of_shared_tail(before: str, after: str) -> int:
     token is unknown: the end of the longest tail of ``before`` (past the point where the two
     differ) that ``after`` renders too. Qwen3: ``before`` ends ``<think>\\n\\n</think>\\n\\n
     <tool_call>...<|im_end|>\\n``, ``after`` has the same turn without the think block."""
-    split = _common_prefix_length(before, after)
+    split = common_prefix_length(before, after)
     tail = before[split:]
     for start in range(len(tail)):  # longest first: a short tail (a newline) matches anywhere
         found = after.find(tail[start:], split)
@@ -237,6 +237,7 @@ def _nth_occurrence(text: str, part: str, n: int) -> int:
     return at
 
 
-def _common_prefix_length(a: str, b: str) -> int:
+def common_prefix_length(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
