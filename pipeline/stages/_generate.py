@@ -55,11 +55,6 @@ def length_limits(item: AgentRolloutItem, max_model_len: int | None) -> dict[str
     return limits
 
 
-def quarantine(item: AgentRolloutItem, reason: str) -> None:
-    """Record a failed token-integrity check on the sample (before raising the error)."""
-    item.artifacts[A.TOKEN_INTEGRITY] = reason
-
-
 def end_on_length(item: AgentRolloutItem, limit: str) -> None:
     """End the agent loop because ``limit`` (one of :data:`LENGTH_LIMITS`) ran out."""
     item.finish_reason, item.raw_finish_reason = FinishReason.LENGTH, limit
@@ -176,7 +171,7 @@ class Generate:
     @staticmethod
     def _quarantine(item: AgentRolloutItem, reason: str, turn: int, detail: str) -> None:
         """Fail the sample (masked) with the check's reason; the batch goes on."""
-        quarantine(item, reason)
+        item.artifacts[A.TOKEN_INTEGRITY] = reason
         raise integrity.fail(reason, turn, detail)
 
     def _message(self, item: AgentRolloutItem, text: str | None, token_ids: list[int],
