@@ -1,0 +1,250 @@
+"""CPU and memory per sample as the number of samples in flight grows (issue 43).
+
+Run::
+
+    python benchmarks/flat_cost.py                 # 1k / 10k / 100k, both collector settings
+    python benchmarks/flat_cost.py --sizes 1000 10000 --quick   # a smoke run, nothing written
+
+The pipeline is imported as a trainer imports it and run with ``asyncio.run`` (not
+``pipeline.asyncio_run``), so the collector keeps CPython's defaults (``library_gc``); the
+same runs inside ``pipeline.diagnostics.rollout_gc()`` (``edge_gc``: what ``asyncio_run`` and
+the CLI set) are reported beside them. Every sample is in flight at once
+(``max_concurrency`` = batch size).
+
+Workloads, both on the simulated engine with a 50 ms latency (the engine waits; the CPU spent
+is the pipeline's, the stages' and the event loop's):
+
+- ``single``: ``BuildPrompt`` + ``Generate`` + a judge function (``scenarios.arith``);
+- ``tool_loop``: ``BuildPrompt`` + ``Loop([Generate(), CallTools()])`` with three calculator
+  calls then an answer per sample (four model turns, three tool turns).
+
+Per run: process CPU time per sample (the whole ``run_batch``: items, stages, samples,
+stats), wall time, the peak RSS growth per sample while the batch runs (sampled every
+10 ms), the collector's passes per generation and the time they took (``gc.callbacks``), and
+what a finished batch still holds per sample (Python allocations alive after ``run_batch``
+returned, held by its result; tracemalloc in a separate, smaller run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+from _common import write_result
+
+from pipeline import (
+    BuildPrompt,
+    FinishReason,
+    Generate,
+    Generation,
+    Loop,
+    Pipeline,
+    SimulatedEngine,
+)
+from pipeline._gc import rollout_gc
+from pipeline.stages import CallTools
+from pipeline.testing import ByteTokenizer
+from pipeline.tools import calculator_tool, make_registry
+from scenarios import arith
+
+LATENCY_S = 0.05
+TOOL_TURNS = 3
+CALL = ('<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a} + {b}"}}}}\n'
+        '</tool_call>')
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}]
+
+
+class ToolEngine(SimulatedEngine):
+    """The simulated engine scripted to call the calculator ``TOOL_TURNS`` times, then
+    answer, each turn after ``LATENCY_S``."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(latency_s=LATENCY_S, latency_sigma=0.0, tail_prob=0.0,
+                         eos_token_id=tokenizer.eos_token_id)
+        self._ids: dict[str, list[int]] = {}
+        self.tokenizer = tokenizer
+
+    async def generate(self, prompt_ids: Any, sampling: Any, request_id: str) -> Generation:
+        turn = int(request_id.rsplit("-", 1)[1])
+        text = (CALL.format(a=turn + 1, b=turn + 2) if turn < TOOL_TURNS
+                else f"Answer: {2 * turn + 1}")
+        ids = self._ids.get(text)
+        if ids is None:
+            ids = self._ids[text] = self.tokenizer.encode(text, add_special_tokens=False)
+        self.calls += 1
+        await asyncio.sleep(LATENCY_S)
+        tokens = [*ids, self.eos_token_id]
+        return Generation(tokens, [-0.5] * len(tokens), FinishReason.STOP, "stop")
+
+
+def single_pipeline(size: int) -> Pipeline:
+    tok = ByteTokenizer()
+    eng = SimulatedEngine(latency_s=LATENCY_S, latency_sigma=0.0, tail_prob=0.0,
+                          responder=arith.responder(tok), eos_token_id=tok.eos_token_id)
+    return Pipeline([BuildPrompt(), Generate(), arith.score_answer], engine=eng, tokenizer=tok,
+                    max_concurrency=size, sample_timeout_s=600, sampling={"max_tokens": 64},
+                    seed=1)
+
+
+def tool_pipeline(size: int) -> Pipeline:
+    tok = ByteTokenizer()
+    return Pipeline([BuildPrompt(), Loop([Generate(), CallTools()], max_turns=TOOL_TURNS + 2)],
+                    engine=ToolEngine(tok), tokenizer=tok,
+                    tools=make_registry([calculator_tool()]), sampling={"max_tokens": 256},
+                    sample_timeout_s=600, max_concurrency=size)
+
+
+def single_rows(size: int) -> list[dict[str, Any]]:
+    return arith.rows(size, seed=0)
+
+
+def tool_rows(size: int) -> list[dict[str, Any]]:
+    return [{"prompt": f"Question {i}: add the numbers with the calculator.", "tools": TOOLS}
+            for i in range(size)]
+
+
+WORKLOADS: dict[str, tuple[Callable[[int], Pipeline], Callable[[int], list[Any]]]] = {
+    "single": (single_pipeline, single_rows),
+    "tool_loop": (tool_pipeline, tool_rows),
+}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class CollectorClock:
+    """Counts the collector's passes per generation and the time they take."""
+
+    def __init__(self) -> None:
+        self.passes = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.thread_time()
+        else:
+            self.passes[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.thread_time() - self._start
+
+    def __enter__(self) -> CollectorClock:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+async def one_batch(pipe: Pipeline, rows: list[Any]) -> tuple[Any, int]:
+    peak = [rss_bytes()]
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            peak[0] = max(peak[0], rss_bytes())
+
+    watcher = asyncio.create_task(watch())
+    try:
+        result = await pipe.run_batch(rows)
+    finally:
+        watcher.cancel()
+    return result, peak[0]
+
+
+def run_once(workload: str, size: int) -> dict[str, Any]:
+    make_pipe, make_rows = WORKLOADS[workload]
+    pipe, rows = make_pipe(size), make_rows(size)
+    gc.collect()
+    before = rss_bytes()
+    with CollectorClock() as clock:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        result, peak = asyncio.run(one_batch(pipe, rows))
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    assert result.stats.by_status == {"completed": size}, result.stats.by_status
+    if workload == "tool_loop":
+        assert result.stats.tool_turns_min == TOOL_TURNS, result.stats.tool_turns_min
+    del result
+    return {"cpu_us_per_sample": round(cpu / size * 1e6, 1), "wall_s": round(wall, 2),
+            "rss_growth_kb_per_sample": round((peak - before) / 1024 / size, 2),
+            "gc_passes": clock.passes, "gc_s": [round(s, 3) for s in clock.seconds]}
+
+
+def kept_after(workload: str, size: int) -> dict[str, Any]:
+    """Python allocations still alive, per sample, once ``run_batch`` returned (its result
+    held), and the peak while the batch ran; both with tracemalloc, so on a smaller batch."""
+    make_pipe, make_rows = WORKLOADS[workload]
+    pipe, rows = make_pipe(size), make_rows(size)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    result = asyncio.run(pipe.run_batch(rows))
+    gc.collect()
+    kept, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert result.stats.by_status == {"completed": size}
+    return {"samples": size,
+            "python_alloc_peak_kb_per_sample": round((peak - base) / 1024 / size, 2),
+            "kept_by_result_kb_per_sample": round((kept - base) / 1024 / size, 2)}
+
+
+def table(sizes: list[int], repeats: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for workload in WORKLOADS:
+        for setting, wrap in (("library_gc", lambda fn: fn()),
+                              ("edge_gc", lambda fn: rollout_gc_call(fn))):
+            rows: dict[str, Any] = {}
+            for size in sizes:
+                runs = [wrap(lambda size=size: run_once(workload, size))
+                        for _ in range(repeats if size < 100_000 else 1)]
+                best = statistics.median_low(sorted(r["cpu_us_per_sample"] for r in runs))
+                row = next(r for r in runs if r["cpu_us_per_sample"] == best)
+                row["cpu_runs_us"] = [r["cpu_us_per_sample"] for r in runs]
+                rows[str(size)] = row
+                print(f"{workload:9} {setting:10} {size:>7}: {row['cpu_us_per_sample']:6} us/"
+                      f"sample, wall {row['wall_s']} s, RSS +{row['rss_growth_kb_per_sample']} "
+                      f"KB/sample, gc passes {row['gc_passes']} in {row['gc_s']} s", flush=True)
+            first, last = rows[str(sizes[0])], rows[str(sizes[-1])]
+            rows["cpu_ratio_largest_to_smallest"] = round(
+                last["cpu_us_per_sample"] / first["cpu_us_per_sample"], 2)
+            out.setdefault(workload, {})[setting] = rows
+    return out
+
+
+def rollout_gc_call(fn: Callable[[], Any]) -> Any:
+    with rollout_gc():
+        return fn()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10_000, 100_000])
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per size below 100,000 (the median is reported)")
+    parser.add_argument("--quick", action="store_true", help="print only, write nothing")
+    parser.add_argument("--name", default="flat_cost", help="results file name")
+    args = parser.parse_args()
+    figures: dict[str, Any] = {"engine": "simulated (no model)", "latency_s": LATENCY_S,
+                               "gc_threshold_at_start": gc.get_threshold(),
+                               "goal_cpu_ratio": 1.15, "goal_memory_kb_per_sample": 5,
+                               "table": table(args.sizes, args.repeats)}
+    figures["kept"] = {w: kept_after(w, 10_000) for w in WORKLOADS}
+    print(f"after run_batch: {figures['kept']}")
+    figures["load_average_after"] = os.getloadavg()
+    if not args.quick:
+        print(f"written to {write_result(args.name, figures)}")
+
+
+if __name__ == "__main__":
+    main()
