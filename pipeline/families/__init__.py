@@ -26,6 +26,7 @@ from pipeline.families._build import (
     families_dir,
     family_chat_template,
     family_tokenizer,
+    harmony_encodings_dir,
 )
 from pipeline.families._catalog import FAMILIES, Family, SpecialToken, get_family
 
@@ -38,4 +39,5 @@ __all__ = [
     "family_chat_template",
     "family_tokenizer",
     "get_family",
+    "harmony_encodings_dir",
 ]

@@ -14,8 +14,10 @@ temporary sibling and are renamed into place.
 
 from __future__ import annotations
 
+import base64
 import importlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,34 @@ def family_tokenizer(name: str) -> Any:
     and cached on disk."""
     hf: Any = importlib.import_module("transformers")
     return hf.PreTrainedTokenizerFast.from_pretrained(str(ensure_family_tokenizer_dir(name)))
+
+
+HARMONY_ENCODING_FILE = "o200k_base.tiktoken"
+"""The file ``openai_harmony`` reads from ``$TIKTOKEN_ENCODINGS_BASE`` (vLLM's harmony parser)."""
+
+
+def harmony_encodings_dir() -> Path:
+    """A folder holding ``o200k_base.tiktoken`` for ``openai_harmony``, written once from the
+    gpt-oss family's vocabulary.
+
+    ``openai_harmony`` (which vLLM's gpt-oss parser runs on) downloads that file at first use
+    unless ``$TIKTOKEN_ENCODINGS_BASE`` names a folder that has it; the ranks converted here
+    are byte for byte the file it pins by hash, so it loads this one without a download.
+
+    Raises:
+        ImportError: the ``families`` extra (``quicktok-v1``) is missing.
+    """
+    folder = families_dir() / "harmony-encodings"
+    target = folder / HARMONY_ENCODING_FILE
+    if not target.is_file():
+        ranks = load_ranks(get_family("gpt-oss"))
+        lines = [f"{base64.b64encode(token).decode()} {rank}\n"
+                 for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f".{HARMONY_ENCODING_FILE}.{os.getpid()}"
+        partial.write_text("".join(lines), encoding="ascii")
+        partial.replace(target)  # atomic: a concurrent reader never sees half a file
+    return folder
 
 
 def family_chat_template(name: str, *, training: bool = False) -> str:

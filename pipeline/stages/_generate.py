@@ -29,6 +29,7 @@ from pipeline._runner.context import Context
 from pipeline._text import integrity
 from pipeline._text.render import decode_text
 from pipeline.tools import HermesToolParser, ToolParser
+from pipeline.tools._vllm_parsers import load_vllm_parsers, make_tool_parser, needs_vllm
 
 LENGTH_LIMITS = ("max_tokens", "response_budget", "context")
 """``raw_finish_reason`` values of a sample that ended on length, by the limit that hit."""
@@ -83,10 +84,27 @@ class Generate:
     failed check raises :class:`~pipeline.TokenIntegrityError`: the sample is quarantined
     (``failed``, masked) with ``artifacts.TOKEN_INTEGRITY`` set to the reason.
 
+    Model families (:mod:`pipeline.families`): ``family="qwen3"`` reads turns with the
+    family's tool and reasoning parsers (its record's ``tool_parser``/``reasoning_parser``,
+    vLLM's names) and stops on the family's stop ids (added to ``sampling.stop_token_ids``:
+    gpt-oss's ``<|call|>``, Llama 3.1's ``<|eom_id|>``). Reasoning the parser takes out of the
+    turn becomes the message's ``reasoning_content``; the trainer's tokens stay the sampled ones.
+
     Args:
-        parser: finds tool calls in the decoded text (default :class:`HermesToolParser`).
+        parser: finds tool calls in the decoded text (default :class:`HermesToolParser`, or
+            the family's); an instance, used as given.
         parse_tool_calls: False keeps the text as content and looks for no calls.
         max_model_len: context limit; default: the engine's ``max_model_len`` if it has one.
+        family: a name of :data:`pipeline.families.FAMILIES`: its parsers and stop ids.
+        tool_parser: a vLLM tool parser name, instead of the family's (``"llama3_json"``).
+        reasoning_parser: a vLLM reasoning parser name, instead of the family's (``"qwen3"``).
+            vLLM parsers are built with the pipeline's tokenizer at the first turn; their
+            names are checked here.
+
+    Raises:
+        ConfigError: an unknown family or parser name, or vLLM missing for a vLLM parser (the
+            message names the field).
+        StageDefinitionError: ``parser`` is not a parser instance, or is given beside names.
     """
 
     name = "generate"
@@ -96,16 +114,50 @@ class Generate:
                           A.ROUTED_EXPERTS, A.TOKEN_INTEGRITY})
 
     def __init__(self, *, parser: ToolParser | None = None, parse_tool_calls: bool = True,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, family: str | None = None,
+                 tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         check_positive_int("Generate", max_model_len=max_model_len)
         if isinstance(parser, type) or (parser is not None
                                         and not callable(getattr(parser, "parse", None))):
             raise StageDefinitionError(f"Generate: parser must be a tool-call parser instance "
                                        f"(HermesToolParser()), got {parser!r}")
+        if parser is not None and (tool_parser or reasoning_parser):
+            raise StageDefinitionError("Generate: give parser (an instance) or tool_parser/"
+                                       "reasoning_parser (vLLM names), not both")
+        self.stop_token_ids: tuple[int, ...] = ()
+        if family is not None:
+            from pipeline.families import get_family  # plain records, cheap
+
+            try:
+                record = get_family(family)
+            except KeyError as exc:
+                raise ConfigError(f"Generate: family: {exc.args[0]}", field="family") from None
+            self.stop_token_ids = record.stop_token_ids
+            if parser is None:
+                tool_parser = tool_parser or record.tool_parser
+                reasoning_parser = reasoning_parser or record.reasoning_parser
+        self.parser_names = (tool_parser, reasoning_parser)
+        if needs_vllm(tool_parser, reasoning_parser):
+            load_vllm_parsers(tool_parser, reasoning_parser)  # a bad name fails here
         self.parser: ToolParser | None = None
+        self._built_for: object = None
         if parse_tool_calls:
-            self.parser = parser if parser is not None else HermesToolParser()
+            if parser is not None:
+                self.parser = parser
+            elif not needs_vllm(tool_parser, reasoning_parser):
+                self.parser = HermesToolParser()
+        self.parse_tool_calls = parse_tool_calls
         self.max_model_len = max_model_len
+
+    def _parser_for(self, tokenizer: object) -> ToolParser | None:
+        """The parser; a vLLM one is built with the pipeline's tokenizer at its first turn
+        (and again if this stage runs with another tokenizer)."""
+        if not self.parse_tool_calls or not needs_vllm(*self.parser_names) or tokenizer is None:
+            return self.parser
+        if self._built_for is not tokenizer:
+            self.parser = make_tool_parser(tokenizer, *self.parser_names)
+            self._built_for = tokenizer
+        return self.parser
 
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
         art = item.artifacts
@@ -127,8 +179,14 @@ class Generate:
                 self._quarantine(item, integrity.PREFIX, turn, bad)
         request_id = f"{item.uid}-{turn}"
         sampling = item.sampling
+        update: dict[str, object] = {}
         if max_tokens != sampling.max_tokens:
-            sampling = sampling.model_copy(update={"max_tokens": max_tokens})
+            update["max_tokens"] = max_tokens
+        if not set(self.stop_token_ids) <= set(sampling.stop_token_ids):
+            update["stop_token_ids"] = tuple(dict.fromkeys([*sampling.stop_token_ids,
+                                                            *self.stop_token_ids]))
+        if update:
+            sampling = sampling.model_copy(update=update)
         try:
             gen = await ctx.engine.generate([*art[A.PROMPT_IDS], *response], sampling, request_id)
         except asyncio.CancelledError:
@@ -155,7 +213,7 @@ class Generate:
                 if bad is not None:
                     self._quarantine(item, integrity.DECODE, turn, bad)
             integrity.mark_turn(art, art[A.PROMPT_IDS], response)
-        art.setdefault(A.MESSAGES, []).append(self._message(item, text, gen.token_ids,
+        art.setdefault(A.MESSAGES, []).append(self._message(item, ctx, text, gen.token_ids,
                                                              gen.logprobs, gen.finish_reason))
         if gen.finish_reason is FinishReason.LENGTH:
             end_on_length(item, "context" if gen.raw_finish_reason == "context" else limit)
@@ -174,20 +232,37 @@ class Generate:
         item.artifacts[A.TOKEN_INTEGRITY] = reason
         raise integrity.fail(reason, turn, detail)
 
-    def _message(self, item: AgentRolloutItem, text: str | None, token_ids: list[int],
-                 logprobs: list[float], finish_reason: FinishReason) -> AgentMessage:
-        if text is None or finish_reason is not FinishReason.STOP:
+    def _message(self, item: AgentRolloutItem, ctx: Context, text: str | None,
+                 token_ids: list[int], logprobs: list[float],
+                 finish_reason: FinishReason) -> AgentMessage:
+        tokenizer = ctx.resources.tokenizer
+        parser = self._parser_for(tokenizer)
+        if (text is None or tokenizer is None or finish_reason is not FinishReason.STOP
+                or parser is None):
             return AgentMessage(role="assistant", content=text, token_ids=token_ids,
                                 logprobs=logprobs, finish_reason=finish_reason)
-        parsed = self.parser.parse(text) if self.parser is not None else None
-        if parsed is None or not parsed.calls:
-            return AgentMessage(role="assistant", content=text, token_ids=token_ids,
-                                logprobs=logprobs, finish_reason=finish_reason)
+        special = bool(getattr(parser, "needs_special_tokens", False))
+        # The stop token closes the turn, it is not part of the message: a parser that reads
+        # special tokens would otherwise see Llama's <|eot_id|> or harmony's <|call|> as text.
+        parsed = parser.parse(decode_text(tokenizer, token_ids[:-1], skip_special_tokens=False)
+                              if special else text)
+        # With special tokens kept the agent-facing text still holds the markup (harmony's
+        # "<|channel|>final<|message|>" decodes to "finalAnswer"): the parser's content is
+        # the message then, as it is whenever it split off calls or reasoning.
+        content = parsed.content or None if (parsed.calls or special
+                                             or parsed.reasoning is not None) else text
+        extra: dict[str, object] = {}
+        if parsed.reasoning is not None:
+            extra["reasoning_content"] = parsed.reasoning
+        if not parsed.calls:
+            return AgentMessage(role="assistant", content=content, token_ids=token_ids,
+                                logprobs=logprobs, finish_reason=finish_reason, **extra)
         turn = item.artifacts[A.TURNS] - 1
         calls = [c.to_tool_call(f"call_{turn}_{i}") for i, c in enumerate(parsed.calls)]
         errors = {call.id: c.error for call, c in zip(calls, parsed.calls, strict=True)
                   if c.error is not None}
-        extra = {TOOL_CALL_ERRORS: errors} if errors else {}
-        return AgentMessage(role="assistant", content=parsed.content or None, tool_calls=calls,
+        if errors:
+            extra[TOOL_CALL_ERRORS] = errors
+        return AgentMessage(role="assistant", content=content, tool_calls=calls,
                             token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason,
                             **extra)

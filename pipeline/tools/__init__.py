@@ -4,6 +4,7 @@ from pipeline.tools._calculator import CalculatorError, calculator_tool, evaluat
 from pipeline.tools._parsers import HermesToolParser, ParsedMessage, ParsedToolCall, ToolParser
 from pipeline.tools._registry import FunctionTool, Tool, make_registry, tool_schema
 from pipeline.tools._schema import validate_arguments
+from pipeline.tools._vllm_parsers import VLLMToolParser, make_tool_parser
 
 __all__ = [
     "CalculatorError",
@@ -13,9 +14,11 @@ __all__ = [
     "ParsedToolCall",
     "Tool",
     "ToolParser",
+    "VLLMToolParser",
     "calculator_tool",
     "evaluate_arithmetic",
     "make_registry",
+    "make_tool_parser",
     "tool_schema",
     "validate_arguments",
 ]

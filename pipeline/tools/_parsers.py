@@ -3,7 +3,8 @@
 A parser never raises on model output: a call it cannot read comes back with ``error`` set,
 so the agent loop can answer it with an error message the model sees, and count it.
 ``HermesToolParser`` reads ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
-(Hermes / Qwen style). Other formats plug in through the :class:`ToolParser` protocol.
+(Hermes / Qwen style). Other formats plug in through the :class:`ToolParser` protocol;
+:class:`~pipeline.tools.VLLMToolParser` brings vLLM's parsers for them.
 """
 
 from __future__ import annotations
@@ -42,15 +43,26 @@ class ParsedToolCall:
 
 @dataclass(frozen=True, slots=True)
 class ParsedMessage:
-    """An assistant turn split into its text and its tool calls."""
+    """An assistant turn split into its text, its tool calls and its reasoning.
+
+    ``reasoning`` is the thinking a reasoning parser took out of the text (``<think>`` blocks,
+    harmony's analysis channel), or None when the turn has none or the parser reads none.
+    """
 
     content: str
     calls: list[ParsedToolCall] = field(default_factory=list)
+    reasoning: str | None = None
 
 
 @runtime_checkable
 class ToolParser(Protocol):
-    """Finds tool calls in the decoded text of one assistant turn. Must never raise."""
+    """Finds tool calls in the decoded text of one assistant turn. Must never raise.
+
+    A parser whose format uses special tokens (Llama 3.1's ``<|python_tag|>``, harmony's
+    channels) sets ``needs_special_tokens = True``: :class:`~pipeline.Generate` then passes the
+    turn decoded with special tokens kept, without its final stop token. Without the
+    attribute it gets the text the agent sees (special tokens skipped).
+    """
 
     name: str
 
