@@ -206,7 +206,7 @@ def table(sizes: list[int], repeats: int) -> dict[str, Any]:
                               ("edge_gc", lambda fn: rollout_gc_call(fn))):
             rows: dict[str, Any] = {}
             for size in sizes:
-                runs = [wrap(lambda size=size: run_once(workload, size))
+                runs = [wrap(lambda size=size, workload=workload: run_once(workload, size))
                         for _ in range(repeats if size < 100_000 else 1)]
                 best = statistics.median_low(sorted(r["cpu_us_per_sample"] for r in runs))
                 row = next(r for r in runs if r["cpu_us_per_sample"] == best)
@@ -239,7 +239,7 @@ def main() -> None:
                                "gc_threshold_at_start": gc.get_threshold(),
                                "goal_cpu_ratio": 1.15, "goal_memory_kb_per_sample": 5,
                                "table": table(args.sizes, args.repeats)}
-    figures["kept"] = {w: kept_after(w, 10_000) for w in WORKLOADS}
+    figures["kept"] = {w: kept_after(w, 2000) for w in WORKLOADS}
     print(f"after run_batch: {figures['kept']}")
     figures["load_average_after"] = os.getloadavg()
     if not args.quick:

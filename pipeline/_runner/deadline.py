@@ -62,7 +62,9 @@ class DeadlineWheel:
 
     def _give_up(self, fired: list[tuple[Context, SampleRun]]) -> None:
         for ctx, run in fired:
-            if run.in_stages:  # a stage swallowed the cancellation and went on
+            # A stage swallowed the cancellation and went on (a run handed over already,
+            # abandoned by its cancelled batch meanwhile, has no owner left to abandon it).
+            if run.in_stages and run.owner is not None:
                 run.owner.abandon(run, Status.TIMEOUT, (
                     f"sample timed out after {ctx.config.sample_timeout_s}s in stage "
                     f"'{ctx.stage}', which ignored the deadline's cancellation for "

@@ -14,6 +14,7 @@ import structlog
 
 from pipeline import artifacts as A
 from pipeline._concurrency.callables import plain_result
+from pipeline._data.construct import construct
 from pipeline._data.models import (
     AgentRolloutItem,
     ExitReason,
@@ -46,7 +47,7 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
     """
     art = item.artifacts
     status = item.status or Status.FAILED
-    # The model's validation copies lists and dicts; only other iterables are listed here.
+    # Only iterables that are not lists are copied here (see _already_valid).
     response_ids: list[int] = _as_list(art.get(A.RESPONSE_IDS, ()))
     mask: list[int] = _as_list(art.get(A.RESPONSE_MASK, ()))
     logprobs_raw = art.get(A.LOGPROBS)
@@ -65,7 +66,7 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
     reward = art.get(A.REWARD)
     if reward is not None and not is_finite_number(reward):
         raise ContractError(f"sample {item.uid}: reward is not a finite number: {reward!r}")
-    return _validate_sample({  # type: ignore[no-any-return]  # RolloutSample(...)'s core
+    values = {
         "uid": item.uid,
         "group_id": item.group_id,
         "index": item.index,
@@ -85,7 +86,45 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
         "routed_experts": art.get(A.ROUTED_EXPERTS),
         "tool_turns": int(art.get(A.TOOL_TURNS, 0)),
         "extra_fields": _as_dict(art.get(A.EXTRA_FIELDS) or {}),
-    })
+    }
+    if _already_valid(values):
+        return construct(RolloutSample, values)
+    return _validate_sample(values)  # type: ignore[no-any-return]  # RolloutSample(...)'s core
+
+
+def _already_valid(values: dict[str, Any]) -> bool:
+    """Whether ``values`` are exactly what validating a :class:`RolloutSample` would produce:
+    plain ints, floats and strings of the field types, dicts keyed by strings. Then the
+    sample shares the item's lists instead of copying them (validation copies every list:
+    a third of a finished sample's memory, and four more objects for the collector to walk
+    for as long as the batch's result lives). Anything else (a bool or a numpy int among
+    the ids, a tuple, a plain-string finish reason) takes the validating path, as before."""
+    return (
+        type(values["uid"]) is str and type(values["group_id"]) is str
+        and type(values["index"]) is int
+        and _only(values["prompt_ids"], int) and _only(values["response_ids"], int)
+        and _only(values["response_mask"], int)
+        and (values["logprobs"] is None or _only(values["logprobs"], float))
+        and _str_keys(values["reward_payload"]) and _str_keys(values["extra_fields"])
+        and type(values["status"]) is Status and type(values["finish_reason"]) is FinishReason
+        and type(values["exit_reason"]) is str
+        and type(values["raw_finish_reason"]) in _OPTIONAL_STR
+        and type(values["error"]) in _OPTIONAL_STR
+        and type(values["policy_version"]) in _OPTIONAL_INT
+    )
+
+
+_OPTIONAL_STR = (str, type(None))
+_OPTIONAL_INT = (int, type(None))
+
+
+def _only(values: list[Any], kind: type) -> bool:
+    # The types of the elements collected in C: about 10 ns a token.
+    return type(values) is list and set(map(type, values)) <= {kind}
+
+
+def _str_keys(values: dict[Any, Any]) -> bool:
+    return all(type(key) is str for key in values)
 
 
 def _as_list(values: Any) -> list[Any]:

@@ -65,8 +65,8 @@ _RUNNING: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 
 _ENTERED: contextvars.ContextVar[tuple[Pipeline, ...]] = contextvars.ContextVar(
     "pipeline_entered", default=())
-"""The pipelines whose samples the current code runs in (outermost first): set in each
-sample's task, inherited by the tasks and threads its stages start."""
+"""The pipelines whose samples the current code runs in (outermost first): set in the
+context each sample's task starts from, inherited by the tasks and threads its stages start."""
 
 
 def running_pipelines() -> list[Pipeline]:
@@ -288,7 +288,11 @@ class Pipeline:
         return Producer(lambda run, batch: self._run_sample(run, batch, on_done), num_needed,
                         lambda run, batch, status, error: self._give_up(run, batch, status,
                                                                         error, on_done),
-                        stage_grace(self.config.cleanup_timeout_s))
+                        stage_grace(self.config.cleanup_timeout_s), self._enter)
+
+    def _enter(self) -> None:
+        """Mark the context the samples' tasks start from (see :meth:`_refuse_reentry`)."""
+        _ENTERED.set((*_ENTERED.get(), self))
 
     @contextlib.asynccontextmanager
     async def batch_scope(self, total: int | None) -> AsyncIterator[None]:
@@ -383,11 +387,17 @@ class Pipeline:
             return run.sample
         return self._finish(run, batch, on_done)
 
-    def _finish(self, run: SampleRun, batch: Batch, on_done: SampleCallback | None
-                ) -> RolloutSample:
-        """Build the ended sample's trainer view, count it, and tell ``on_done``."""
+    def _finish(self, run: SampleRun, batch: Batch, on_done: SampleCallback | None,
+                still_running: bool = False) -> RolloutSample:
+        """Build the ended sample's trainer view, count it, and tell ``on_done``.
+
+        ``still_running``: its stages run on (abandoned); the sample then gets copies of the
+        item's lists, which the default builder otherwise shares, so that what those stages
+        still write cannot change a sample already handed to the trainer."""
         item = run.item
         sample = self._build_sample(item, run.ctx)
+        if still_running:
+            sample = sample.model_copy(deep=True)
         with self._lock:
             self.samples_done += 1
             self.last_sample_done = time.monotonic()
@@ -411,7 +421,7 @@ class Pipeline:
             state.slots.release()
         self._inflight.pop(run.item.uid, None)
         force_end(run.item, status, error)
-        return self._finish(run, batch, on_done)
+        return self._finish(run, batch, on_done, still_running=True)
 
     async def _execute(self, run: SampleRun, batch: Batch, loop: asyncio.AbstractEventLoop,
                        state: LoopState) -> None:
@@ -422,7 +432,6 @@ class Pipeline:
         ctx.abort_requested = run.abort_requested
         ctx.loop_slice = state.slice
         set_fields(item, {"started_at": time.monotonic()})
-        _ENTERED.set((*_ENTERED.get(), self))  # this task's own context: see _refuse_reentry
         self._inflight[item.uid] = ctx
         try:
             task = run.task

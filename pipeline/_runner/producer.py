@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
@@ -35,7 +36,10 @@ class SampleRun:
 
     def __init__(self, item: AgentRolloutItem, owner: Producer) -> None:
         self.item = item
-        self.owner = owner
+        self.owner: Producer | None = owner
+        """Dropped once the run was handed over: the producer holds every run (its batch's
+        list), so a run that pointed back at it would make each finished sample part of a
+        reference cycle the collector has to find."""
         self.ctx: Context | None = None
         self.task: asyncio.Task[RolloutSample] | None = None
         """The sample's task; dropped (with ``ctx``) once it returned its sample, so a big
@@ -114,8 +118,12 @@ class Producer:
     """Starts sample tasks and hands each back once it has finished, in finishing order."""
 
     def __init__(self, run_sample: RunSample, num_needed: int | None, give_up: GiveUp,
-                 grace_s: float) -> None:
+                 grace_s: float, enter: Callable[[], object] | None = None) -> None:
         self.run_sample = run_sample
+        self.enter = enter
+        """Run once per :meth:`start` in the context its sample tasks start from (to set
+        context variables every sample sees), instead of once in each sample's task."""
+        self._context: contextvars.Context | None = None
         self.give_up = give_up
         self.grace_s = grace_s
         """How long stages may take to end once cancelled before they are abandoned."""
@@ -130,6 +138,11 @@ class Producer:
         """Start one task per item (the first :data:`START_CHUNK` now, the rest in later
         loop iterations); they run until done, aborted, or :meth:`cancel`."""
         runs = [SampleRun(item, self) for item in items]
+        # Each task gets a copy of this context: a copy shares the variables' map, where a
+        # variable set inside each task would make a new map (and node) per sample.
+        self._context = contextvars.copy_context()
+        if self.enter is not None:
+            self._context.run(self.enter)
         self.batch.runs.extend(runs)
         self.unfinished += len(runs)
         self._running += len(runs)
@@ -142,9 +155,12 @@ class Producer:
     def _start_chunk(self) -> None:
         loop = asyncio.get_running_loop()
         unstarted = self._unstarted
+        context = self._context
+        assert context is not None  # set by start(), which schedules this
         for _ in range(min(START_CHUNK, len(unstarted))):
             run = unstarted.popleft()
-            run.task = loop.create_task(self._run(run), name=f"sample:{run.item.uid}")
+            run.task = loop.create_task(self._run(run), name=f"sample:{run.item.uid}",
+                                        context=context.copy())
         if unstarted:
             loop.call_soon(self._start_chunk)
 
@@ -194,6 +210,7 @@ class Producer:
 
     async def _checked(self, run: SampleRun) -> SampleRun:
         self.unfinished -= 1
+        run.owner = None
         task = run.task
         if task is not None and not task.done():  # handed over from its last step
             await asyncio.wait((task,))
