@@ -112,8 +112,15 @@ def plain_fast_backend(tokenizer: Tokenizer, *, encoding: bool = False) -> Any:
 
 
 def chat_form(message: AgentMessage) -> dict[str, Any]:
-    """A message as the chat template wants it: OpenAI fields only, no engine facts."""
-    data: dict[str, Any] = {"role": message.role, "content": message.content}
+    """A message as the chat template wants it: OpenAI fields only, no engine facts.
+
+    A None content (an assistant turn that only calls tools) is passed as ``""``: gpt-oss's
+    template tests ``'x' in message.content`` (fails on None), DeepSeek-V3's reads the field
+    (fails when it is left out), and the others render None and ``""`` alike (checked on the
+    five families' templates).
+    """
+    data: dict[str, Any] = {"role": message.role,
+                            "content": "" if message.content is None else message.content}
     if message.tool_calls:
         data["tool_calls"] = [call.model_dump(mode="json") for call in message.tool_calls]
     if message.tool_call_id is not None:
@@ -182,8 +189,14 @@ def render_turn_delta(tokenizer: Tokenizer, conversation: Sequence[AgentMessage]
         # message before it ends with one. Never a cut inside the turn, which would append a
         # garbled copy of the model's own text starting mid-token.
         end = _nth_occurrence(after, stop_text, before.count(stop_text, 0, at))
-        text = after[end + len(stop_text):] if end >= 0 else \
-            after[common_prefix_length(before, after):]
+        if end >= 0:
+            text = after[end + len(stop_text):]
+        else:
+            # The template closes the turn with another token once messages follow it
+            # (gpt-oss: a final answer sampled to ``<|return|>`` shows as ``<|end|>`` in
+            # history). The sampled token stays; the delta starts after the token the
+            # template closes the turn's text with.
+            text = after[_end_of_rewritten_closing(tokenizer, before[:at], after):]
     ids = encode_text(tokenizer, text)
     if at >= 0 and not _splits_cleanly_after(tokenizer, last_token) and (
             encode_text(tokenizer, stop_text + text) != [last_token, *ids]):
@@ -225,6 +238,23 @@ def _end_of_shared_tail(before: str, after: str) -> int:
         if found >= 0:
             return found + len(tail) - start
     return split
+
+
+def _end_of_rewritten_closing(tokenizer: Tokenizer, turn: str, after: str) -> int:
+    """Where the last assistant turn ends in ``after`` when the template closes it with
+    another token than the one it was sampled with: past the end of the turn's text
+    (``turn``: ``before`` up to the sampled stop token) as ``after`` renders it, and past
+    the added token that follows it there, if one does."""
+    end = _end_of_shared_tail(turn, after)
+    closing = max((token for token in _added_token_texts(tokenizer)
+                   if after.startswith(token, end)), key=len, default="")
+    return end + len(closing)
+
+
+def _added_token_texts(tokenizer: Tokenizer) -> tuple[str, ...]:
+    """The text of every added (special) token, e.g. ``<|end|>``."""
+    decoder: Any = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return tuple(getattr(added, "content", str(added)) for added in decoder.values())
 
 
 def _nth_occurrence(text: str, part: str, n: int) -> int:

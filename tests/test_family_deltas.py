@@ -1,0 +1,63 @@
+"""Turn deltas on the real templates of families whose templates rewrite history (issue 36,
+item 3): what the model conditions on after its turn is what the family's template renders
+after that turn, never a splice cut inside the model's own text; the sampled tokens stay.
+
+Real vocabularies and templates (``pipeline.families``); no model needed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline import AgentMessage, ToolCall, ToolFunction
+from pipeline._text.render import DRIFT_PREFIX, render, render_turn_delta
+
+pytest.importorskip("quicktok", reason="the families extra is not installed")
+
+from pipeline.families import family_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    return family_tokenizer("gpt-oss")
+
+
+def test_gpt_oss_follow_up_after_a_final_answer_starts_after_the_closing_the_template_shows(
+        gpt_oss):
+    """A final answer sampled to ``<|return|>``, then the agent asks again (the proxy's case):
+    gpt-oss's template shows that turn closed by ``<|end|>`` (and drops its analysis) once
+    messages follow. The delta is the question and the generation prompt only."""
+    ret = gpt_oss.convert_tokens_to_ids("<|return|>")
+    conversation = [AgentMessage(role="user", content="What is 2 + 2?"),
+                    AgentMessage(role="assistant", content="It is 4.")]
+    delta = render_turn_delta(gpt_oss, conversation,
+                              [AgentMessage(role="user", content="And 3 + 3?")], None, ret)
+    assert delta.text == ("<|start|>user<|message|>And 3 + 3?<|end|>"
+                          "<|start|>assistant"), delta.text
+    assert delta.drift == (DRIFT_PREFIX,)
+    assert delta.ids == gpt_oss.encode(delta.text, add_special_tokens=False)
+
+
+def test_gpt_oss_tool_turn_bridge_after_call(gpt_oss):
+    """A tool-call turn (content None, as the OpenAI format has it) sampled to ``<|call|>``:
+    the template renders the call, and the delta is the tool's answer in harmony's
+    ``functions.<name> to=assistant`` form and the generation prompt."""
+    call = gpt_oss.convert_tokens_to_ids("<|call|>")
+    conversation = [
+        AgentMessage(role="user", content="What is 2 + 3?"),
+        AgentMessage(role="assistant", content=None, tool_calls=[ToolCall(
+            id="c1", function=ToolFunction(name="calc", arguments='{"e": "2 + 3"}'))])]
+    delta = render_turn_delta(gpt_oss, conversation, [AgentMessage(
+        role="tool", content="5", tool_call_id="c1", name="calc")], None, call)
+    assert delta.text.startswith("<|start|>functions.calc to=assistant<|channel|>commentary"
+                                 "<|message|>"), delta.text
+    assert delta.text.endswith("<|end|><|start|>assistant"), delta.text
+    assert "2 + 3" not in delta.text  # nothing of the model's own call again
+    # the whole conversation as the template renders it continues with exactly this delta
+    whole = render(gpt_oss, [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "calc", "arguments": '{"e": "2 + 3"}'}}]},
+        {"role": "tool", "content": "5", "tool_call_id": "c1", "name": "calc"}],
+        None, add_generation_prompt=True)
+    assert whole.endswith("<|call|>" + delta.text)
