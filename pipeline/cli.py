@@ -44,6 +44,7 @@ from pipeline.engines import (
     resolve_engine_name,
     vllm_available,
 )
+from pipeline.families import FAMILIES
 from pipeline.models import ensure_random_tiny_model
 from pipeline.observability import (
     BatchProgress,
@@ -107,9 +108,26 @@ def _engine_options(engine: str, model_dir: Path | None) -> dict[str, Any]:
     return {}
 
 
+def scripted(args: argparse.Namespace) -> bool:
+    """Whether this run's replies are scripted: ``--engine simulated``, or ``--family`` with
+    ``--engine auto`` (a family's tiny model has random weights: it would never call a tool)."""
+    return args.engine == "simulated" or (args.family is not None and args.engine == "auto")
+
+
 async def _build_engine(args: argparse.Namespace, scenario: ModuleType,
                         console: Console) -> tuple[Engine, Any]:
     """The engine and tokenizer ``--engine`` asks for (``auto``: vLLM if installed)."""
+    if args.family is not None and scripted(args):
+        from pipeline.families import family_tokenizer
+
+        tokenizer = await asyncio.to_thread(family_tokenizer, args.family)
+        engine = SimulatedEngine(
+            latency_s=0.05 if args.sim_latency is None else args.sim_latency,
+            responder=scenario.family_responder(tokenizer, args.family),
+            seed=args.seed,
+            vocab_size=len(tokenizer),
+        )
+        return engine, tokenizer
     if args.engine == "simulated":  # check_run_args made sure the scenario has a responder
         tokenizer = ByteTokenizer()
         engine = SimulatedEngine(
@@ -123,6 +141,10 @@ async def _build_engine(args: argparse.Namespace, scenario: ModuleType,
         model_dir: Path | None = Path(args.model)
     elif args.engine == "openai":
         model_dir = None
+    elif args.family is not None:  # the family's tiny random-weight model
+        from pipeline.families import ensure_family_model
+
+        model_dir = await asyncio.to_thread(ensure_family_model, args.family)
     else:
         # a scenario may ship its own default model (arith: the trained tiny policy)
         model_dir = await asyncio.to_thread(getattr(scenario, "default_model",
@@ -158,7 +180,7 @@ def check_run_args(args: argparse.Namespace) -> ModuleType:
             _refuse("run", f"{option} must be >= 1, got {value}")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         _refuse("run", f"--timeout must be a number of seconds > 0, got {args.timeout:g}")
-    if args.engine != "simulated" and args.sim_latency is not None:
+    if not scripted(args) and args.sim_latency is not None:
         _refuse("run", "--sim-latency is for --engine simulated only")
     if args.sim_latency is not None and not (math.isfinite(args.sim_latency)
                                              and args.sim_latency >= 0):
@@ -197,6 +219,9 @@ def check_run_args(args: argparse.Namespace) -> ModuleType:
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         _refuse("run", "--tensorboard needs the tensorboard package (pip install tensorboard)")
     scenario = load_scenario(args.scenario)
+    if args.family is not None and not hasattr(scenario, "family_responder"):
+        _refuse("run", f"scenario {args.scenario!r} has no model-family version; --family is "
+                       "for: arith")
     if args.engine == "simulated" and not hasattr(scenario, "responder"):
         _refuse("run", f"scenario {args.scenario!r} has no scripted reply for the simulated "
                        "engine; use --engine auto|vllm|transformers")
@@ -243,6 +268,37 @@ def _summary(result: ProduceBatchResult) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines)
 
 
+def _family_summary(args: argparse.Namespace, result: ProduceBatchResult) -> str:
+    """What a ``--family`` run shows: the family's parsers at work and the token checks."""
+    from pipeline import artifacts as A
+    from pipeline.families import get_family
+
+    family = get_family(args.family)
+    turns = reasoning = calls = unreadable = exact = 0
+    for item, sample in zip(result.items, result.samples, strict=True):
+        assistants = [m for m in item.artifacts.get(A.MESSAGES, ()) if m.role == "assistant"]
+        turns += len(assistants)
+        reasoning += sum(1 for m in assistants if (m.model_extra or {}).get("reasoning_content"))
+        calls += sum(len(m.tool_calls or ()) for m in assistants)
+        unreadable += sum(len((m.model_extra or {}).get("tool_call_errors") or {})
+                          for m in assistants)
+        # the trainer's mask-1 tokens against what the engine sampled, turn by turn
+        model = [t for t, m in zip(sample.response_ids, sample.response_mask, strict=True) if m]
+        exact += model == [t for m in assistants for t in (m.token_ids or ())]
+    mismatches = sum(result.stats.token_integrity.values())
+    parsers = " + ".join(p for p in (family.tool_parser, family.reasoning_parser) if p)
+    who = ("scripted replies in the family's format: the machinery, not skill" if scripted(args)
+           else "the family's tiny random-weight model: the machinery, not skill")
+    return "\n".join([
+        f"family {family.name}: {who}",
+        f"  parsers {parsers}; stop ids {', '.join(map(str, family.stop_token_ids))}",
+        f"  assistant turns {turns}: {calls} tool calls parsed ({unreadable} unreadable), "
+        f"{reasoning} with reasoning_content",
+        f"  token integrity: {mismatches} mismatches; mask-1 tokens == sampled tokens in "
+        f"{exact} of {len(result.samples)} samples",
+    ])
+
+
 async def _run(args: argparse.Namespace, scenario: ModuleType, console: Console) -> int:
     engine, tokenizer = await _build_engine(args, scenario, console)
     if gc_tuning_enabled(None):
@@ -250,8 +306,11 @@ async def _run(args: argparse.Namespace, scenario: ModuleType, console: Console)
         # built after that: freeze it too, as vLLM's own server does (undone on exit).
         gc.freeze()
     tools = scenario.tools() if hasattr(scenario, "tools") else {}
+    # a family's stages load vLLM's parsers (an import of seconds): not on the event loop
+    stages = (await asyncio.to_thread(scenario.stages, family=args.family) if args.family
+              else scenario.stages())
     pipeline = Pipeline(
-        scenario.stages(),
+        stages,
         engine=engine,
         tokenizer=tokenizer,
         tools=tools,
@@ -275,9 +334,12 @@ async def _run(args: argparse.Namespace, scenario: ModuleType, console: Console)
         if writer is not None:
             writer.close()
         await engine.aclose()
-    print(f"scenario {args.scenario} on the {type(engine).__name__} engine ({args.engine})",
+    shown = "scripted" if args.family is not None and scripted(args) else args.engine
+    print(f"scenario {args.scenario} on the {type(engine).__name__} engine ({shown})",
           file=console.out)
     print(_summary(result), file=console.out)
+    if args.family is not None:
+        print(_family_summary(args, result), file=console.out)
     if args.out:
         print(f"trajectories written to {args.out} (see: rollout inspect {args.out} --list)",
               file=console.out)
@@ -349,6 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument(
+        "--family", choices=sorted(FAMILIES),
+        help="a real model family's tokenizer, template, parsers and stop ids (arith); with "
+             "--engine auto the replies are scripted in its format, with transformers/vllm "
+             "its tiny random-weight model samples them")
+    run.add_argument(
         "--sim-latency", type=float, default=None,
         help="median latency of the simulated engine (s, default 0.05)",
     )
@@ -402,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         scenario = check_run_args(args)
-        if args.verbose or args.engine in ("simulated", "openai"):  # no engine output here
+        if args.verbose or scripted(args) or args.engine == "openai":  # no engine output
             return asyncio_run(_run(args, scenario, Console(out=sys.stdout, err=sys.stderr)))
         return _run_quietly(args, scenario)
     if args.command == "trace":

@@ -1,4 +1,5 @@
 """rollout run arith  (or: python -m scenarios.arith_tools [--count N] [--n K] [--seed S])
+rollout run arith --family qwen3  (qwen2.5, llama3.1, gpt-oss, deepseek-v3: a real family)
 
 Arithmetic word problems solved with a calculator tool: a multi-turn agent loop on a real model.
 ``rollout run arith --engine simulated`` runs the same loop on the simulated engine, with a
@@ -10,6 +11,13 @@ default model (:func:`default_model`) is the tiny policy shipped with the packag
 a tiny Qwen2 model that calls the calculator in about nine samples of ten and solves about a
 third of the problems, on purpose short of perfect so RL has room to improve it.
 ``--model DIR`` runs another one (the random tiny model shows the machinery, not skill).
+
+``rollout run arith --family NAME`` runs the loop with a model family's real tokenizer, chat
+template, tool and reasoning parsers and stop ids (:mod:`pipeline.families`), on scripted
+replies written in the family's own format (:func:`family_responder`): hermes blocks after a
+``<think>`` block for Qwen3, ``<|python_tag|>`` JSON ending ``<|eom_id|>`` for Llama 3.1,
+harmony channels ending ``<|call|>`` for gpt-oss, DeepSeek's tool markup. The scripted
+replies show the machinery (calls and reasoning parsed, tokens checked), not skill.
 
 Knobs: ``rows(count, seed)`` draws problems; ``stages(max_turns)`` sets how many assistant turns
 a sample may take; sampling (``max_tokens`` per turn, ``max_response_tokens`` over the whole
@@ -30,6 +38,7 @@ from typing import Any, NamedTuple
 from pipeline import AgentMessage, AgentRolloutItem, Context, Tokenizer
 from pipeline import artifacts as A
 from pipeline.engines import Responder
+from pipeline.families import FAMILIES
 from pipeline.stages import BuildPrompt, CallTools, Generate, Loop
 from pipeline.tools import Tool, calculator_tool, make_registry, tool_schema
 
@@ -171,6 +180,67 @@ def responder(tokenizer: Tokenizer, tool_rate: float = 0.9) -> Responder:
     return reply
 
 
+_THOUGHT = "The calculator does the arithmetic; I call it, then report its result."
+# Per family: where a prompt's last user message and last tool result start, how a call turn
+# and an answer turn are written ({thought}, {expression}, {answer}), and their stop tokens.
+_FORMATS: dict[str, dict[str, str]] = {
+    "qwen2.5": dict(
+        user="<|im_start|>user\n", tool="<tool_response>\n",
+        call="<tool_call>\n"
+             '{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n'
+             "</tool_call>", call_stop="<|im_end|>",
+        answer="Answer: {answer}", answer_stop="<|im_end|>"),
+    "qwen3": dict(
+        user="<|im_start|>user\n", tool="<tool_response>\n",
+        call="<think>\n{thought}\n</think>\n\n<tool_call>\n"
+             '{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n'
+             "</tool_call>", call_stop="<|im_end|>",
+        answer="<think>\n{thought}\n</think>\n\nAnswer: {answer}", answer_stop="<|im_end|>"),
+    "llama3.1": dict(
+        user="<|start_header_id|>user<|end_header_id|>", tool="<|start_header_id|>ipython",
+        call='<|python_tag|>{{"name": "calculator", '
+             '"parameters": {{"expression": "{expression}"}}}}',
+        call_stop="<|eom_id|>", answer="Answer: {answer}", answer_stop="<|eot_id|>"),
+    "gpt-oss": dict(
+        user="<|start|>user<|message|>", tool="<|start|>functions.calculator",
+        call="<|channel|>analysis<|message|>{thought}<|end|><|start|>assistant<|channel|>"
+             "commentary to=functions.calculator <|constrain|>json<|message|>"
+             '{{"expression": "{expression}"}}', call_stop="<|call|>",
+        answer="<|channel|>analysis<|message|>{thought}<|end|><|start|>assistant<|channel|>"
+               "final<|message|>Answer: {answer}", answer_stop="<|return|>"),
+    "deepseek-v3": dict(
+        user="<｜User｜>", tool="<｜tool▁output▁begin｜>",
+        call="{thought}</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
+             "<｜tool▁sep｜>calculator\n```json\n{{\"expression\": \"{expression}\"}}\n```"
+             "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", call_stop="<｜end▁of▁sentence｜>",
+        answer="{thought}</think>\n\nAnswer: {answer}", answer_stop="<｜end▁of▁sentence｜>"),
+}
+
+
+def family_responder(tokenizer: Tokenizer, family: str) -> Responder:
+    """A scripted agent writing in ``family``'s own format (see the module doc), for the
+    simulated engine: a calculator call with the problem's expression, then ``Answer:`` with
+    the tool's result, each turn ending on the family's stop token for it."""
+    spec = _FORMATS[family]
+    record = FAMILIES[family]
+
+    def reply(prompt_ids: list[int], rng: random.Random) -> list[int]:
+        text = tokenizer.decode(prompt_ids)  # special tokens kept: the markers are some
+        last_user, last_tool = text.rfind(spec["user"]), text.rfind(spec["tool"])
+        if last_tool > last_user:  # the calculator answered: report its result
+            found = _NUMBER.search(text, last_tool + len(spec["tool"]))
+            answer = found.group() if found else "?"
+            out = spec["answer"].format(thought=_THOUGHT, answer=answer)
+            stop = spec["answer_stop"]
+        else:
+            expression = expression_of(text[last_user:]) or "0"
+            out = spec["call"].format(thought=_THOUGHT, expression=expression)
+            stop = spec["call_stop"]
+        return [*tokenizer.encode(out, add_special_tokens=False), record.token_id(stop)]
+
+    return reply
+
+
 def default_model() -> Path:
     """The model directory ``rollout run arith`` uses unless ``--model`` says otherwise."""
     from pipeline.models import tiny_policy_dir
@@ -178,9 +248,10 @@ def default_model() -> Path:
     return tiny_policy_dir()
 
 
-def stages(max_turns: int = 4) -> list[Any]:
-    """The plain stage list of this scenario."""
-    return [BuildPrompt(), Loop([Generate(), CallTools()], max_turns=max_turns),
+def stages(max_turns: int = 4, family: str | None = None) -> list[Any]:
+    """The plain stage list of this scenario; ``family`` reads turns with that family's
+    parsers and stops on its stop ids (``Generate(family=...)``)."""
+    return [BuildPrompt(), Loop([Generate(family=family), CallTools()], max_turns=max_turns),
             numeric_match_reward]
 
 

@@ -39,7 +39,8 @@ RESULTS = ("5", "20")
 
 # One reply per turn, in the family's format: (text, stop token). {e} is the expression.
 _QWEN3_THINK = "<think>\nThe calculator does the arithmetic.\n</think>\n\n"
-_HERMES_CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}\n</tool_call>'
+_HERMES_CALL = ('<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}'
+                "\n</tool_call>")
 _DEEPSEEK_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calculator\n"
                   '```json\n{{"expression": "{e}"}}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
 _HARMONY_CALL = ("<|channel|>analysis<|message|>The calculator does the arithmetic.<|end|>"
@@ -94,14 +95,7 @@ def _run(tokenizer: Any, script: Script, generate: Generate, max_turns: int = 3)
     return asyncio.run(rollout.run_batch([row], n=1))
 
 
-GPT_OSS_NEEDS_CHAT_FORM = pytest.mark.xfail(
-    strict=True, reason="gpt-oss's template tests `'<|channel|>...' in message.content`, which "
-    "fails on the None content of a tool-call turn: pipeline._text.render.chat_form must leave "
-    "out a None content (measured: with that change this case passes, 0 drift)")
-
-
-@pytest.mark.parametrize("family", [pytest.param(name, marks=GPT_OSS_NEEDS_CHAT_FORM)
-                                    if name == "gpt-oss" else name for name in FAMILIES])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_three_turn_tool_loop_is_token_exact(tokenizers, family):
     tokenizer = tokenizers[family]
     script = Script(tokenizer, family)

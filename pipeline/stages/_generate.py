@@ -12,6 +12,7 @@ limit (or nothing is left), the sample ends with ``finish_reason=length``,
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import ClassVar
@@ -30,6 +31,9 @@ from pipeline._text import integrity
 from pipeline._text.render import decode_text
 from pipeline.tools import HermesToolParser, ToolParser
 from pipeline.tools._vllm_parsers import load_vllm_parsers, make_tool_parser, needs_vllm
+
+_BUILDING = threading.Lock()
+"""Held while a vLLM parser is built (module-wide: a stage instance stays picklable)."""
 
 LENGTH_LIMITS = ("max_tokens", "response_budget", "context")
 """``raw_finish_reason`` values of a sample that ended on length, by the limit that hit."""
@@ -149,15 +153,21 @@ class Generate:
         self.parse_tool_calls = parse_tool_calls
         self.max_model_len = max_model_len
 
-    def _parser_for(self, tokenizer: object) -> ToolParser | None:
+    async def _parser_for(self, tokenizer: object) -> ToolParser | None:
         """The parser; a vLLM one is built with the pipeline's tokenizer at its first turn
-        (and again if this stage runs with another tokenizer)."""
-        if not self.parse_tool_calls or not needs_vllm(*self.parser_names) or tokenizer is None:
+        (and again if this stage runs with another tokenizer), in a worker thread: building
+        imports vLLM's parser modules and loads harmony's encoding (seconds)."""
+        if (not self.parse_tool_calls or not needs_vllm(*self.parser_names) or tokenizer is None
+                or self._built_for is tokenizer):
             return self.parser
-        if self._built_for is not tokenizer:
-            self.parser = make_tool_parser(tokenizer, *self.parser_names)
-            self._built_for = tokenizer
-        return self.parser
+        return await asyncio.to_thread(self._build_parser, tokenizer)
+
+    def _build_parser(self, tokenizer: object) -> ToolParser | None:
+        with _BUILDING:  # the first turns of many samples arrive together: build once
+            if self._built_for is not tokenizer:
+                self.parser = make_tool_parser(tokenizer, *self.parser_names)
+                self._built_for = tokenizer
+            return self.parser
 
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
         art = item.artifacts
@@ -213,7 +223,8 @@ class Generate:
                 if bad is not None:
                     self._quarantine(item, integrity.DECODE, turn, bad)
             integrity.mark_turn(art, art[A.PROMPT_IDS], response)
-        art.setdefault(A.MESSAGES, []).append(self._message(item, ctx, text, gen.token_ids,
+        parser = await self._parser_for(ctx.resources.tokenizer)
+        art.setdefault(A.MESSAGES, []).append(self._message(item, ctx, parser, text, gen.token_ids,
                                                              gen.logprobs, gen.finish_reason))
         if gen.finish_reason is FinishReason.LENGTH:
             end_on_length(item, "context" if gen.raw_finish_reason == "context" else limit)
@@ -232,11 +243,11 @@ class Generate:
         item.artifacts[A.TOKEN_INTEGRITY] = reason
         raise integrity.fail(reason, turn, detail)
 
-    def _message(self, item: AgentRolloutItem, ctx: Context, text: str | None,
-                 token_ids: list[int], logprobs: list[float],
+    @staticmethod
+    def _message(item: AgentRolloutItem, ctx: Context, parser: ToolParser | None,
+                 text: str | None, token_ids: list[int], logprobs: list[float],
                  finish_reason: FinishReason) -> AgentMessage:
         tokenizer = ctx.resources.tokenizer
-        parser = self._parser_for(tokenizer)
         if (text is None or tokenizer is None or finish_reason is not FinishReason.STOP
                 or parser is None):
             return AgentMessage(role="assistant", content=text, token_ids=token_ids,
