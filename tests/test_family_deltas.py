@@ -14,7 +14,7 @@ from pipeline._text.render import DRIFT_PREFIX, render, render_turn_delta
 
 pytest.importorskip("quicktok", reason="the families extra is not installed")
 
-from pipeline.families import family_tokenizer  # noqa: E402
+from pipeline.families import family_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -176,13 +176,20 @@ class History:
     Args:
         tokenizer: the tokenizer with the chat template (the engine's).
         eos_token_id: the template's end-of-turn token; default ``tokenizer.eos_token_id``.
-            A reply that did not end on it (length, stop string) gets it added as a
-            template token (mask 0) before the next turn's delta.
+            A reply that did not end on it or on one of ``stop_token_ids`` (length, stop
+            string) gets it added as a template token (mask 0) before the next turn's delta.
+        stop_token_ids: other tokens that end a turn (the session's sampling stop ids, a
+            model family's: gpt-oss's ``<|call|>``, Llama 3.1's ``<|eom_id|>``); the next
+            delta follows them as it follows the eos.
     """
 
-    def __init__(self, tokenizer: Tokenizer, eos_token_id: int | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_token_id: int | None = None,
+                 stop_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+        self.end_token_ids = frozenset(
+            [*stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])])
+        """Tokens that close a turn: the eos and the stop ids."""
         self.segments: list[Segment] = []
         self.splits: dict[str, int] = {}
         self.current: Segment | None = None
@@ -352,7 +359,7 @@ class History:
         seg.response_ids.extend(tokens)
         seg.response_mask.extend([1] * len(tokens))
         seg.logprobs.extend(reply.logprobs or [])
-        closed = bool(tokens) and tokens[-1] == self.eos_token_id
+        closed = bool(tokens) and tokens[-1] in self.end_token_ids
         seg.entries.append(Entry(reply, message_key(reply), None, len(seg), closed))
         seg.turns.append(turn)
         seg.finish_reason = reply.finish_reason

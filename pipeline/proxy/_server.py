@@ -32,7 +32,7 @@ from pipeline.proxy._policy import engine_enforces
 from pipeline.proxy._records import SessionRecord, session_record
 from pipeline.proxy._sessions import Session, SessionStore
 from pipeline.proxy._turns import TurnRunner
-from pipeline.tools import HermesToolParser, ToolParser
+from pipeline.tools import HermesToolParser, ToolParser, make_tool_parser
 
 _logger = structlog.get_logger("pipeline.proxy")
 
@@ -47,8 +47,14 @@ class ProxyServer:
         engine: the engine replies come from.
         tokenizer: the engine's tokenizer (its chat template renders the messages).
         config: a :class:`ProxyConfig` or a dict; keyword ``options`` override its fields.
-        parser: finds tool calls in replies (default :class:`HermesToolParser`).
+        parser: finds tool calls in replies (default :class:`HermesToolParser`, or the
+            family's).
         eos_token_id: the template's end-of-turn token (default: the tokenizer's eos).
+        family: a name of :data:`pipeline.families.FAMILIES`: replies are read with the
+            family's tool and reasoning parsers (vLLM's, as :class:`~pipeline.Generate`
+            does; reasoning reaches the agent as the message's ``reasoning_content``), and
+            every session stops on the family's stop ids (gpt-oss's ``<|call|>``, Llama
+            3.1's ``<|eom_id|>``), which end a turn as the eos does.
 
     The engine and tokenizer go through the same check as a ``Pipeline``'s
     (:func:`pipeline._runner.context.check_resources`): a :class:`~pipeline.SimulatedEngine` built
@@ -56,13 +62,13 @@ class ProxyServer:
 
     Raises:
         ConfigError: an invalid option, naming the field; an engine or tokenizer a
-            ``Pipeline`` would refuse.
+            ``Pipeline`` would refuse; an unknown family, or its vLLM parsers missing.
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer,
                  config: ProxyConfig | Mapping[str, Any] | None = None, *,
                  parser: ToolParser | None = None, eos_token_id: int | None = None,
-                 **options: Any) -> None:
+                 family: str | None = None, **options: Any) -> None:
         Resources(engine=engine, tokenizer=tokenizer)  # the Pipeline's check (eos pairing)
         base = (config.model_dump() if isinstance(config, ProxyConfig)
                 else dict(config or {}))
@@ -72,9 +78,21 @@ class ProxyServer:
             raise ConfigError(describe_validation_error(exc, "proxy")) from None
         cfg = self.config
         self.engine = engine
+        stop_token_ids: tuple[int, ...] = ()
+        if family is not None:
+            from pipeline.families import get_family  # plain records, cheap
+
+            try:
+                record = get_family(family)
+            except KeyError as exc:
+                raise ConfigError(f"proxy: family: {exc.args[0]}", field="family") from None
+            stop_token_ids = record.stop_token_ids
+            if parser is None:
+                parser = make_tool_parser(tokenizer, record.tool_parser or "hermes",
+                                          record.reasoning_parser)
         self.sessions = SessionStore(tokenizer, max_sessions=cfg.max_sessions,
                                      idle_timeout_s=cfg.idle_timeout_s, sampling=cfg.sampling,
-                                     eos_token_id=eos_token_id)
+                                     eos_token_id=eos_token_id, stop_token_ids=stop_token_ids)
         self.turns = TurnRunner(engine, tokenizer, parser or HermesToolParser(),
                                 max_tokens=cfg.max_tokens, max_turns=cfg.max_turns,
                                 offload_chars=cfg.offload_chars,

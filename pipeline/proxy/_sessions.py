@@ -19,7 +19,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -97,7 +97,7 @@ class Session:
                  held: bool = False) -> None:
         self.id = session_id
         self.api_key = api_key
-        self.history = History(tokenizer, eos_token_id)
+        self.history = History(tokenizer, eos_token_id, sampling.stop_token_ids)
         self.turns: list[Turn] = []
         self.requests = 0
         self.state: Literal["active", "completed"] = "active"
@@ -144,15 +144,18 @@ class SessionStore:
         idle_timeout_s: a session with no request for this long expires.
         sampling: default sampling of sessions created without their own.
         eos_token_id: the template's end-of-turn token (default: the tokenizer's eos).
+        stop_token_ids: tokens every session stops on, whatever its own sampling says (a
+            model family's: gpt-oss's ``<|call|>``); they end turns as the eos does.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, max_sessions: int, idle_timeout_s: float,
                  sampling: SamplingParams | None = None,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None, stop_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
-        self.sampling = sampling or SamplingParams()
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.sampling = self._stopping(sampling or SamplingParams())
         self.eos_token_id = eos_token_id
         self._by_id: dict[str, Session] = {}
         self._by_key: dict[str, Session] = {}
@@ -187,11 +190,19 @@ class SessionStore:
                                   "complete and delete some first", code="too_many_sessions")
         sid = session_id or "sess_" + secrets.token_urlsafe(18)
         session = Session(sid, "sk-proxy-" + secrets.token_urlsafe(24), self.tokenizer,
-                          sampling=sampling or self.sampling, lock_sampling=lock_sampling,
+                          sampling=self._stopping(sampling or self.sampling),
+                          lock_sampling=lock_sampling,
                           metadata=metadata, eos_token_id=self.eos_token_id, held=held)
         self._by_id[sid] = session
         self._by_key[session.api_key] = session
         return session
+
+    def _stopping(self, sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` stopping on :attr:`stop_token_ids` too."""
+        if set(self.stop_token_ids) <= set(sampling.stop_token_ids):
+            return sampling
+        merged = tuple(dict.fromkeys([*sampling.stop_token_ids, *self.stop_token_ids]))
+        return sampling.model_copy(update={"stop_token_ids": merged})
 
     def find(self, session_id: str) -> Session | None:
         """The session, or None."""

@@ -266,7 +266,8 @@ class TurnRunner:
                 kept, text, stop_string = cut
                 tokens, logprobs, finish = tokens[:kept], logprobs[:kept], FinishReason.STOP
         turn_index = len(session.turns)
-        reply, agent_finish = self._reply(request, text, tokens, logprobs, finish, turn_index)
+        reply, agent_finish = self._reply(request, text, tokens, logprobs, finish, turn_index,
+                                          session.history.end_token_ids)
         match = plan.match
         seg = session.history.commit(plan, reply, turn_index)
         seg.raw_finish_reason = "stop_string" if stop_string is not None else gen.raw_finish_reason
@@ -312,16 +313,34 @@ class TurnRunner:
         return low, text[:at], stop
 
     def _reply(self, request: ChatCompletionRequest, text: str, tokens: list[int],
-               logprobs: list[float], finish: FinishReason,
-               turn: int) -> tuple[AgentMessage, str]:
+               logprobs: list[float], finish: FinishReason, turn: int,
+               end_token_ids: frozenset[int]) -> tuple[AgentMessage, str]:
         agent_finish = "length" if finish is FinishReason.LENGTH else "stop"
-        if not request.tools or request.choice == "none" or finish is not FinishReason.STOP:
+        wants_calls = bool(request.tools) and request.choice != "none"
+        reads_reasoning = getattr(self.parser, "reasoning_parser_name", None) is not None
+        if finish is not FinishReason.STOP or not (wants_calls or reads_reasoning):
             return AgentMessage(role="assistant", content=text, token_ids=tokens,
                                 logprobs=logprobs, finish_reason=finish), agent_finish
-        parsed = self.parser.parse(text)
-        if not parsed.calls:
-            return AgentMessage(role="assistant", content=text, token_ids=tokens,
-                                logprobs=logprobs, finish_reason=finish), agent_finish
+        special = bool(getattr(self.parser, "needs_special_tokens", False))
+        if special:  # the markers are special tokens (harmony, Llama 3.1's <|python_tag|>);
+            # the token that closed the turn is not part of the message
+            closed = bool(tokens) and tokens[-1] in end_token_ids
+            parsed = self.parser.parse(decode_text(
+                self.tokenizer, tokens[:-1] if closed else tokens, skip_special_tokens=False))
+        else:
+            parsed = self.parser.parse(text)
+        extra: dict[str, Any] = {}
+        if parsed.reasoning is not None:
+            extra["reasoning_content"] = parsed.reasoning
+        if not wants_calls or not parsed.calls:
+            # the parser's content when it split something off or read markup (harmony's
+            # channel names decode into the plain text), else the text as decoded
+            content = parsed.content or None if (
+                parsed.calls or special or parsed.reasoning is not None) else text
+            if parsed.calls:  # calls without tools offered: the text as the model wrote it
+                content, extra = text, {}
+            return AgentMessage(role="assistant", content=content, token_ids=tokens,
+                                logprobs=logprobs, finish_reason=finish, **extra), agent_finish
         errors = {f"call_{turn}_{i}": c.error for i, c in enumerate(parsed.calls)
                   if c.error is not None}
         strict = _strict_schemas(request)
@@ -337,8 +356,8 @@ class TurnRunner:
                                 **{TOOL_CALL_ERRORS: errors}), agent_finish
         calls = [c.to_tool_call(f"call_{turn}_{i}") for i, c in enumerate(parsed.calls)]
         return AgentMessage(role="assistant", content=parsed.content or None, tool_calls=calls,
-                            token_ids=tokens, logprobs=logprobs,
-                            finish_reason=finish), "tool_calls"
+                            token_ids=tokens, logprobs=logprobs, finish_reason=finish,
+                            **extra), "tool_calls"
 
     def _logprobs(self, tokens: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
         out = []

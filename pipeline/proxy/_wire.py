@@ -246,8 +246,12 @@ def _arguments_text(arguments: str | dict[str, Any]) -> str:
 
 
 def message_body(message: AgentMessage) -> dict[str, Any]:
-    """An assistant reply in OpenAI's ``message`` shape."""
+    """An assistant reply in OpenAI's ``message`` shape; reasoning a family's parser split
+    off as ``reasoning_content`` (vLLM's server's field)."""
     body: dict[str, Any] = {"role": "assistant", "content": message.content}
+    reasoning = (message.model_extra or {}).get("reasoning_content")
+    if reasoning is not None:
+        body["reasoning_content"] = reasoning
     if message.tool_calls:
         body["tool_calls"] = [call.model_dump(mode="json") for call in message.tool_calls]
     return body
@@ -300,6 +304,9 @@ def stream_chunks(*, completion_id: str, model: str, message: AgentMessage,
         return body
 
     chunks = [chunk({"role": "assistant", "content": ""})]
+    reasoning = (message.model_extra or {}).get("reasoning_content")
+    if reasoning:
+        chunks.append(chunk({"reasoning_content": reasoning}))
     if message.content:
         chunks.append(chunk({"content": message.content}, chunk_logprobs=logprobs))
     elif logprobs:
