@@ -258,3 +258,44 @@ def test_vllm_missing_is_named(monkeypatch):
                                           "installed") as bad:
         VLLMToolParser(None, "llama3_json")
     assert bad.value.field == "tool_parser"
+
+
+def test_sampled_turn_on_the_transformers_engine(tokenizers):
+    """The same stage on a real engine: the tiny random-weight Qwen3 samples the turn (it
+    writes no call: random weights); the family's stop ids reach the engine and its sampled
+    tokens are what the trainer sees, checked live."""
+    import transformers
+
+    from pipeline.engines.transformers import TransformersEngine
+    from pipeline.families import ensure_family_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ensure_family_model("qwen3")))
+    engine = TransformersEngine(model, tokenizers["qwen3"])
+    seen: list[tuple[int, ...]] = []
+    original = engine.generate
+
+    async def generate(prompt_ids, sampling, request_id):  # records what the engine was asked
+        seen.append(sampling.stop_token_ids)
+        return await original(prompt_ids, sampling, request_id)
+
+    engine.generate = generate  # type: ignore[method-assign]
+    rollout = Pipeline([BuildPrompt(), Loop([Generate(family="qwen3"), CallTools()],
+                                            max_turns=2)],
+                       engine=engine, tokenizer=tokenizers["qwen3"], tools=[calculator_tool()],
+                       sampling={"max_tokens": 12, "seed": 0})
+
+    async def run() -> Any:
+        try:
+            return await rollout.run_batch([{"prompt": "What is 2 + 3?"}], n=2)
+        finally:
+            await engine.aclose()
+
+    result = asyncio.run(run())
+    assert seen and all(set(FAMILIES["qwen3"].stop_token_ids) <= set(ids) for ids in seen)
+    assert result.stats.token_integrity == {}
+    for item, sample in zip(result.items, result.samples, strict=True):
+        assert item.status.value == "completed", item.error
+        sampled = [t for m in item.artifacts[A.MESSAGES] if m.role == "assistant"
+                   for t in m.token_ids]
+        assert [t for t, m in zip(sample.response_ids, sample.response_mask, strict=True)
+                if m == 1] == sampled
