@@ -299,3 +299,14 @@ def test_sampled_turn_on_the_transformers_engine(tokenizers):
                    for t in m.token_ids]
         assert [t for t, m in zip(sample.response_ids, sample.response_mask, strict=True)
                 if m == 1] == sampled
+
+
+def test_family_on_another_familys_tokenizer_is_refused(tokenizers):
+    """Llama's stop ids are other tokens in Qwen's vocabulary: the sample fails naming it,
+    rather than stopping on whatever those ids are there."""
+    script = Script(tokenizers["qwen3"], "qwen3")
+    result = _run(tokenizers["qwen3"], script, Generate(family="llama3.1"), max_turns=1)
+    item = result.items[0]
+    assert item.status.value == "failed" and not script.sent  # the engine was never asked
+    assert "family's stop token '<|eot_id|>' is id 128009" in item.error
+    assert "not this family's tokenizer" in item.error

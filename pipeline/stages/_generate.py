@@ -29,6 +29,7 @@ from pipeline._exceptions import ConfigError, SampleAborted, StageDefinitionErro
 from pipeline._runner.context import Context
 from pipeline._text import integrity
 from pipeline._text.render import decode_text
+from pipeline._text.tokenizer import Tokenizer
 from pipeline.tools import HermesToolParser, ToolParser
 from pipeline.tools._vllm_parsers import load_vllm_parsers, make_tool_parser, needs_vllm
 
@@ -129,6 +130,7 @@ class Generate:
             raise StageDefinitionError("Generate: give parser (an instance) or tool_parser/"
                                        "reasoning_parser (vLLM names), not both")
         self.stop_token_ids: tuple[int, ...] = ()
+        self._stop_tokens: tuple[str, ...] = ()
         if family is not None:
             from pipeline.families import get_family  # plain records, cheap
 
@@ -137,6 +139,7 @@ class Generate:
             except KeyError as exc:
                 raise ConfigError(f"Generate: family: {exc.args[0]}", field="family") from None
             self.stop_token_ids = record.stop_token_ids
+            self._stop_tokens = record.stop_tokens
             if parser is None:
                 tool_parser = tool_parser or record.tool_parser
                 reasoning_parser = reasoning_parser or record.reasoning_parser
@@ -145,6 +148,7 @@ class Generate:
             load_vllm_parsers(tool_parser, reasoning_parser)  # a bad name fails here
         self.parser: ToolParser | None = None
         self._built_for: object = None
+        self._stops_checked_for: object = None
         if parse_tool_calls:
             if parser is not None:
                 self.parser = parser
@@ -152,6 +156,19 @@ class Generate:
                 self.parser = HermesToolParser()
         self.parse_tool_calls = parse_tool_calls
         self.max_model_len = max_model_len
+
+    def _check_stops(self, tokenizer: Tokenizer | None) -> None:
+        """Refuse a family whose stop ids are other tokens in the pipeline's tokenizer (a
+        Llama family on a Qwen tokenizer would stop on whatever those ids are there)."""
+        if not self._stop_tokens or tokenizer is None or tokenizer is self._stops_checked_for:
+            return
+        for text, token_id in zip(self._stop_tokens, self.stop_token_ids, strict=True):
+            found = decode_text(tokenizer, [token_id], skip_special_tokens=False)
+            if found != text:
+                raise ConfigError(f"Generate: family's stop token {text!r} is id {token_id}, "
+                                  f"which is {found!r} in the pipeline's tokenizer: not this "
+                                  "family's tokenizer", field="family")
+        self._stops_checked_for = tokenizer
 
     async def _parser_for(self, tokenizer: object) -> ToolParser | None:
         """The parser; a vLLM one is built with the pipeline's tokenizer at its first turn
@@ -181,6 +198,7 @@ class Generate:
         if max_tokens <= 0:
             end_on_length(item, limit)
             return
+        self._check_stops(ctx.resources.tokenizer)
         turn = art.get(A.TURNS, 0)
         check = ctx.config.token_integrity_checks
         if check:
