@@ -61,3 +61,27 @@ def test_gpt_oss_tool_turn_bridge_after_call(gpt_oss):
         {"role": "tool", "content": "5", "tool_call_id": "c1", "name": "calc"}],
         None, add_generation_prompt=True)
     assert whole.endswith("<|call|>" + delta.text)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "llama3.1", "gpt-oss", "deepseek-v3"])
+def test_stored_calls_render_their_arguments_once_as_json(family):
+    """OpenAI messages carry a call's arguments as a JSON string; re-rendered history (a row
+    with earlier turns, the proxy's new segment, the trainer's check) must show them as the
+    model wrote them, never double-encoded (Qwen2.5, Llama 3.1 and gpt-oss did), and a
+    template that wants the string (DeepSeek-V3) still gets it. Broken arguments stay as
+    written."""
+    tokenizer = family_tokenizer(family)
+    arguments = '{"expression": "2 + 3"}'
+    for text in (arguments, '{"expression": '):
+        call = {"id": "c1", "type": "function",
+                "function": {"name": "calculator", "arguments": text}}
+        rendered = render(tokenizer, [
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "5", "tool_call_id": "c1", "name": "calculator"}],
+            None, add_generation_prompt=True)
+        if text == arguments:
+            assert arguments in rendered, rendered[-300:]
+            assert '\\"expression\\"' not in rendered, rendered[-300:]
+        else:  # not a JSON object: rendered as written (a template may escape it)
+            assert "expression" in rendered

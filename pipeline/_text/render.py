@@ -15,6 +15,7 @@ after the model's last token, is template drift: recorded, never an error.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
@@ -54,10 +55,78 @@ def render(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
     kwargs["tokenize"], kwargs["add_generation_prompt"] = False, add_generation_prompt
     if tools:
         kwargs["tools"] = list(tools)
-    text = tokenizer.apply_chat_template(list(messages), **kwargs)
+    listed = list(messages)
+    if any(_string_arguments(m) for m in listed) and _wants_object_arguments(tokenizer):
+        listed = [_with_object_arguments(m) for m in listed]
+    text = tokenizer.apply_chat_template(listed, **kwargs)
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
     return text
+
+
+# Tool-call arguments: OpenAI's messages carry them as a JSON string, and most chat templates
+# want an object (transformers' convention): Qwen2.5's, Llama 3.1's and gpt-oss's pass a string
+# through ``tojson`` and render the call double-encoded (``"{\"e\": ...}"``), which is not
+# what the model was trained on. DeepSeek-V3's concatenates the string and fails on an object;
+# Qwen3's and this project's tiny template take either. Which one a template wants is found
+# once per template, by rendering a probe call both ways.
+_PROBE_ARGUMENTS = '{"probe_key": "probe_value"}'
+_OBJECT_ARGUMENTS: weakref.WeakKeyDictionary[Any, dict[Any, bool]] = weakref.WeakKeyDictionary()
+
+
+def _wants_object_arguments(tokenizer: Tokenizer) -> bool:
+    """Whether the chat template renders a call's arguments right only as an object: the
+    string form does not show the arguments' JSON as written, the object form does."""
+    template = getattr(tokenizer, "chat_template", None)
+    key = template if isinstance(template, str) else repr(template)
+    try:
+        known = _OBJECT_ARGUMENTS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: probe every time
+        known = {}
+    if key not in known:
+        known[key] = (not _shows_probe(tokenizer, _PROBE_ARGUMENTS)
+                      and _shows_probe(tokenizer, json.loads(_PROBE_ARGUMENTS)))
+    return known[key]
+
+
+def _shows_probe(tokenizer: Tokenizer, arguments: Any) -> bool:
+    call = {"id": "probe", "type": "function",
+            "function": {"name": "probe", "arguments": arguments}}
+    probe: list[dict[str, Any]] = [{"role": "user", "content": "probe"},
+                                   {"role": "assistant", "content": "", "tool_calls": [call]},
+                                   {"role": "tool", "content": "probe",
+                                    "tool_call_id": "probe", "name": "probe"}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False,
+                                             add_generation_prompt=False)
+    except Exception:  # a template that cannot render this form of the call
+        return False
+    return isinstance(text, str) and _PROBE_ARGUMENTS in text
+
+
+def _string_arguments(message: Mapping[str, Any]) -> bool:
+    return any(isinstance(call.get("function", {}).get("arguments"), str)
+               for call in message.get("tool_calls") or ())
+
+
+def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with each call's JSON-object string arguments as the object; arguments
+    that are not a JSON object (a model's broken call) stay the string it wrote."""
+    if not _string_arguments(message):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = call.get("function", {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**function, "arguments": parsed}}
+        calls.append(call)
+    return {**message, "tool_calls": calls}
 
 
 def decode_text(tokenizer: Tokenizer, token_ids: list[int], *,
