@@ -9,6 +9,9 @@ Each xdist worker is its own process; a *group* (``xdist_group`` mark) runs whol
   the session fixture ``ray_cluster`` below (one cluster for them all, started once on the
   worker that runs the group), and the docs examples that mention Ray (their own cluster,
   in a subprocess).
+- ``xdist_group("families")``: every test that uses the session fixture ``family_tokenizers``
+  below (the model-family modules): each family's tokenizer (2-5 s to load, a 150-200k
+  vocabulary) is loaded once per run, not once per module and worker.
 - Every other module that has a module-scoped fixture becomes a group of its own here, so its
   fixture (a batch run, a loaded model) is built once, not once per worker.
 - The rest is spread test by test.
@@ -27,7 +30,24 @@ from typing import Any
 
 import pytest
 
-GROUP_ORDER = {"vllm": 0, "ray": 1}
+GROUP_ORDER = {"vllm": 0, "ray": 1, "families": 2}
+
+
+class _FamilyTokenizers(dict[str, Any]):
+    """Family name -> its tokenizer, loaded at first use."""
+
+    def __missing__(self, name: str) -> Any:
+        from pipeline.families import family_tokenizer
+
+        self[name] = tokenizer = family_tokenizer(name)
+        return tokenizer
+
+
+@pytest.fixture(scope="session")
+def family_tokenizers() -> dict[str, Any]:
+    """Each model family's tokenizer, shared by the ``families`` group (never modify one:
+    copy it first)."""
+    return _FamilyTokenizers()
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +107,9 @@ def _has_module_fixture(item: pytest.Item) -> bool:
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Any:
     for item in items:
-        if _group(item) is None and _has_module_fixture(item):
+        if _group(item) is None and "family_tokenizers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("families"))
+        elif _group(item) is None and _has_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__
                                                     if item.module else item.nodeid))
 

@@ -34,7 +34,6 @@ from pipeline.families import (  # noqa: E402
     FAMILIES,
     ensure_family_model,
     family_chat_template,
-    family_tokenizer,
     get_family,
 )
 
@@ -45,11 +44,6 @@ def _package_dir(module: str) -> Path:
     spec = importlib.util.find_spec(module)
     assert spec is not None and spec.submodule_search_locations
     return Path(next(iter(spec.submodule_search_locations)))
-
-
-@pytest.fixture(scope="module")
-def tokenizers() -> dict[str, Any]:
-    return {name: family_tokenizer(name) for name in NAMES}
 
 
 # --- the records ----------------------------------------------------------------------------
@@ -87,11 +81,12 @@ def test_unknown_family_names_the_known_ones():
         get_family("mistral")
 
 
-def test_templates_are_trls_files(tokenizers):
+def test_templates_are_trls_files(family_tokenizers):
     templates = _package_dir("trl") / "chat_templates"
     for name in NAMES:
         family = FAMILIES[name]
-        assert tokenizers[name].chat_template == (templates / family.template_file).read_text()
+        template = (templates / family.template_file).read_text()
+        assert family_tokenizers[name].chat_template == template
         if family.training_template_file is None:
             with pytest.raises(ValueError, match="no training chat template"):
                 family_chat_template(name, training=True)
@@ -192,8 +187,8 @@ KNOWN_LENGTHS = {"qwen2.5": 151665, "qwen3": 151669, "llama3.1": 128256, "gpt-os
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_added_tokens_at_their_real_ids(tokenizers, name):
-    tok, family = tokenizers[name], FAMILIES[name]
+def test_added_tokens_at_their_real_ids(family_tokenizers, name):
+    tok, family = family_tokenizers[name], FAMILIES[name]
     assert len(tok) == KNOWN_LENGTHS[name] == family.vocab_size
     for content, token_id in KNOWN_IDS[name].items():
         assert family.token_id(content) == token_id
@@ -241,15 +236,15 @@ def test_deepseek_ids_agree_where_the_v4_table_kept_v3s():
     ("llama3.1", "Hello world", [9906, 1917]),
     ("gpt-oss", "Hello world", [13225, 2375]),
 ])
-def test_known_encodings(tokenizers, name, text, ids):
-    assert tokenizers[name].encode(text, add_special_tokens=False) == ids
+def test_known_encodings(family_tokenizers, name, text, ids):
+    assert family_tokenizers[name].encode(text, add_special_tokens=False) == ids
 
 
-def test_bos_where_the_model_adds_one(tokenizers):
-    assert tokenizers["llama3.1"].encode("Hi")[0] == 128000
-    assert tokenizers["deepseek-v3"].encode("Hi")[0] == 0
+def test_bos_where_the_model_adds_one(family_tokenizers):
+    assert family_tokenizers["llama3.1"].encode("Hi")[0] == 128000
+    assert family_tokenizers["deepseek-v3"].encode("Hi")[0] == 0
     for name in ("qwen2.5", "qwen3", "gpt-oss"):
-        assert tokenizers[name].encode("Hi") == tokenizers[name].encode(
+        assert family_tokenizers[name].encode("Hi") == family_tokenizers[name].encode(
             "Hi", add_special_tokens=False)
 
 
@@ -287,13 +282,13 @@ def _tiktoken_encoder(name: str) -> Any:
 
 @pytest.mark.parametrize(("name", "quicktok_name"), [
     ("qwen3", "qwen3"), ("llama3.1", "llama3"), ("gpt-oss", "o200k_harmony")])
-def test_encodings_match_tiktoken_and_quicktok(tokenizers, name, quicktok_name):
+def test_encodings_match_tiktoken_and_quicktok(family_tokenizers, name, quicktok_name):
     """The converted tokenizer encodes like tiktoken over the same ranks and regex (the
     merges and the split regex as the Rust engine reads it), and like quicktok's encoder of
     the model's own tokenizer.json (the regex, the normalizer)."""
     import quicktok
 
-    tok, family = tokenizers[name], FAMILIES[name]
+    tok, family = family_tokenizers[name], FAMILIES[name]
     reference = _tiktoken_encoder(name)
     other = quicktok.get_encoding(quicktok_name)
     for text in _corpus():
@@ -320,9 +315,9 @@ def test_pretokenizer_regexes_are_the_models():
     assert FAMILIES["gpt-oss"].pretokenizer_pattern == _import_core.O200K_PAT
 
 
-def test_saved_tokenizer_carries_the_regex_and_normalizer(tokenizers):
+def test_saved_tokenizer_carries_the_regex_and_normalizer(family_tokenizers):
     for name in NAMES:
-        data = json.loads(tokenizers[name].backend_tokenizer.to_str())
+        data = json.loads(family_tokenizers[name].backend_tokenizer.to_str())
         splits = [p["pattern"]["Regex"] for p in data["pre_tokenizer"]["pretokenizers"]
                   if p["type"] == "Split"]
         family = FAMILIES[name]
@@ -336,8 +331,8 @@ def test_saved_tokenizer_carries_the_regex_and_normalizer(tokenizers):
         assert normalizer.get("type") == family.normalizer
 
 
-def test_deepseek_splits_digits_and_cjk(tokenizers):
-    tok = tokenizers["deepseek-v3"]
+def test_deepseek_splits_digits_and_cjk(family_tokenizers):
+    tok = family_tokenizers["deepseek-v3"]
     pieces = tok.convert_ids_to_tokens(tok.encode("1234567", add_special_tokens=False))
     assert "".join(pieces) == "1234567" and all(len(p) <= 3 for p in pieces)
 
@@ -388,8 +383,8 @@ TOOL_MARKUP = {
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_template_renders_a_tool_conversation(tokenizers, name):
-    tok = tokenizers[name]
+def test_template_renders_a_tool_conversation(family_tokenizers, name):
+    tok = family_tokenizers[name]
     text = tok.apply_chat_template(_conversation(name), tools=TOOLS, tokenize=False,
                                    add_generation_prompt=True)
     call, result, prompt_end = TOOL_MARKUP[name]
@@ -401,8 +396,8 @@ def test_template_renders_a_tool_conversation(tokenizers, name):
     assert tok.decode(ids) == text
 
 
-def test_qwen3_thinking_switch(tokenizers):
-    tok = tokenizers["qwen3"]
+def test_qwen3_thinking_switch(family_tokenizers):
+    tok = family_tokenizers["qwen3"]
     messages = [{"role": "user", "content": "What is 2+3?"}]
     on = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                  enable_thinking=True)
@@ -432,12 +427,12 @@ def _reasoning_conversation(name: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_prefix_stability_is_as_recorded(tokenizers, name):
+def test_prefix_stability_is_as_recorded(family_tokenizers, name):
     """Whether a rollout's text stays a prefix of the conversation's later renders (what
     token-exact multi-turn rollouts rely on) is what the record says: each render, with the
     generation prompt before an assistant turn, must begin the next one. Qwen3 and gpt-oss drop
     earlier turns' reasoning; DeepSeek-V3's prompt opens ``<think>`` that its history drops."""
-    tok = tokenizers[name]
+    tok = family_tokenizers[name]
     messages = _reasoning_conversation(name)
     renders = []
     for k in range(1, len(messages) + 1):

@@ -14,12 +14,11 @@ from pipeline._text.render import DRIFT_PREFIX, render, render_turn_delta
 
 pytest.importorskip("quicktok", reason="the families extra is not installed")
 
-from pipeline.families import family_tokenizer
 
 
-@pytest.fixture(scope="module")
-def gpt_oss():
-    return family_tokenizer("gpt-oss")
+@pytest.fixture
+def gpt_oss(family_tokenizers):
+    return family_tokenizers["gpt-oss"]
 
 
 def test_gpt_oss_follow_up_after_a_final_answer_starts_after_the_closing_the_template_shows(
@@ -64,13 +63,13 @@ def test_gpt_oss_tool_turn_bridge_after_call(gpt_oss):
 
 
 @pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "llama3.1", "gpt-oss", "deepseek-v3"])
-def test_stored_calls_render_their_arguments_once_as_json(family):
+def test_stored_calls_render_their_arguments_once_as_json(family_tokenizers, family):
     """OpenAI messages carry a call's arguments as a JSON string; re-rendered history (a row
     with earlier turns, the proxy's new segment, the trainer's check) must show them as the
     model wrote them, never double-encoded (Qwen2.5, Llama 3.1 and gpt-oss did), and a
     template that wants the string (DeepSeek-V3) still gets it. Broken arguments stay as
     written."""
-    tokenizer = family_tokenizer(family)
+    tokenizer = family_tokenizers[family]
     arguments = '{"expression": "2 + 3"}'
     for text in (arguments, '{"expression": '):
         call = {"id": "c1", "type": "function",

@@ -31,7 +31,7 @@ from pipeline import (  # noqa: E402
     calculator_tool,
 )
 from pipeline import artifacts as A  # noqa: E402
-from pipeline.families import FAMILIES, family_tokenizer  # noqa: E402
+from pipeline.families import FAMILIES  # noqa: E402
 from pipeline.tools import tool_schema  # noqa: E402
 
 EXPRESSIONS = ("2 + 3", "5 * 4")
@@ -63,11 +63,6 @@ SCRIPTS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizers() -> dict[str, Any]:
-    return {name: family_tokenizer(name) for name in FAMILIES}
-
-
 class Script:
     """Replies turn by turn (one sample), keeping what it sent: the sampled tokens."""
 
@@ -96,8 +91,8 @@ def _run(tokenizer: Any, script: Script, generate: Generate, max_turns: int = 3)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_three_turn_tool_loop_is_token_exact(tokenizers, family):
-    tokenizer = tokenizers[family]
+def test_three_turn_tool_loop_is_token_exact(family_tokenizers, family):
+    tokenizer = family_tokenizers[family]
     script = Script(tokenizer, family)
     result = _run(tokenizer, script, Generate(family=family))
     item, sample = result.items[0], result.samples[0]
@@ -121,10 +116,10 @@ def test_three_turn_tool_loop_is_token_exact(tokenizers, family):
     assert [(m.model_extra or {}).get("reasoning_content") for m in assistants] == expected
 
 
-def test_gpt_oss_call_turn_stops_at_call(tokenizers):
+def test_gpt_oss_call_turn_stops_at_call(family_tokenizers):
     """<|call|> is not gpt-oss's eos: without the family's stop ids the turn ran on to the
     length limit and its call was never parsed."""
-    tokenizer = tokenizers["gpt-oss"]
+    tokenizer = family_tokenizers["gpt-oss"]
     script = Script(tokenizer, "gpt-oss")
     # the scripted reply goes on after <|call|>, as a model would if nothing stopped it
     original = script.__call__
@@ -136,10 +131,10 @@ def test_gpt_oss_call_turn_stops_at_call(tokenizers):
     assert first.tool_calls[0].function.name == "calculator"
 
 
-def test_malformed_call_is_answered_with_an_error(tokenizers):
+def test_malformed_call_is_answered_with_an_error(family_tokenizers):
     """A broken call in the family's format reaches the model as a tool error, not as the
     answer (vLLM's own parser would return it as content)."""
-    tokenizer = tokenizers["llama3.1"]
+    tokenizer = family_tokenizers["llama3.1"]
 
     def broken(prompt_ids: list[int], rng: random.Random) -> list[int]:
         text = '<|python_tag|>{"name": "calculator", "parameters": {"expression": '
@@ -171,10 +166,10 @@ def test_parser_override_and_bad_names():
 
 
 @pytest.fixture(scope="module")
-def parsers(tokenizers) -> dict[str, Any]:
+def parsers(family_tokenizers) -> dict[str, Any]:
     from pipeline.tools import make_tool_parser
 
-    return {name: make_tool_parser(tokenizers[name], family.tool_parser,
+    return {name: make_tool_parser(family_tokenizers[name], family.tool_parser,
                                    family.reasoning_parser)
             for name, family in FAMILIES.items()}
 
@@ -260,7 +255,7 @@ def test_vllm_missing_is_named(monkeypatch):
     assert bad.value.field == "tool_parser"
 
 
-def test_sampled_turn_on_the_transformers_engine(tokenizers):
+def test_sampled_turn_on_the_transformers_engine(family_tokenizers):
     """The same stage on a real engine: the tiny random-weight Qwen3 samples the turn (it
     writes no call: random weights); the family's stop ids reach the engine and its sampled
     tokens are what the trainer sees, checked live."""
@@ -270,7 +265,7 @@ def test_sampled_turn_on_the_transformers_engine(tokenizers):
     from pipeline.families import ensure_family_model
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(ensure_family_model("qwen3")))
-    engine = TransformersEngine(model, tokenizers["qwen3"])
+    engine = TransformersEngine(model, family_tokenizers["qwen3"])
     seen: list[tuple[int, ...]] = []
     original = engine.generate
 
@@ -281,7 +276,8 @@ def test_sampled_turn_on_the_transformers_engine(tokenizers):
     engine.generate = generate  # type: ignore[method-assign]
     rollout = Pipeline([BuildPrompt(), Loop([Generate(family="qwen3"), CallTools()],
                                             max_turns=2)],
-                       engine=engine, tokenizer=tokenizers["qwen3"], tools=[calculator_tool()],
+                       engine=engine, tokenizer=family_tokenizers["qwen3"],
+                       tools=[calculator_tool()],
                        sampling={"max_tokens": 12, "seed": 0})
 
     async def run() -> Any:
@@ -301,11 +297,11 @@ def test_sampled_turn_on_the_transformers_engine(tokenizers):
                 if m == 1] == sampled
 
 
-def test_family_on_another_familys_tokenizer_is_refused(tokenizers):
+def test_family_on_another_familys_tokenizer_is_refused(family_tokenizers):
     """Llama's stop ids are other tokens in Qwen's vocabulary: the sample fails naming it,
     rather than stopping on whatever those ids are there."""
-    script = Script(tokenizers["qwen3"], "qwen3")
-    result = _run(tokenizers["qwen3"], script, Generate(family="llama3.1"), max_turns=1)
+    script = Script(family_tokenizers["qwen3"], "qwen3")
+    result = _run(family_tokenizers["qwen3"], script, Generate(family="llama3.1"), max_turns=1)
     item = result.items[0]
     assert item.status.value == "failed" and not script.sent  # the engine was never asked
     assert "family's stop token '<|eot_id|>' is id 128009" in item.error

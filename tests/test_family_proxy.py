@@ -26,7 +26,7 @@ from test_family_loop import RESULTS, Script  # noqa: E402
 
 from pipeline import SimulatedEngine, calculator_tool  # noqa: E402
 from pipeline._exceptions import ConfigError  # noqa: E402
-from pipeline.families import FAMILIES, family_tokenizer  # noqa: E402
+from pipeline.families import FAMILIES  # noqa: E402
 from pipeline.proxy import ProxyServer  # noqa: E402
 from pipeline.testing import ByteTokenizer  # noqa: E402
 from pipeline.tools import tool_schema  # noqa: E402
@@ -55,14 +55,9 @@ async def sdk_tool_loop(base_url: str, api_key: str) -> tuple[list[Any], list[di
     return replies, messages
 
 
-@pytest.fixture(scope="module")
-def tokenizers() -> dict[str, Any]:
-    return {name: family_tokenizer(name) for name in FAMILIES}
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
-async def test_three_turn_tool_loop_through_the_proxy_is_token_exact(tokenizers, family):
-    tokenizer = tokenizers[family]
+async def test_three_turn_tool_loop_through_the_proxy_is_token_exact(family_tokenizers, family):
+    tokenizer = family_tokenizers[family]
     script = Script(tokenizer, family)
     engine = SimulatedEngine(responder=script, latency_s=0.0,
                              eos_token_id=tokenizer.eos_token_id)

@@ -140,7 +140,9 @@ async def make_engine(name: str, *, model_dir: Path | None,
     try:
         if model_dir is None:
             model_dir = Path(await engine.model_name())
-        tokenizer = load_tokenizer(model_dir)
+        # loading a large vocabulary takes seconds: off the event loop (the engine may
+        # already be serving, and the watchdog would report the loop blocked)
+        tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         if check and chosen != "transformers":
             await check_consistency(engine, tokenizer)
     except BaseException:
