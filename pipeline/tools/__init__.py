@@ -4,7 +4,12 @@ from pipeline.tools._calculator import CalculatorError, calculator_tool, evaluat
 from pipeline.tools._parsers import HermesToolParser, ParsedMessage, ParsedToolCall, ToolParser
 from pipeline.tools._registry import FunctionTool, Tool, make_registry, tool_schema
 from pipeline.tools._schema import validate_arguments
-from pipeline.tools._vllm_parsers import VLLMToolParser, make_tool_parser
+from pipeline.tools._vllm_parsers import (
+    VLLMToolParser,
+    load_vllm_parsers,
+    make_tool_parser,
+    needs_vllm,
+)
 
 __all__ = [
     "CalculatorError",
@@ -17,8 +22,10 @@ __all__ = [
     "VLLMToolParser",
     "calculator_tool",
     "evaluate_arithmetic",
+    "load_vllm_parsers",
     "make_registry",
     "make_tool_parser",
+    "needs_vllm",
     "tool_schema",
     "validate_arguments",
 ]
