@@ -30,8 +30,13 @@ from pipeline._runner.context import Context
 from pipeline._text import integrity
 from pipeline._text.render import decode_text
 from pipeline._text.tokenizer import Tokenizer
-from pipeline.tools import HermesToolParser, ToolParser
-from pipeline.tools import load_vllm_parsers, make_tool_parser, needs_vllm
+from pipeline.tools import (
+    HermesToolParser,
+    ToolParser,
+    load_vllm_parsers,
+    make_tool_parser,
+    needs_vllm,
+)
 
 _BUILDING = threading.Lock()
 """Held while a vLLM parser is built (module-wide: a stage instance stays picklable)."""
