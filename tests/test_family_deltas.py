@@ -84,3 +84,24 @@ def test_stored_calls_render_their_arguments_once_as_json(family_tokenizers, fam
             assert '\\"expression\\"' not in rendered, rendered[-300:]
         else:  # not a JSON object: rendered as written (a template may escape it)
             assert "expression" in rendered
+
+
+def test_deepseek_v3_bridges_after_a_tool_call_and_after_an_answer(family_tokenizers):
+    """DeepSeek-V3's template (its prompt opens ``<think>``): after a call the tool outputs
+    follow and the model goes on in the same turn (no new ``<｜Assistant｜>``); after an
+    answer a user's question gets the generation prompt with the opened ``<think>``. Neither
+    bridge repeats the model's own text."""
+    tokenizer = family_tokenizers["deepseek-v3"]
+    eos = tokenizer.eos_token_id
+    call = AgentMessage(role="assistant", content=None, tool_calls=[ToolCall(
+        id="c1", function=ToolFunction(name="calculator", arguments='{"e": "2 + 3"}'))])
+    question = AgentMessage(role="user", content="What is 2 + 3?")
+    delta = render_turn_delta(tokenizer, [question, call], [AgentMessage(
+        role="tool", content="5", tool_call_id="c1")], None, eos)
+    assert delta.text == ("<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>5"
+                          "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"), delta.text
+    answer = AgentMessage(role="assistant", content="It is 5.")
+    delta = render_turn_delta(tokenizer, [question, answer],
+                              [AgentMessage(role="user", content="And 3 + 3?")], None, eos)
+    assert delta.text == "<｜User｜>And 3 + 3?<｜Assistant｜><think>\n", delta.text
+    assert delta.drift == ()
