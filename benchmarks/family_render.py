@@ -136,7 +136,7 @@ def main() -> None:
               f"{row['integrity_us']:6.1f} us  drift {row['drift'] or '-'}  calls "
               f"{row['calls_parsed']}")
     path = write_result("family_render", {"repeat": repeat, "families": figures,
-                                          "note": "2-core machine shared with other work"})
+                                          "note": "2-core machine, quiet"})
     print(f"wrote {path}")
 
 
