@@ -37,6 +37,10 @@ Token integrity: when a live check failed in the session (see the record's
 ``token_integrity``), the sample is quarantined: it ends ``failed`` (masked) with a
 :class:`~pipeline.TokenIntegrityError` naming the reason, the turn and the session, and
 ``artifacts.TOKEN_INTEGRITY`` set to the reason (counted in ``BatchStats.token_integrity``).
+
+Hints: ``extra_fields["ignored_fields"]`` lists the request hints the proxy accepted without
+acting on them in any turn of the session (``metadata``, ``text.verbosity``, ...; the record's
+``ignored_fields`` counts the turns per hint).
 """
 
 from __future__ import annotations
@@ -305,6 +309,7 @@ class RemoteAgent:
         extra["proxy_session"] = session.id
         extra["proxy_splits"] = record.num_splits
         extra["proxy_split_reasons"] = dict(record.splits)
+        extra["ignored_fields"] = sorted(record.ignored_fields)
         extra[A.TEMPLATE_DRIFT] = main.drift
 
 

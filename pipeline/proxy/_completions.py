@@ -18,7 +18,14 @@ import structlog
 from aiohttp import web
 
 from pipeline.proxy._http import ProxyHost, event_stream, json_response
-from pipeline.proxy._policy import CHAT_FIELDS, RESPONSES_FIELDS, Constraints, check_fields
+from pipeline.proxy._policy import (
+    CHAT_FIELDS,
+    RESPONSES_FIELDS,
+    Constraints,
+    FieldRule,
+    check_fields,
+    read_hints,
+)
 from pipeline.proxy._responses import (
     ResponseLink,
     ResponsesRequest,
@@ -51,10 +58,13 @@ async def serve_chat(host: ProxyHost, request: web.Request, session: Session, da
     chat = (await asyncio.to_thread(parse_request, data) if large
             else parse_request(data))
     features = check_fields(data, CHAT_FIELDS, host.enforces)
+    chat, ignored = _with_hints(host, data, CHAT_FIELDS, chat)
     constraints = None if not features else Constraints(
         features, response_format=data.get("response_format"),
         tool_choice=data.get("tool_choice"), tools=chat.tool_schemas)
     outcome = await host.turns.run(session, chat, offload=large, constraints=constraints)
+    if outcome.turn is not None:
+        outcome.turn.ignored_fields = ignored
     _log_split(session, outcome)
     return await _answer(host, request, bool(chat.stream), chat.stream_options is not None
                          and chat.stream_options.include_usage, outcome)
@@ -73,6 +83,7 @@ async def serve_responses(host: ProxyHost, request: web.Request, session: Sessio
         chat, added = await asyncio.to_thread(to_chat, spec, prior)
     else:
         chat, added = to_chat(spec, prior)
+    chat, ignored = _with_hints(host, data, RESPONSES_FIELDS, chat)
     constraints = _responses_constraints(spec, chat, features) if features else None
     outcome = await host.turns.run(session, chat, offload=large, constraints=constraints)
     _log_split(session, outcome)
@@ -82,6 +93,7 @@ async def serve_responses(host: ProxyHost, request: web.Request, session: Sessio
     if outcome.turn is not None:
         outcome.turn.request.update(api="responses", response_id=rid,
                                     previous_response_id=spec.previous_response_id)
+        outcome.turn.ignored_fields = ignored
     final = response_body(
         response_id=rid, model=host.config.model_name, request=spec,
         output=output_items(outcome.reply, outcome.logprobs,
@@ -101,6 +113,21 @@ async def serve_responses(host: ProxyHost, request: web.Request, session: Sessio
     except ConnectionResetError:
         _logger.info("proxy_client_gone", path=request.path, streamed=True)
     return response
+
+
+def _with_hints(host: ProxyHost, data: Any, rules: dict[str, FieldRule],
+                chat: ChatCompletionRequest) -> tuple[ChatCompletionRequest, tuple[str, ...]]:
+    """The chat request with the template options the body's hints become (the agent's own
+    ``chat_template_kwargs`` win over them), and the hints ignored.
+
+    Raises:
+        FinalError: a hint would be ignored and ``strict_fields`` is on.
+    """
+    hints = read_hints(data, rules, host.template_hints, strict=host.config.strict_fields)
+    if hints.options:
+        chat = chat.model_copy(update={"chat_template_kwargs": {
+            **hints.options, **(chat.chat_template_kwargs or {})}})
+    return chat, hints.ignored
 
 
 def _responses_constraints(spec: ResponsesRequest, chat: ChatCompletionRequest,

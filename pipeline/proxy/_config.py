@@ -30,6 +30,10 @@ class ProxyConfig(BaseModel):
         token_integrity_checks: check every turn's tokens live (see
             ``pipeline.TokenIntegrityError``); a failure is recorded on the session record
             (``token_integrity``) and quarantines the sample ``RemoteAgent`` builds from it.
+        strict_fields: refuse the hints the proxy cannot act on (``metadata``, ``store``,
+            ``verbosity``, ``reasoning_effort`` where the chat template has no such option,
+            ...) with the final error, instead of accepting them and listing them in
+            ``ignored_fields`` (see ``pipeline.proxy._policy``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -49,3 +53,4 @@ class ProxyConfig(BaseModel):
     read_timeout_s: float = Field(60.0, gt=0)
     offload_bytes: int = Field(256 * 1024, ge=0)
     token_integrity_checks: bool = True
+    strict_fields: bool = False

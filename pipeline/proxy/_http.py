@@ -31,6 +31,7 @@ class ProxyHost(Protocol):
     sessions: SessionStore
     turns: TurnRunner
     enforces: frozenset[str]
+    template_hints: frozenset[str]
 
     def session_url(self, session: Session | str) -> str: ...
 

@@ -5,8 +5,14 @@ Each field of ``POST /v1/chat/completions`` and ``POST /v1/responses`` (as the o
 names them) has a :class:`FieldRule`:
 
 - ``supported``: the proxy honours it;
-- ``no effect``: hosted-service bookkeeping that changes nothing an agent receives or a trainer
-  records (``user``, ``metadata``, ``store``, prompt-cache hints, ...): accepted;
+- ``no effect``: a hint the proxy cannot act on — hosted-service bookkeeping (``user``,
+  ``metadata``, ``store``, prompt-cache keys, ...) and output hints (``verbosity``,
+  ``reasoning_effort`` where the chat template has no such option): accepted, and listed per
+  turn, per session and on the sample (``ignored_fields``: :func:`read_hints`), so that a
+  trainer can tell which requests asked for something they did not get; refused like the
+  ``refused`` fields with ``ProxyConfig(strict_fields=True)``. A hint the chat template reads
+  (``reasoning_effort``, Responses' ``reasoning.effort``: gpt-oss's template) becomes that
+  template option instead (:data:`TEMPLATE_HINTS`);
 - ``enforced``: a decoding constraint (``response_format`` json, ``tool_choice`` required or
   named, ``parallel_tool_calls: false``): served only when the engine declares that it enforces
   it (:func:`engine_enforces`), which then gets a :class:`Constraints` with ``generate``;
@@ -20,6 +26,7 @@ given. A field no rule names (a vendor extension such as ``top_k``) is refused t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -78,13 +85,118 @@ class _Refuse(Exception):
     pass
 
 
+# The hint parts of a field's value, by path (``{"text.verbosity": "low"}``); called with the
+# field's name and its value, once the value passed the field's check.
+HintParts = Callable[[str, Any], dict[str, Any]]
+
+
 @dataclass(frozen=True, slots=True)
 class FieldRule:
-    """What the proxy does with one request field (see the module doc)."""
+    """What the proxy does with one request field (see the module doc).
+
+    ``hints``: for a field that is, or holds, a hint the proxy does not act on; it names the
+    parts of a value that are (see :func:`read_hints`).
+    """
 
     policy: Policy
     note: str
     check: Check | None = None
+    hints: HintParts | None = None
+
+
+TEMPLATE_HINTS: dict[str, str] = {"reasoning_effort": "reasoning_effort",
+                                  "reasoning.effort": "reasoning_effort"}
+"""Hint paths that become a chat-template option (path -> template variable) where the
+tokenizer's chat template reads that variable (:func:`template_hints`)."""
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+"""The reasoning efforts OpenAI's API names (``reasoning_effort``, ``reasoning.effort``)."""
+VERBOSITIES = ("low", "medium", "high")
+"""The verbosities OpenAI's API names (``verbosity``, ``text.verbosity``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hints:
+    """What :func:`read_hints` found in a request.
+
+    Attributes:
+        ignored: paths of the hints sent that the proxy did not act on, in body order
+            (``metadata``, ``text.verbosity``, ...).
+        options: chat-template options hints became (``{"reasoning_effort": "low"}``).
+    """
+
+    ignored: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def template_hints(tokenizer: Any) -> frozenset[str]:
+    """The variables of :data:`TEMPLATE_HINTS` that ``tokenizer``'s chat template reads (a
+    template that names the variable reads it: the templates of the families that have such
+    an option pass it to their system prompt)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, Mapping):  # transformers' named templates
+        template = "\n".join(str(t) for t in template.values())
+    if not isinstance(template, str):
+        return frozenset()
+    return frozenset(name for name in TEMPLATE_HINTS.values()
+                     if re.search(rf"\b{name}\b", template))
+
+
+def read_hints(body: Mapping[str, Any], rules: Mapping[str, FieldRule],
+               template_options: frozenset[str], *, strict: bool = False) -> Hints:
+    """The hints of a body that already passed :func:`check_fields`: the template options
+    they become (those of ``template_options``, what the chat template reads) and the paths
+    the proxy ignores.
+
+    Raises:
+        FinalError: ``strict`` and a hint would be ignored (404, ``unsupported_parameter``,
+            ``param`` names its path).
+    """
+    ignored: list[str] = []
+    options: dict[str, Any] = {}
+    for name, value in body.items():
+        rule = rules.get(name)
+        if rule is None or rule.hints is None:
+            continue
+        for path, part in rule.hints(name, value).items():
+            option = TEMPLATE_HINTS.get(path)
+            if option is not None and option in template_options:
+                options[option] = part
+            elif strict:
+                raise FinalError(f"{path}: the proxy cannot act on this hint, and "
+                                 "strict_fields refuses what it would ignore", param=path,
+                                 code="unsupported_parameter")
+            else:
+                ignored.append(path)
+    return Hints(tuple(ignored), options)
+
+
+def _whole(name: str, value: Any) -> dict[str, Any]:
+    """The whole value is the hint (any value but null)."""
+    return {} if value is None else {name: value}
+
+
+def _parts(*keys: str) -> HintParts:
+    """The hint parts of an object value: its ``keys`` that are not null."""
+    def parts(name: str, value: Any) -> dict[str, Any]:
+        if not isinstance(value, Mapping):
+            return {}
+        return {f"{name}.{key}": value[key] for key in keys if value.get(key) is not None}
+    return parts
+
+
+def _include_hints(name: str, value: Any) -> dict[str, Any]:
+    wanted = "reasoning.encrypted_content"
+    return {f"{name}.{wanted}": True} if wanted in (value or ()) else {}
+
+
+def _one_of(allowed: tuple[str, ...]) -> Check:
+    """Null or one of ``allowed`` (any other value is a 400 naming the field)."""
+    def check(value: Any, body: Mapping[str, Any]) -> str | None:
+        if value is not None and value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return None
+    return check
 
 
 def _served(value: Any, body: Mapping[str, Any]) -> str | None:
@@ -127,8 +239,7 @@ def _text(value: Any, body: Mapping[str, Any]) -> str | None:
         return None
     if not isinstance(value, Mapping):
         raise _Refuse("text must be an object")
-    if value.get("verbosity") is not None:
-        raise _Refuse("text.verbosity cannot be honoured by the engine")
+    _one_of(VERBOSITIES)(value.get("verbosity"), body)
     return _format_need(value.get("format"))
 
 
@@ -167,19 +278,30 @@ def _include(value: Any, body: Mapping[str, Any]) -> str | None:
     return None
 
 
+_REASONING_KEYS = ("effort", "summary", "generate_summary")
+
+
 def _reasoning(value: Any, body: Mapping[str, Any]) -> str | None:
-    if value is None or (isinstance(value, Mapping) and not any(
-            v is not None for v in value.values())):
+    if value is None:
         return None
-    raise _Refuse("reasoning effort and summaries cannot be honoured by the engine")
+    if not isinstance(value, Mapping):
+        raise ValueError("expected an object")
+    unknown = set(value) - set(_REASONING_KEYS)
+    if unknown:
+        raise _Refuse(f"reasoning {sorted(unknown)} are not known")
+    if value.get("effort") is not None and value["effort"] not in EFFORTS:
+        raise ValueError(f"effort: expected one of {', '.join(EFFORTS)}")
+    return None
 
 
-_NO_EFFECT = "accepted; changes nothing the agent gets or the trainer records"
+_NO_EFFECT = ("accepted and listed in ignored_fields; refused with strict_fields")
+_EFFORT = ("a chat-template option where the template reads reasoning_effort (gpt-oss's), "
+           "else accepted and listed in ignored_fields; refused with strict_fields")
 _SUPPORTED = FieldRule("supported", "", _served)
 
 
 def _no_effect(note: str = _NO_EFFECT) -> FieldRule:
-    return FieldRule("no effect", note, _served)
+    return FieldRule("no effect", note, _served, _whole)
 
 
 def _refused(note: str, check: Check | None = None) -> FieldRule:
@@ -192,18 +314,21 @@ _ENFORCED_CHOICE = ("none / auto supported; required and a named function: enfor
 _ENFORCED_PARALLEL = ("true / null supported; false (with tools): enforced by the engine, "
                       "else refused")
 _COMMON: dict[str, FieldRule] = {
-    "model": _no_effect("accepted; the proxy serves its one model whatever is named"),
+    "model": FieldRule("supported", "any name: the proxy serves its one model, and its "
+                       "replies name it"),
     "temperature": _SUPPORTED, "top_p": _SUPPORTED, "stream": _SUPPORTED,
     "tools": _SUPPORTED,
     "tool_choice": FieldRule("enforced", _ENFORCED_CHOICE, _tool_choice),
     "parallel_tool_calls": FieldRule("enforced", _ENFORCED_PARALLEL, _parallel),
     "stream_options": FieldRule("supported", "include_usage supported; include_obfuscation "
-                                "has no effect", _stream_options),
+                                "has no effect (listed in ignored_fields)", _stream_options,
+                                _parts("include_obfuscation")),
     "top_logprobs": _refused("top_logprobs > 0: the engine returns the sampled token's "
                              "logprob only"),
     "metadata": _no_effect(), "user": _no_effect(), "safety_identifier": _no_effect(),
     "service_tier": _no_effect(), "store": _no_effect(
-        "accepted; every response of a session is kept for previous_response_id anyway"),
+        "accepted (every response of a session is kept for previous_response_id anyway) and "
+        "listed in ignored_fields; refused with strict_fields"),
     "prompt_cache_key": _no_effect(), "prompt_cache_retention": _no_effect(),
     "prompt_cache_options": _no_effect(),
     "moderation": _refused("moderation: the proxy runs no moderation policy"),
@@ -222,10 +347,8 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "frequency_penalty": _refused("frequency_penalty: the engine protocol has no penalties"),
     "presence_penalty": _refused("presence_penalty: the engine protocol has no penalties"),
     "logit_bias": _refused("logit_bias: the engine protocol has no logit bias"),
-    "reasoning_effort": _refused("reasoning_effort cannot be honoured by the engine",
-                                 _only(why="reasoning_effort cannot be honoured by the engine")),
-    "verbosity": _refused("verbosity cannot be honoured by the engine",
-                          _only(why="verbosity cannot be honoured by the engine")),
+    "reasoning_effort": FieldRule("no effect", _EFFORT, _one_of(EFFORTS), _whole),
+    "verbosity": FieldRule("no effect", _NO_EFFECT, _one_of(VERBOSITIES), _whole),
     "modalities": _refused("modalities other than text", _only(
         ["text"], why="only text output is served")),
     "audio": _refused("audio output"),
@@ -246,15 +369,20 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
     "input": _SUPPORTED, "instructions": _SUPPORTED, "max_output_tokens": _SUPPORTED,
     "previous_response_id": FieldRule("supported", "responses of the same session"),
     "include": FieldRule("supported", "message.output_text.logprobs supported; "
-                         "reasoning.encrypted_content has no effect (no reasoning items); "
-                         "others refused", _include),
+                         "reasoning.encrypted_content has no effect (no reasoning items; "
+                         "listed in ignored_fields); others refused", _include,
+                         _include_hints),
     "text": FieldRule("enforced", "format text supported; json_object / json_schema: enforced "
-                      "by the engine, else refused; verbosity refused", _text),
-    "max_tool_calls": _no_effect("accepted; it limits hosted tools, and none are served"),
+                      "by the engine, else refused; verbosity has no effect (listed in "
+                      "ignored_fields)", _text, _parts("verbosity")),
+    "max_tool_calls": _no_effect("accepted (it limits hosted tools, and none are served) and "
+                                 "listed in ignored_fields; refused with strict_fields"),
     "truncation": _refused("truncation auto: a prompt over the context is an error instead",
                            _only("disabled", why="truncation auto is not served: a prompt "
                                  "over the context is an error")),
-    "reasoning": _refused("reasoning effort / summary", _reasoning),
+    "reasoning": FieldRule("no effect", "effort: " + _EFFORT + "; summary: no effect (no "
+                           "reasoning items), listed likewise", _reasoning,
+                           _parts(*_REASONING_KEYS)),
     "conversation": _refused("conversation objects: use previous_response_id"),
     "background": _refused("background responses"),
     "background_options": _refused("background responses"),
@@ -286,8 +414,9 @@ def check_fields(body: Mapping[str, Any], rules: Mapping[str, FieldRule],
         except _Refuse as exc:
             raise FinalError(f"{name}: {exc} (refused by the proxy)", param=name,
                              code="unsupported_parameter") from None
-        except (TypeError, ValueError, AttributeError):  # a value of the wrong shape
-            raise ProxyRequestError(f"{name}: invalid value", param=name,
+        except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong shape
+            detail = f" ({exc})" if type(exc) is ValueError and exc.args else ""
+            raise ProxyRequestError(f"{name}: invalid value{detail}", param=name,
                                     code="invalid_value") from None
         if need is None:
             continue

@@ -8,6 +8,7 @@ per-turn views are built here, on request. Records read sessions, never the othe
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
@@ -39,6 +40,8 @@ class TurnRecord(BaseModel):
         reused_tokens: prompt tokens taken from the record instead of rendering.
         timings: ``received_at`` (Unix time), ``queued_s`` (waiting for the session),
             ``render_s``, ``engine_s`` and ``total_s``.
+        ignored_fields: the request's hints the proxy did not act on, by path
+            (``metadata``, ``text.verbosity``, ...; see ``_policy.read_hints``).
     """
 
     index: int
@@ -63,6 +66,7 @@ class TurnRecord(BaseModel):
     policy_version: int | None
     reply: dict[str, Any]
     timings: dict[str, float]
+    ignored_fields: list[str] = Field(default_factory=list)
 
 
 class SegmentRecord(BaseModel):
@@ -120,6 +124,8 @@ class SessionRecord(BaseModel):
         token_integrity: the live token-integrity checks that failed in this session,
             ``{"reason", "turn", "detail"}`` each (see ``pipeline.TokenIntegrityError``);
             empty when every turn passed (or the checks are off).
+        ignored_fields: the hints the proxy did not act on, by path, and how many turns
+            sent each (see ``_policy.read_hints``).
     """
 
     id: str
@@ -134,6 +140,7 @@ class SessionRecord(BaseModel):
     ended: str | None = None
     conversations: int = 1
     token_integrity: list[dict[str, Any]] = Field(default_factory=list)
+    ignored_fields: dict[str, int] = Field(default_factory=dict)
 
 
 _MESSAGE_TOKENS = {"__all__": set(_TOKEN_FIELDS)}
@@ -190,14 +197,17 @@ def session_record(session: Session, *, with_turns: bool = True,
                 template_tokens=turn.template_tokens, reused_tokens=turn.reused_tokens,
                 drift=list(turn.drift), stop_string=turn.stop_string, request=turn.request,
                 sampling=turn.sampling, policy_version=turn.policy_version,
-                reply=_wire(turn.reply, tokens=False), timings=dict(turn.timings)))
+                reply=_wire(turn.reply, tokens=False), timings=dict(turn.timings),
+                ignored_fields=list(turn.ignored_fields)))
     return SessionRecord(
         id=session.id, state=session.state, created_at=session.created_at,
         metadata=dict(session.metadata), turns=turns, segments=segments,
         splits=dict(history.splits), num_splits=sum(history.splits.values()),
         requests=session.requests, ended=session.ended,
         conversations=1 + max((s.conversation for s in history.segments), default=0),
-        token_integrity=[dict(f) for f in session.integrity])
+        token_integrity=[dict(f) for f in session.integrity],
+        ignored_fields=dict(Counter(path for turn in session.turns
+                                    for path in turn.ignored_fields)))
 
 
 def segment_record(seg: Segment) -> SegmentRecord:

@@ -28,7 +28,7 @@ from pipeline._text.tokenizer import Tokenizer
 from pipeline.engines import Engine
 from pipeline.proxy._app import build_app
 from pipeline.proxy._config import ProxyConfig
-from pipeline.proxy._policy import engine_enforces
+from pipeline.proxy._policy import engine_enforces, template_hints
 from pipeline.proxy._records import SessionRecord, session_record
 from pipeline.proxy._sessions import Session, SessionStore
 from pipeline.proxy._turns import TurnRunner
@@ -100,6 +100,9 @@ class ProxyServer:
                                 check_integrity=cfg.token_integrity_checks)
         self.enforces = engine_enforces(engine)
         """Decoding constraints the engine declared it enforces (``_policy``)."""
+        self.template_hints = template_hints(tokenizer)
+        """Chat-template options request hints may set (``reasoning_effort`` where the
+        template reads it: ``_policy.read_hints``)."""
         self.app = build_app(self)
         """The aiohttp application (``_app``)."""
         self._runner: web.AppRunner | None = None

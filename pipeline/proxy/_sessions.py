@@ -68,6 +68,8 @@ class Turn:
     sampling: dict[str, Any]
     policy_version: int | None
     timings: dict[str, float] = field(default_factory=dict)
+    ignored_fields: tuple[str, ...] = ()
+    """Hints of the request the proxy did not act on (``_policy.read_hints``)."""
 
 
 class Session:
