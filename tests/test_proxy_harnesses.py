@@ -1,7 +1,8 @@
 """More real agent programs through the proxy (issue 40, item 5): pydantic-ai (its chat
-completions model, streamed, and its Responses model) and smolagents' ``CodeAgent`` (the model
-writes Python that calls the tools, the agent's local executor runs it), each running its own
-tool loop as the agent of ``RemoteAgent`` on the tiny model (TransformersEngine), in a
+completions model, streamed, and its Responses model), a LangChain tool loop
+(``langchain-openai``'s ``ChatOpenAI``, chat streamed and its Responses mode) and smolagents'
+``CodeAgent`` (the model writes Python that calls the tools, the agent's local executor runs
+it), each as the agent of ``RemoteAgent`` on the tiny model (TransformersEngine), in a
 subprocess under the network audit (only 127.0.0.1 may be reached).
 
 As in tests/test_proxy_clients.py: the replies are scripted (a random-weight model writes no
@@ -83,7 +84,26 @@ async def test_pydantic_ai_tool_loop(make_engine, tiny_tokenizer, tmp_path: Path
     assert calls == ["add", "add"]
     # its reasoning-effort and user settings: accepted, and listed on the sample
     effort = "reasoning_effort" if api == "chat" else "reasoning.effort"
-    assert {effort, "user"} <= set(result.samples[0].extra_fields["ignored_fields"])
+    assert result.samples[0].extra_fields["ignored_fields"] == sorted([effort, "user"])
+
+
+@needs("langchain_openai")
+@pytest.mark.parametrize(("api", "stream"), [("chat", True), ("responses", False)])
+async def test_langchain_tool_loop(make_engine, tiny_tokenizer, tmp_path: Path, api: str,
+                                   stream: bool):
+    tok = tiny_tokenizer
+    engine = RecordingEngine(make_engine(processor_factory=Script(tok)))
+    served = Served(engine, tok)
+    command = [sys.executable, str(CLIENTS_DIR / "langchain_agent.py"),
+               *["--responses"] * (api == "responses"), *["--stream"] * stream]
+    async with served.proxy:
+        result, sent = await run_client(served, engine, tok, command, row(), tmp_path)
+    (item,) = result.items
+    (segment,) = item.artifacts[SEGMENTS]
+    assert segment.reason == "start" and len(segment.turns) == 3 == len(sent[0])
+    assert segment.tool_turns == 2 == item.artifacts[artifacts.TOOL_TURNS]
+    assert item.artifacts[FINAL_ANSWER] in ("Answer: 50", "Answer: 51")
+    assert result.samples[0].extra_fields["ignored_fields"] == []
 
 
 @needs("smolagents")
