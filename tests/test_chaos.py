@@ -185,9 +185,16 @@ def build(plan: Plan, concurrency: int, timeout_s: float) -> Pipeline:
     )
 
 
-def check_nothing_left(pipe: Pipeline, plan: Plan) -> None:
+async def check_nothing_left(pipe: Pipeline, plan: Plan) -> None:
     assert pipe.inflight() == []
+    # A stage that ignores its cancellation past the grace (stage_grace: 1.4 s here) is
+    # abandoned: the batch ends without waiting for it, and its task ends by itself. On a
+    # loaded machine a stage deaf for 0.3 s can pass the grace (seen once in CI: 4 of 1,000
+    # tasks); they must still end, within a bound, and nothing may stay behind.
     leftover = [t for t in asyncio.all_tasks() if t.get_name().startswith("sample:")]
+    if leftover:
+        await asyncio.wait(leftover, timeout=10)
+    leftover = [t for t in leftover if not t.done()]
     assert leftover == []
     for uid, runs in plan.started.items():
         assert runs == 1 and plan.cleanups[uid] == 1, (uid, plan.uid_fault[uid])
@@ -227,7 +234,7 @@ async def run_chaos(samples: int, seed: int, concurrency: int = 256,
         assert all(plan.aborts[f"{uid}-0"] == 1 for uid in hung)
     assert result.stats.skipped_values.get(artifacts.TOOL_CALLS) == by_fault["nan_counter"]
     assert result.stats.reward_mean == 1.0
-    check_nothing_left(pipe, plan)
+    await check_nothing_left(pipe, plan)
     assert asyncio.current_task().cancelling() == 0
     return {"samples": samples, "seed": seed, "wall_s": round(wall, 3),
             "by_status": result.stats.by_status, "by_fault": dict(by_fault)}
@@ -247,7 +254,7 @@ async def run_cancelled(samples: int, seed: int, concurrency: int = 256,
         await task
     statuses = collections.Counter(item.status for item in items)
     assert None not in statuses and all(item.finish_reason for item in items)
-    check_nothing_left(pipe, plan)
+    await check_nothing_left(pipe, plan)
     return {"samples": samples, "cancel_after_s": round(delay, 3),
             "by_status": {str(k): v for k, v in statuses.items()}}
 

@@ -94,6 +94,9 @@ async def test_the_sample_lists_the_hints_its_session_ignored():
     (sample,) = result.samples
     assert sample.extra_fields["ignored_fields"] == ["metadata", "reasoning_effort",
                                                      "verbosity"]
+    # and the batch statistics count the samples per hint
+    assert result.stats.ignored_fields == {"metadata": 1, "reasoning_effort": 1,
+                                           "verbosity": 1}
 
 
 async def test_strict_fields_refuses_every_ignored_hint_finally():

@@ -135,7 +135,6 @@ CHAT_REFUSED = [
     ({"function_call": "auto"}, "function_call"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
-    ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"top_k": 5}, "top_k"),  # not an OpenAI field: refused, not ignored
     ({"n": 2}, "n"),
 ]
@@ -146,7 +145,6 @@ RESPONSES_REFUSED = [
     ({"tools": RESP_TOOLS, "tool_choice": "required"}, "tool_choice"),
     ({"tools": RESP_TOOLS, "tool_choice": {"type": "function", "name": "add"}}, "tool_choice"),
     ({"tools": [{"type": "web_search"}]}, "tools.0"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["file_search_call.results"]}, "include"),
@@ -157,10 +155,11 @@ ACCEPTED = {  # defaults and no-effect values: served
     "chat": {"parallel_tool_calls": True, "tool_choice": "auto", "response_format":
              {"type": "text"}, "user": "u", "metadata": {"k": "v"}, "store": False,
              "presence_penalty": 0, "frequency_penalty": None, "n": 1, "modalities": ["text"],
-             "stream_options": None, "service_tier": "auto", "prompt_cache_key": "k"},
+             "stream_options": None, "service_tier": "auto", "prompt_cache_key": "k",
+             "reasoning_effort": "high", "verbosity": "low"},  # hints: accepted, listed
     "responses": {"parallel_tool_calls": True, "tool_choice": "auto", "store": False,
                   "text": {"format": {"type": "text"}}, "truncation": "disabled",
-                  "include": ["reasoning.encrypted_content"], "reasoning": {"effort": None},
+                  "include": ["reasoning.encrypted_content"], "reasoning": {"effort": "high"},
                   "user": "u", "metadata": {"k": "v"}, "max_tool_calls": 3,
                   "safety_identifier": "s"},
 }

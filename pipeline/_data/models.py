@@ -245,6 +245,10 @@ class BatchStats(BaseModel):
     token_integrity: dict[str, int] = Field(default_factory=dict)
     """Samples quarantined by a live token-integrity check, by the check's reason
     (``decode``, ``logprobs``, ``prefix``); empty when none was."""
+    ignored_fields: dict[str, int] = Field(default_factory=dict)
+    """Samples whose agent sent request fields the proxy accepted with no effect, by field
+    path (``user``, ``text.verbosity``; from ``extra_fields["ignored_fields"]``, which
+    :class:`~pipeline.proxy.RemoteAgent` sets); empty outside the proxy."""
     wall_time_s: float
     skipped_values: dict[str, int] = Field(default_factory=dict)
     """Counter artifacts left out of the sums, by key: not a number, not finite, negative

@@ -32,7 +32,8 @@ def compute_stats(
 ) -> BatchStats:
     """Counts by status / finish / exit reason, tool turns, reward, latency, tokens, and the
     tool counters (calls, errors, template drift, rate-limiter wait) summed over items, and
-    the samples a token-integrity check quarantined, by reason.
+    the samples a token-integrity check quarantined, by reason, and the samples whose agent
+    sent fields the proxy ignored, by field.
 
     Counter artifacts that are not finite numbers in ``[0, 2**53]`` are left out of the
     sums and counted in ``skipped_values``.
@@ -58,11 +59,18 @@ def compute_stats(
     latencies = np.array([lat for it in items if (lat := _latency(it)) is not None], dtype=float)
     pct = np.percentile(latencies, [50, 95, 99]).tolist() if latencies.size else [None, None, None]
     integrity: Counter[str] = Counter()
+    ignored: Counter[str] = Counter()
     for item in items:
         artifacts: Any = item.artifacts
-        reason = artifacts.get(A.TOKEN_INTEGRITY) if isinstance(artifacts, dict) else None
+        if not isinstance(artifacts, dict):
+            continue
+        reason = artifacts.get(A.TOKEN_INTEGRITY)
         if isinstance(reason, str):
             integrity[reason] += 1
+        extra = artifacts.get(A.EXTRA_FIELDS)
+        fields = extra.get("ignored_fields") if isinstance(extra, dict) else None
+        if isinstance(fields, list):
+            ignored.update({field for field in fields if isinstance(field, str)})
     counters = _totals(items, (A.TOOL_CALLS, A.TOOL_ERRORS, A.TEMPLATE_DRIFT, A.LIMITER_WAIT_S),
                        skipped)
     return BatchStats(
@@ -87,6 +95,7 @@ def compute_stats(
         template_drift=int(counters[2]),
         limiter_wait_s=float(counters[3]),
         token_integrity=dict(integrity),
+        ignored_fields=dict(ignored),
         wall_time_s=wall_time_s,
         skipped_values=dict(skipped),
     )
