@@ -38,12 +38,11 @@ from collections.abc import Callable
 from typing import Any
 
 from _common import write_result
+from token_integrity import TOOL_TURNS, TOOLS, TextEngine
 
 from pipeline import (
     BuildPrompt,
-    FinishReason,
     Generate,
-    Generation,
     Loop,
     Pipeline,
     SimulatedEngine,
@@ -55,36 +54,6 @@ from pipeline.tools import calculator_tool, make_registry
 from scenarios import arith
 
 LATENCY_S = 0.05
-TOOL_TURNS = 3
-CALL = ('<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a} + {b}"}}}}\n'
-        '</tool_call>')
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}]
-
-
-class ToolEngine(SimulatedEngine):
-    """The simulated engine scripted to call the calculator ``TOOL_TURNS`` times, then
-    answer, each turn after ``LATENCY_S``."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        super().__init__(latency_s=LATENCY_S, latency_sigma=0.0, tail_prob=0.0,
-                         eos_token_id=tokenizer.eos_token_id)
-        self._ids: dict[str, list[int]] = {}
-        self.tokenizer = tokenizer
-
-    async def generate(self, prompt_ids: Any, sampling: Any, request_id: str) -> Generation:
-        turn = int(request_id.rsplit("-", 1)[1])
-        text = (CALL.format(a=turn + 1, b=turn + 2) if turn < TOOL_TURNS
-                else f"Answer: {2 * turn + 1}")
-        ids = self._ids.get(text)
-        if ids is None:
-            ids = self._ids[text] = self.tokenizer.encode(text, add_special_tokens=False)
-        self.calls += 1
-        await asyncio.sleep(LATENCY_S)
-        tokens = [*ids, self.eos_token_id]
-        return Generation(tokens, [-0.5] * len(tokens), FinishReason.STOP, "stop")
 
 
 def single_pipeline(size: int) -> Pipeline:
@@ -99,7 +68,7 @@ def single_pipeline(size: int) -> Pipeline:
 def tool_pipeline(size: int) -> Pipeline:
     tok = ByteTokenizer()
     return Pipeline([BuildPrompt(), Loop([Generate(), CallTools()], max_turns=TOOL_TURNS + 2)],
-                    engine=ToolEngine(tok), tokenizer=tok,
+                    engine=TextEngine(tok, LATENCY_S, report_text=False), tokenizer=tok,
                     tools=make_registry([calculator_tool()]), sampling={"max_tokens": 256},
                     sample_timeout_s=600, max_concurrency=size)
 

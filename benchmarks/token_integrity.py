@@ -62,12 +62,16 @@ TOOL_TURNS = 3
 
 class TextEngine(SimulatedEngine):
     """The simulated engine, scripted to call the calculator ``TOOL_TURNS`` times and then
-    answer, reporting its text the way a server does (so the decode check runs)."""
+    answer, each turn after ``latency_s``, reporting its text the way a server does (so the
+    decode check runs) unless ``report_text`` is False. Also benchmarks/flat_cost.py's."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        super().__init__(latency_s=0.0, latency_sigma=0.0, tail_prob=0.0,
+    def __init__(self, tokenizer: Any, latency_s: float = 0.0,
+                 report_text: bool = True) -> None:
+        super().__init__(latency_s=latency_s, latency_sigma=0.0, tail_prob=0.0,
                          eos_token_id=tokenizer.eos_token_id)
         self.tokenizer = tokenizer
+        self.turn_latency_s = latency_s
+        self.report_text = report_text
         self._ids: dict[str, list[int]] = {}
 
     async def generate(self, prompt_ids: Any, sampling: Any, request_id: str) -> Generation:
@@ -78,9 +82,10 @@ class TextEngine(SimulatedEngine):
         if ids is None:
             ids = self._ids[text] = self.tokenizer.encode(text, add_special_tokens=False)
         self.calls += 1
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.turn_latency_s)
         tokens = [*ids, self.eos_token_id]
-        return Generation(tokens, [-0.5] * len(tokens), FinishReason.STOP, "stop", text=text)
+        return Generation(tokens, [-0.5] * len(tokens), FinishReason.STOP, "stop",
+                          text=text if self.report_text else None)
 
 
 def tool_pipeline(tokenizer: Any, checks: bool) -> Pipeline:

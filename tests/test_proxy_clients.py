@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _add_task import SYSTEM, TOOLS
 from _proxy_fixtures import (
     CLIENTS_DIR,
     RecordingEngine,
@@ -40,12 +41,6 @@ if any(importlib.util.find_spec(m) is None  # the dev extras; never imported her
     pytest.skip("the agent clients (dev extras) are not installed", allow_module_level=True)
 
 AGENT = Path(__file__).with_name("proxy_agent.py")
-SYSTEM = "Add numbers with the add tool, then reply with one line: Answer: <number>."
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                    "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}]
 
 
 def row(question: str) -> dict[str, Any]:

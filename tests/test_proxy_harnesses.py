@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _add_task import SYSTEM, TOOLS
 from _proxy_fixtures import CLIENTS_DIR, RecordingEngine, Script, Served, run_client
 
 from pipeline import artifacts
@@ -29,12 +30,6 @@ from pipeline.proxy import FINAL_ANSWER, SEGMENTS
 pytest_plugins = ["_model_fixtures"]
 pytestmark = pytest.mark.slow
 
-SYSTEM = "Add numbers with the add tool, then reply with one line: Answer: <number>."
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                    "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}]
 QUESTION = "What is 12 plus 30, plus 8?"
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from _add_task import SYSTEM, TOOLS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -379,12 +380,6 @@ async def test_a_call_off_a_strict_tools_schema_comes_back_as_text(http):
 
 CLIENTS = importlib.util.find_spec("openai") is not None and importlib.util.find_spec(
     "agents") is not None
-SYSTEM = "Add numbers with the add tool, then reply with one line: Answer: <number>."
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                    "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}]
 ROW = {"messages": [{"role": "system", "content": SYSTEM},
                     {"role": "user", "content": "What is 12 plus 30, plus 8?"}], "tools": TOOLS}
 needs_clients = pytest.mark.skipif(not CLIENTS, reason="the agent clients (dev extras) are "
