@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from _add_task import SYSTEM, TOOLS
 from _model_fixtures import ForcedText
 
 from pipeline import Pipeline, SamplingParams, Status, artifacts
@@ -31,13 +32,7 @@ pytest_plugins = ["_model_fixtures"]
 pytest.importorskip("openai")  # the agent's SDK (dev extra)
 
 AGENT = Path(__file__).with_name("proxy_agent.py")
-SYSTEM = "Add numbers with the add tool, then reply with one line: Answer: <number>."
 QUESTION = "What is 12 plus 30, plus 8?"
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                    "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}]
 TASK = {"messages": [{"role": "system", "content": SYSTEM},
                      {"role": "user", "content": QUESTION}], "tools": TOOLS}
 

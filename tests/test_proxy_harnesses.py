@@ -43,6 +43,16 @@ def needs(module: str) -> pytest.MarkDecorator:
                               reason=f"{module} (the dev extra) is not installed")
 
 
+async def run_harness(make_engine: Any, tok: Any, script: Script, command: list[str],
+                      tmp_path: Path) -> tuple[Any, Any]:
+    """The agent program ``command`` against a proxy on the tiny model whose replies
+    ``script`` forces; returns ``run_client``'s batch result and the engine's request log."""
+    engine = RecordingEngine(make_engine(processor_factory=script))
+    served = Served(engine, tok)
+    async with served.proxy:
+        return await run_client(served, engine, tok, command, row(), tmp_path)
+
+
 class CodeScript(Script):
     """The shared script, plus smolagents' ``CodeAgent``: code that calls ``add``, then, after
     its output came back as an observation, code that calls ``final_answer``."""
@@ -63,12 +73,9 @@ class CodeScript(Script):
 async def test_pydantic_ai_tool_loop(make_engine, tiny_tokenizer, tmp_path: Path, api: str,
                                      stream: bool):
     tok = tiny_tokenizer
-    engine = RecordingEngine(make_engine(processor_factory=Script(tok)))
-    served = Served(engine, tok)
-    command = [sys.executable, str(CLIENTS_DIR / "pydantic_ai_agent.py"), "--api", api]
-    async with served.proxy:
-        result, sent = await run_client(served, engine, tok,
-                                        command + ["--stream"] * stream, row(), tmp_path)
+    command = [sys.executable, str(CLIENTS_DIR / "pydantic_ai_agent.py"), "--api", api,
+               *["--stream"] * stream]
+    result, sent = await run_harness(make_engine, tok, Script(tok), command, tmp_path)
     (item,) = result.items
     (segment,) = item.artifacts[SEGMENTS]  # three turns, one token sequence
     assert segment.reason == "start" and len(segment.turns) == 3 == len(sent[0])
@@ -87,12 +94,9 @@ async def test_pydantic_ai_tool_loop(make_engine, tiny_tokenizer, tmp_path: Path
 async def test_langchain_tool_loop(make_engine, tiny_tokenizer, tmp_path: Path, api: str,
                                    stream: bool):
     tok = tiny_tokenizer
-    engine = RecordingEngine(make_engine(processor_factory=Script(tok)))
-    served = Served(engine, tok)
     command = [sys.executable, str(CLIENTS_DIR / "langchain_agent.py"),
                *["--responses"] * (api == "responses"), *["--stream"] * stream]
-    async with served.proxy:
-        result, sent = await run_client(served, engine, tok, command, row(), tmp_path)
+    result, sent = await run_harness(make_engine, tok, Script(tok), command, tmp_path)
     (item,) = result.items
     (segment,) = item.artifacts[SEGMENTS]
     assert segment.reason == "start" and len(segment.turns) == 3 == len(sent[0])
@@ -104,11 +108,8 @@ async def test_langchain_tool_loop(make_engine, tiny_tokenizer, tmp_path: Path, 
 @needs("smolagents")
 async def test_smolagents_code_agent_tool_loop(make_engine, tiny_tokenizer, tmp_path: Path):
     tok = tiny_tokenizer
-    engine = RecordingEngine(make_engine(processor_factory=CodeScript(tok)))
-    served = Served(engine, tok)
     command = [sys.executable, str(CLIENTS_DIR / "smolagents_agent.py")]
-    async with served.proxy:
-        result, sent = await run_client(served, engine, tok, command, row(), tmp_path)
+    result, sent = await run_harness(make_engine, tok, CodeScript(tok), command, tmp_path)
     (item,) = result.items
     assert item.artifacts[FINAL_ANSWER] == "50"  # add really ran in its executor: 12+30, +8
     # CodeAgent sends its reply back rewritten (the code block closed, and its "Calling
