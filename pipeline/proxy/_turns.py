@@ -44,7 +44,7 @@ from pipeline.proxy._history import TurnPlan
 from pipeline.proxy._policy import Constraints
 from pipeline.proxy._sessions import Session, Turn
 from pipeline.proxy._wire import ChatCompletionRequest
-from pipeline.tools import ToolParser, validate_arguments
+from pipeline.tools import ToolParser, read_turn, validate_arguments
 
 
 @dataclass(slots=True)
@@ -321,22 +321,13 @@ class TurnRunner:
         if finish is not FinishReason.STOP or not (wants_calls or reads_reasoning):
             return AgentMessage(role="assistant", content=text, token_ids=tokens,
                                 logprobs=logprobs, finish_reason=finish), agent_finish
-        special = bool(getattr(self.parser, "needs_special_tokens", False))
-        if special:  # the markers are special tokens (harmony, Llama 3.1's <|python_tag|>);
-            # the token that closed the turn is not part of the message
-            closed = bool(tokens) and tokens[-1] in end_token_ids
-            parsed = self.parser.parse(decode_text(
-                self.tokenizer, tokens[:-1] if closed else tokens, skip_special_tokens=False))
-        else:
-            parsed = self.parser.parse(text)
+        # a stop-string cut leaves no closing token at the end
+        closed = bool(tokens) and tokens[-1] in end_token_ids
+        parsed, content = read_turn(self.parser, self.tokenizer, text, tokens, closed=closed)
         extra: dict[str, Any] = {}
         if parsed.reasoning is not None:
             extra["reasoning_content"] = parsed.reasoning
         if not wants_calls or not parsed.calls:
-            # the parser's content when it split something off or read markup (harmony's
-            # channel names decode into the plain text), else the text as decoded
-            content = parsed.content or None if (
-                parsed.calls or special or parsed.reasoning is not None) else text
             if parsed.calls:  # calls without tools offered: the text as the model wrote it
                 content, extra = text, {}
             return AgentMessage(role="assistant", content=content, token_ids=tokens,

@@ -36,6 +36,7 @@ from pipeline.tools import (
     load_vllm_parsers,
     make_tool_parser,
     needs_vllm,
+    read_turn,
 )
 
 _BUILDING = threading.Lock()
@@ -275,16 +276,8 @@ class Generate:
                 or parser is None):
             return AgentMessage(role="assistant", content=text, token_ids=token_ids,
                                 logprobs=logprobs, finish_reason=finish_reason)
-        special = bool(getattr(parser, "needs_special_tokens", False))
-        # The stop token closes the turn, it is not part of the message: a parser that reads
-        # special tokens would otherwise see Llama's <|eot_id|> or harmony's <|call|> as text.
-        parsed = parser.parse(decode_text(tokenizer, token_ids[:-1], skip_special_tokens=False)
-                              if special else text)
-        # With special tokens kept the agent-facing text still holds the markup (harmony's
-        # "<|channel|>final<|message|>" decodes to "finalAnswer"): the parser's content is
-        # the message then, as it is whenever it split off calls or reasoning.
-        content = parsed.content or None if (parsed.calls or special
-                                             or parsed.reasoning is not None) else text
+        # finish_reason stop: the last token is the stop token that closed the turn
+        parsed, content = read_turn(parser, tokenizer, text, token_ids, closed=True)
         extra: dict[str, object] = {}
         if parsed.reasoning is not None:
             extra["reasoning_content"] = parsed.reasoning

@@ -1,7 +1,13 @@
 """Tools for agent loops: the tool protocol and registry, call parsers, a calculator."""
 
 from pipeline.tools._calculator import CalculatorError, calculator_tool, evaluate_arithmetic
-from pipeline.tools._parsers import HermesToolParser, ParsedMessage, ParsedToolCall, ToolParser
+from pipeline.tools._parsers import (
+    HermesToolParser,
+    ParsedMessage,
+    ParsedToolCall,
+    ToolParser,
+    read_turn,
+)
 from pipeline.tools._registry import FunctionTool, Tool, make_registry, tool_schema
 from pipeline.tools._schema import validate_arguments
 from pipeline.tools._vllm_parsers import (
@@ -26,6 +32,7 @@ __all__ = [
     "make_registry",
     "make_tool_parser",
     "needs_vllm",
+    "read_turn",
     "tool_schema",
     "validate_arguments",
 ]

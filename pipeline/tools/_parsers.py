@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from pipeline._data.models import ToolCall, ToolFunction
+from pipeline._text.render import decode_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,34 @@ class ToolParser(Protocol):
     def parse(self, text: str) -> ParsedMessage:
         """Split ``text`` into content and calls."""
         ...
+
+
+def read_turn(parser: ToolParser, tokenizer: Any, text: str, token_ids: Sequence[int], *,
+              closed: bool) -> tuple[ParsedMessage, str | None]:
+    """Parse one assistant turn: what ``parser`` found, and the message's content.
+
+    Args:
+        parser: the turn's parser.
+        tokenizer: the tokenizer the ids decode with.
+        text: the turn as the agent sees it (decoded without special tokens).
+        token_ids: the turn's sampled ids.
+        closed: the last id is the token that closed the turn (a stop token).
+
+    A parser that sets ``needs_special_tokens`` reads the turn decoded with them kept (Llama
+    3.1's ``<|python_tag|>``, harmony's channels), without the closing token, which is not
+    part of the message (it would read Llama's ``<|eot_id|>`` or harmony's ``<|call|>`` as
+    text). The content is the parser's when it split off calls or reasoning or read markup
+    (with special tokens dropped, harmony's ``<|channel|>final<|message|>`` decodes to
+    ``finalAnswer``), else ``text``; None when empty.
+    """
+    special = bool(getattr(parser, "needs_special_tokens", False))
+    if special:
+        ids = list(token_ids[:-1] if closed else token_ids)
+        parsed = parser.parse(decode_text(tokenizer, ids, skip_special_tokens=False))
+    else:
+        parsed = parser.parse(text)
+    split = bool(parsed.calls) or special or parsed.reasoning is not None
+    return parsed, (parsed.content or None) if split else text
 
 
 class HermesToolParser:
