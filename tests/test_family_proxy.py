@@ -97,3 +97,31 @@ def test_an_unknown_family_is_refused_naming_the_field():
     with pytest.raises(ConfigError) as info:
         ProxyServer(engine, tokenizer, family="qwen9")
     assert info.value.field == "family" and "qwen9" in str(info.value)
+
+
+async def test_a_turn_ending_on_a_sampling_stop_id_is_closed_without_the_eos(
+        family_tokenizers):
+    """Without a family, a session whose sampling stops on gpt-oss's ``<|call|>``: the turn
+    that ends there is closed by it, and the next turn's delta follows it directly (the proxy
+    counted only the eos as closing and appended ``<|return|>`` after ``<|call|>``)."""
+    tokenizer = family_tokenizers["gpt-oss"]
+    script = Script(tokenizer, "gpt-oss")
+    engine = SimulatedEngine(responder=script, latency_s=0.0,
+                             eos_token_id=tokenizer.eos_token_id)
+    call = FAMILIES["gpt-oss"].token_id("<|call|>")
+    async with ProxyServer(engine, tokenizer, model_name="m",
+                           sampling={"stop_token_ids": [call], "max_tokens": 200}) as proxy:
+        session = proxy.create_session()
+        client = openai.AsyncOpenAI(base_url=proxy.session_url(session),
+                                    api_key=session.api_key, max_retries=0)
+        async with client:
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "2 + 3?"}]
+            for _ in range(2):  # the second request extends the first turn's segment
+                reply = await client.chat.completions.create(model="m", messages=messages)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": "and?"}]
+        record = proxy.record(session.id)
+    (segment,) = record.segments
+    first_turn = segment.response_mask.index(0)
+    assert segment.response_ids[first_turn - 1] == call     # the turn ended on <|call|>
+    assert segment.response_ids[first_turn] != tokenizer.eos_token_id  # nothing appended
