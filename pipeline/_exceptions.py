@@ -18,8 +18,13 @@ Every error the library raises on purpose derives from :class:`PipelineError`::
     ├── CalculatorError      (pipeline.tools) an expression the calculator refuses
     ├── ProxyError           (pipeline.proxy) RemoteAgentError, session and request errors
     ├── SampleAborted        raised by a stage to end its sample as aborted (not failed)
-    └── DeadlineExceeded     raised by the runner at a stage boundary once the sample's
-                             deadline passed (the sample ends ``timeout``)
+    ├── DeadlineExceeded     raised by the runner at a stage boundary once the sample's
+    │                        deadline passed (the sample ends ``timeout``)
+    ├── StageTimeout         a stage ran past its own budget (``stage_timeout_s``; the
+    │                        sample ends ``timeout``, the error names the stage)
+    └── EngineCircuitOpen    ``run_batch``: the circuit breaker stopped the batch after N
+                             samples in a row failed on engine errors (``.result`` holds
+                             every sample, each with its status)
 
 Errors raised inside stages by user code are not wrapped: the sample runner records them on
 the sample (``status=failed``) and the batch goes on.
@@ -108,3 +113,41 @@ class DeadlineExceeded(PipelineError):
     the runner checks the clock when a stage returns and before the next one starts, never
     starts a stage after the deadline, and ends the sample ``timeout`` either way.
     """
+
+
+class StageTimeout(PipelineError):
+    """A stage ran past its own time budget (``PipelineConfig.stage_timeout_s`` or the
+    stage's ``stage_timeout_s`` attribute); the sample ends ``timeout``.
+
+    Attributes:
+        stage: the stage's name.
+        budget_s: its budget in seconds.
+    """
+
+    def __init__(self, stage: str, budget_s: float, detail: str = "") -> None:
+        super().__init__(f"stage '{stage}' ran past its budget stage_timeout_s={budget_s}s"
+                         f"{detail}")
+        self.stage = stage
+        self.budget_s = budget_s
+
+
+class EngineCircuitOpen(PipelineError):
+    """The circuit breaker opened: ``max_consecutive_engine_errors`` samples in a row failed
+    on engine errors, so the batch admitted no more samples.
+
+    Attributes:
+        engine: the engine's name (its type, and the server when the error named one).
+        last_errors: the last errors, newest last.
+        result: the batch's :class:`~pipeline.ProduceBatchResult` (every sample, with its
+            status: those never admitted end ``failed`` with this error), when raised by
+            ``run_batch``; else None.
+    """
+
+    def __init__(self, engine: str, last_errors: list[str], result: object = None) -> None:
+        shown = "; ".join(last_errors[-3:])
+        super().__init__(f"circuit breaker open: {len(last_errors)} samples in a row failed "
+                         f"on engine errors from {engine}; no new sample is admitted. Last "
+                         f"errors: {shown}")
+        self.engine = engine
+        self.last_errors = last_errors
+        self.result = result

@@ -125,6 +125,46 @@ def check_template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+class AdaptiveConcurrency(_RaisesConfigError):
+    """Opt-in adaptive concurrency: the number of samples admitted follows the engine's own
+    load (KV-cache use, preemptions, its waiting queue) between ``min_concurrency`` and
+    ``max_concurrency``, starting from the pipeline's ``max_concurrency``. The rule is in
+    :mod:`pipeline._runner.flow`; an engine without load signals keeps the fixed limit.
+
+    Attributes:
+        min_concurrency: the limit never goes below this.
+        max_concurrency: the limit never goes above this.
+        kv_low: grow while the KV cache is used less than this (0..1) and the engine queues
+            nothing.
+        kv_high: shrink when the KV cache is used more than this, or on any preemption.
+        interval_s: how often the engine's load is read.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_concurrency: int = Field(4, gt=0)
+    max_concurrency: int = Field(8192, gt=0)
+    kv_low: float = Field(0.8, gt=0.0, lt=1.0)
+    kv_high: float = Field(0.95, gt=0.0, le=1.0)
+    interval_s: float = Field(0.1, gt=0)
+
+    @field_validator("kv_high")
+    @classmethod
+    def _band(cls, value: float, info: ValidationInfo) -> float:
+        low = info.data.get("kv_low")
+        if low is not None and value <= low:
+            raise ValueError(f"must be above kv_low ({low})")
+        return value
+
+    @field_validator("max_concurrency")
+    @classmethod
+    def _bounds(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("min_concurrency")
+        if low is not None and value < low:
+            raise ValueError(f"must be >= min_concurrency ({low})")
+        return value
+
+
 class PipelineConfig(_RaisesConfigError):
     """Options of a :class:`pipeline.Pipeline`; build from Python or from a plain dict.
 
@@ -145,6 +185,17 @@ class PipelineConfig(_RaisesConfigError):
             agent saw, one logprob per sampled token, each prompt extends the previous turn)
             and quarantine a sample that fails one (``failed``, masked, the reason in its
             error and in ``BatchStats.token_integrity``). False turns the checks off.
+        stage_timeout_s: a time budget per stage name (seconds for one run of that stage;
+            a stage object's own ``stage_timeout_s`` attribute wins). A stage that runs past
+            it ends its sample ``timeout``, the error naming the stage and its budget.
+        stuck_stage_s: a sample that has spent longer than this in one stage counts as
+            stuck (the progress line's ``stuck``, the dumps); None: no stuck gauge.
+        max_consecutive_engine_errors: circuit breaker: after this many samples in a row
+            failed on an engine error, no new sample is admitted and ``run_batch`` raises
+            :class:`~pipeline.EngineCircuitOpen` naming the engine and the last errors.
+            None: off.
+        adaptive_concurrency: let the engine's load set the concurrency
+            (:class:`AdaptiveConcurrency`); None: ``max_concurrency`` is fixed.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -159,6 +210,10 @@ class PipelineConfig(_RaisesConfigError):
     sampling: SamplingParams = SamplingParams()
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     token_integrity_checks: bool = True
+    stage_timeout_s: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    stuck_stage_s: float | None = Field(300.0, gt=0)
+    max_consecutive_engine_errors: int | None = Field(None, gt=0)
+    adaptive_concurrency: AdaptiveConcurrency | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
