@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pipeline.engines._base import Engine, Generation
+from pipeline.engines._base import Engine, EngineLoad, Generation
 from pipeline.engines._consistency import ConsistencyError, ConsistencyReport, check_consistency
 from pipeline.engines._factory import ENGINE_NAMES, make_engine, resolve_engine_name
 from pipeline.engines._openai import OpenAIEngine, ServerError
@@ -30,6 +30,7 @@ __all__ = [
     "ConsistencyError",
     "ConsistencyReport",
     "Engine",
+    "EngineLoad",
     "Generation",
     "OpenAIEngine",
     "PauseGate",

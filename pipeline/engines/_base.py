@@ -33,7 +33,11 @@ class Generation:
         raw_finish_reason: the engine's own word for it.
         routed_experts: MoE router choices ``[prompt_len + len(token_ids), num_layers, topk]``
             when the engine reports them, else None.
-        policy_version: version of the weights that produced these tokens, if tracked.
+        policy_version: version of the weights that produced these tokens, if tracked; the
+            oldest one when a weight update fell inside the request.
+        token_versions: the version of the weights that sampled each token, aligned with
+            ``token_ids``, when the engine tracks it per token (a request that ran across a
+            weight update, paused with ``"keep"``, has two or more values); else None.
         text: the engine's own detokenization of ``token_ids``, when it reports one; the
             token-integrity check compares it with the tokenizer's decode.
     """
@@ -45,6 +49,37 @@ class Generation:
     routed_experts: Any = None
     policy_version: int | None = None
     text: str | None = None
+    token_versions: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """How loaded an engine is now, from its own scheduler: what flow control reads.
+
+    Engines that can tell implement ``load() -> EngineLoad``; fields an engine cannot measure
+    are None.
+
+    Attributes:
+        running: sequences being decoded (or prefilled) now.
+        waiting: sequences queued inside the engine, not yet running.
+        kv_usage: fraction of the KV cache in use, 0..1.
+        preemptions: sequences preempted so far (cumulative): a running sequence evicted for
+            lack of KV space and recomputed later.
+        sampled_tokens: tokens sampled so far (cumulative).
+        busy_s: wall time so far during which at least one sequence ran (cumulative).
+        slot_s: running sequences times wall time, summed (cumulative): ``slot_s /
+            (max_running * wall)`` is how much of the engine's decode capacity was used.
+        max_running: how many sequences the engine decodes at once at most.
+    """
+
+    running: int
+    waiting: int = 0
+    kv_usage: float | None = None
+    preemptions: int | None = None
+    sampled_tokens: int | None = None
+    busy_s: float | None = None
+    slot_s: float | None = None
+    max_running: int | None = None
 
 
 @runtime_checkable

@@ -1,7 +1,9 @@
 """A simulated engine: no model, seeded latency and fault model, for benchmarks and chaos tests.
 
 It is named as simulated everywhere it is used: figures measured on it show the pipeline's own
-cost, never a model's.
+cost, never a model's. Two timing models: a per-request latency (the default), or a decoder
+with a capacity and a KV budget (``max_running=``, :mod:`pipeline.engines._capacity`) for
+benchmarks where engine load matters (flow control, asynchronous RL).
 """
 
 from __future__ import annotations
@@ -11,12 +13,19 @@ import collections
 import math
 import random
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 from pipeline._data.config import SamplingParams
 from pipeline._data.models import FinishReason
 from pipeline._exceptions import ConfigError, EngineError
-from pipeline.engines._base import RECENT_ABORTS, Generation
+from pipeline.engines._base import RECENT_ABORTS, EngineLoad, Generation
+from pipeline.engines._capacity import DecodeRequest, DecodeScheduler
+from pipeline.engines._weight_sync import PauseMode, check_pause_mode, next_version
+
+_UPDATES_KEPT = 64
+"""Weight updates remembered for the latency model's per-token versions (newest last)."""
 
 Responder = Callable[[list[int], random.Random], list[int]]
 """Makes the simulated reply: ``(prompt_ids, rng) -> token_ids`` (end with the eos id to stop)."""
@@ -28,6 +37,19 @@ class SimulatedEngine:
     Every decision (latency, length, tokens, faults) is drawn from a RNG seeded by ``seed``,
     ``sampling.seed`` and the prompt length (or the request id for unseeded requests), so a
     seeded batch replays identically.
+
+    Timing: by default each request takes its own latency (``latency_s`` and the tail model),
+    however many run. With ``max_running`` the engine is a batched decoder instead: at most
+    that many sequences sample one token per ``token_time_s`` each, the rest wait, and with
+    ``kv_capacity_tokens`` the youngest running sequence is preempted when their KV outgrows
+    the budget (:mod:`pipeline.engines._capacity`); the reply's length sets its duration, and
+    :meth:`load` reports running, waiting, KV use and preemptions as vLLM's scheduler would.
+
+    Weight sync (:class:`~pipeline.engines.WeightSync`): there are no weights, so
+    ``update_weights`` accepts any source (or none) and bumps ``policy_version``; every
+    generation reports the version of each token in ``token_versions``. A ``"keep"`` pause
+    freezes the decoder (capacity mode) or holds replies until ``resume`` (latency mode, where
+    a request's tokens are taken as sampled evenly over its latency).
 
     Args:
         latency_s: median latency of one request.
@@ -44,6 +66,12 @@ class SimulatedEngine:
             would never stop); used alone it is 0.
         responder: makes the reply tokens instead of random ones.
         seed: base seed.
+        max_running: capacity mode: sequences decoded at once (None: the latency model).
+        token_time_s: capacity mode: the time of one decode step.
+        kv_capacity_tokens: capacity mode: KV slots (tokens of context) across running
+            sequences; None for no KV limit.
+        prefill_tokens_per_step: capacity mode: context tokens prefilled per step when a
+            sequence is admitted or readmitted after a preemption.
     """
 
     def __init__(
@@ -59,6 +87,10 @@ class SimulatedEngine:
         eos_token_id: int | None = None,
         responder: Responder | None = None,
         seed: int = 0,
+        max_running: int | None = None,
+        token_time_s: float = 0.001,
+        kv_capacity_tokens: int | None = None,
+        prefill_tokens_per_step: int = 2048,
     ) -> None:
         _check_numbers(latency_s=latency_s, latency_sigma=latency_sigma, tail_prob=tail_prob,
                        tail_factor=tail_factor, error_rate=error_rate, hang_rate=hang_rate)
@@ -79,6 +111,9 @@ class SimulatedEngine:
                 raise ConfigError(f"SimulatedEngine: {name} must be an int"
                                   f"{'' if low is None else f' >= {low}'}, got {value!r}",
                                   field=name)
+        _check_capacity(max_running=max_running, token_time_s=token_time_s,
+                        kv_capacity_tokens=kv_capacity_tokens,
+                        prefill_tokens_per_step=prefill_tokens_per_step)
         if responder is not None and not callable(responder):
             raise ConfigError(f"SimulatedEngine: responder must be callable "
                               f"(prompt_ids, rng) -> token_ids, got {responder!r}",
@@ -98,6 +133,21 @@ class SimulatedEngine:
         """The most recent ids of requests stopped early (``abort`` or a cancelled caller),
         oldest first; bounded, so a long run does not grow it."""
         self.calls = 0
+        self.policy_version: int | None = 0
+        self._pause_mode: PauseMode | None = None
+        self._opened: asyncio.Event | None = None  # made by the first pause: set while open
+        self._drained: asyncio.Event | None = None  # set when nothing is in flight
+        self._updates: collections.deque[tuple[float, int, int]] = collections.deque(
+            maxlen=_UPDATES_KEPT)
+        """(time, version before, version after) of the latest weight updates."""
+        self._decoding: dict[str, DecodeRequest] = {}
+        self.scheduler: DecodeScheduler | None = None
+        """The capacity model's decoder (None in latency mode)."""
+        if max_running is not None:
+            self.scheduler = DecodeScheduler(
+                max_running=max_running, token_time_s=token_time_s,
+                kv_capacity_tokens=kv_capacity_tokens,
+                prefill_tokens_per_step=prefill_tokens_per_step)
 
     def _rng(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str
@@ -124,55 +174,172 @@ class SimulatedEngine:
         tokens = [t if t != eos else (t + 1) % self.vocab_size for t in tokens]
         return [*tokens, eos]
 
+    def _complete(self, reply: list[int], sampling: SamplingParams
+                  ) -> tuple[list[int], FinishReason]:
+        stop_ids = {self.eos_token_id or 0, *sampling.stop_token_ids}
+        for i, tok in enumerate(reply[: sampling.max_tokens]):
+            if tok in stop_ids:
+                return reply[: i + 1], FinishReason.STOP
+        return reply[: sampling.max_tokens], FinishReason.LENGTH
+
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str
     ) -> Generation:
-        """Wait for the simulated latency, then return seeded tokens (see class doc)."""
+        """Simulate one request (see class doc): seeded tokens after the simulated time."""
+        while self._pause_mode is not None and self._opened is not None:
+            await self._opened.wait()  # paused: new requests wait for resume
         self.calls += 1
         rng = self._rng(prompt_ids, sampling, request_id)
         latency = self._latency(rng)
         fault = rng.random()
+        tokens, reason = self._complete(
+            self._reply(list(prompt_ids), rng, sampling.max_tokens), sampling)
+        logprobs = [-rng.expovariate(2.0) for _ in tokens]
+        hang = fault < self.hang_rate
+        if self.scheduler is not None and not hang:
+            versions, aborted = await self._decode(request_id, len(prompt_ids), tokens)
+        else:
+            started = asyncio.get_running_loop().time()
+            aborted = await self._wait(request_id, None if hang else latency)
+            versions = self._versions_between(
+                started, asyncio.get_running_loop().time(), len(tokens))
+        if aborted:
+            # What was sampled before the abort is returned (none in latency mode).
+            kept = len(versions) if self.scheduler is not None else 0
+            return Generation(tokens[:kept], logprobs[:kept], FinishReason.ABORT, "abort",
+                              policy_version=min(versions[:kept], default=None),
+                              token_versions=versions[:kept])
+        if fault < self.hang_rate + self.error_rate:
+            raise EngineError(f"simulated engine fault on request {request_id}")
+        return Generation(tokens, logprobs, reason, reason.value,
+                          policy_version=min(versions, default=self.policy_version),
+                          token_versions=versions)
+
+    async def _wait(self, request_id: str, latency: float | None) -> bool:
+        """The latency model: wait ``latency`` (None: forever); True when aborted."""
         loop = asyncio.get_running_loop()
         # A bare future plus a timer handle: far cheaper than a task per request, which
         # matters when this engine is the baseline of overhead benchmarks.
         outcome: asyncio.Future[bool] = loop.create_future()
-        timer = None if fault < self.hang_rate else loop.call_later(latency, _finish, outcome)
+        timer = None if latency is None else loop.call_later(latency, _finish, outcome)
         self.in_flight[request_id] = outcome
         try:
             aborted = await outcome
+            while not aborted and self._pause_mode == "keep" and self._opened is not None:
+                await self._opened.wait()  # a kept request finishes after resume
+            return aborted
         except asyncio.CancelledError:
             self.aborted.append(request_id)  # the caller went away: the request is dropped
             raise
         finally:
             if timer is not None:
                 timer.cancel()
-            self.in_flight.pop(request_id, None)
-        if aborted:
-            return Generation([], [], FinishReason.ABORT, "abort")
-        if fault < self.hang_rate + self.error_rate:
-            raise EngineError(f"simulated engine fault on request {request_id}")
-        reply = self._reply(list(prompt_ids), rng, sampling.max_tokens)
-        stop_ids = {self.eos_token_id or 0, *sampling.stop_token_ids}
-        for i, tok in enumerate(reply[: sampling.max_tokens]):
-            if tok in stop_ids:
-                tokens, reason = reply[: i + 1], FinishReason.STOP
-                break
-        else:
-            tokens, reason = reply[: sampling.max_tokens], FinishReason.LENGTH
-        logprobs = [-rng.expovariate(2.0) for _ in tokens]
-        return Generation(tokens, logprobs, reason, reason.value)
+            self._left(request_id)
+
+    async def _decode(self, request_id: str, prompt_len: int, tokens: list[int]
+                      ) -> tuple[list[int], bool]:
+        """The capacity model: decode ``tokens`` in the scheduler; (versions, aborted)."""
+        assert self.scheduler is not None
+        request = self.scheduler.submit(request_id, prompt_len, len(tokens))
+        self.in_flight[request_id] = request.done
+        self._decoding[request_id] = request
+        try:
+            aborted = await request.done
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+        except asyncio.CancelledError:
+            self.aborted.append(request_id)
+            raise
+        finally:
+            self.scheduler.remove(request)
+            self._decoding.pop(request_id, None)
+            self._left(request_id)
+        return request.versions, aborted
+
+    def _left(self, request_id: str) -> None:
+        self.in_flight.pop(request_id, None)
+        if not self.in_flight and self._drained is not None:
+            self._drained.set()
+
+    def _versions_between(self, started: float, ended: float, count: int) -> list[int]:
+        """The latency model's per-token versions: token i sampled at ``started + (i + 1) /
+        count`` of the way to ``ended``, under the version in effect then."""
+        updates = [u for u in self._updates if u[0] > started]
+        if not updates:
+            return [self.policy_version or 0] * count
+        version, pending = updates[0][1], collections.deque(updates)
+        versions = []
+        for i in range(count):
+            at = started + (ended - started) * (i + 1) / count
+            while pending and pending[0][0] <= at:
+                version = pending.popleft()[2]
+            versions.append(version)
+        return versions
+
+    def load(self) -> EngineLoad:
+        """Running and waiting sequences, KV use and preemptions (capacity mode); in the
+        latency model only the requests in flight."""
+        if self.scheduler is not None:
+            return self.scheduler.load()
+        return EngineLoad(running=len(self.in_flight))
 
     async def abort(self, request_id: str) -> None:
         """End ``request_id`` now with ``finish_reason=abort``; unknown ids are ignored."""
         outcome = self.in_flight.get(request_id)
         if outcome is not None and not outcome.done():
             self.aborted.append(request_id)
+            request = self._decoding.get(request_id)
+            if request is not None and self.scheduler is not None:
+                self.scheduler.remove(request)
             outcome.set_result(True)
 
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        """Hold new requests; abort, wait for or keep (frozen) those in flight."""
+        mode = check_pause_mode(mode)
+        self._pause_mode = mode
+        if self._opened is None:
+            self._opened = asyncio.Event()
+        self._opened.clear()
+        if mode == "keep":
+            if self.scheduler is not None:
+                self.scheduler.freeze()
+            return
+        if mode == "abort":
+            for request_id in list(self.in_flight):
+                await self.abort(request_id)
+        self._drained = asyncio.Event()
+        if self.in_flight:
+            await self._drained.wait()
+
+    async def resume(self) -> None:
+        """Admit requests again; kept ones go on."""
+        self._pause_mode = None
+        if self.scheduler is not None:
+            self.scheduler.thaw()
+        if self._opened is not None:
+            self._opened.set()
+
+    async def update_weights(self, state_dict: Mapping[str, Any] | None = None,
+                             path: str | Path | None = None, *,
+                             version: int | None = None) -> int:
+        """Bump ``policy_version`` (there are no weights: the source is not read)."""
+        before = self.policy_version or 0
+        self.policy_version = next_version(self.policy_version, version)
+        self._updates.append((asyncio.get_running_loop().time(), before, self.policy_version))
+        if self.scheduler is not None:
+            self.scheduler.policy_version = self.policy_version
+        return self.policy_version
+
+    async def reset_prefix_cache(self) -> bool:
+        """Nothing cached: True."""
+        return True
+
     async def aclose(self) -> None:
-        """Abort everything still in flight."""
+        """Abort everything still in flight and stop the decoder's clock."""
         for request_id in list(self.in_flight):
             await self.abort(request_id)
+        if self.scheduler is not None:
+            await self.scheduler.aclose()
 
 
 def _check_numbers(**values: object) -> None:
@@ -180,6 +347,22 @@ def _check_numbers(**values: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
             raise ConfigError(f"SimulatedEngine: {name} must be a number, got {value!r}",
                               field=name)
+
+
+def _check_capacity(*, max_running: int | None, token_time_s: float,
+                    kv_capacity_tokens: int | None, prefill_tokens_per_step: int) -> None:
+    for name, value, optional in (("max_running", max_running, True),
+                                  ("kv_capacity_tokens", kv_capacity_tokens, True),
+                                  ("prefill_tokens_per_step", prefill_tokens_per_step, False)):
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"SimulatedEngine: {name} must be an int >= 1"
+                              f"{' or None' if optional else ''}, got {value!r}", field=name)
+    _check_numbers(token_time_s=token_time_s)
+    if token_time_s <= 0:
+        raise ConfigError(f"SimulatedEngine: token_time_s must be > 0, got {token_time_s}",
+                          field="token_time_s")
 
 
 def _finish(outcome: asyncio.Future[bool]) -> None:
