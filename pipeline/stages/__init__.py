@@ -16,6 +16,7 @@ from pipeline._text.render import (
 from pipeline.stages._base import Loop
 from pipeline.stages._generate import LENGTH_LIMITS, Generate
 from pipeline.stages._judge import Judge, JudgerSpec
+from pipeline.stages._observe import append_observation
 from pipeline.stages._prompt import BuildPrompt
 from pipeline.stages._route import Route, agents_ran
 from pipeline.stages._tools import CallTools
@@ -37,6 +38,7 @@ __all__ = [
     "Stage",
     "TurnDelta",
     "agents_ran",
+    "append_observation",
     "as_stage",
     "as_stages",
     "chat_form",

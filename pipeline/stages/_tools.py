@@ -21,17 +21,29 @@ from pipeline._concurrency.cancel import cancel_requested, run_owned
 from pipeline._concurrency.slots import FifoSlots
 from pipeline._data.models import TOOL_CALL_ERRORS, AgentMessage, AgentRolloutItem, ToolCall
 from pipeline._runner.context import Context
-from pipeline._text import integrity
-from pipeline._text.render import render_turn_delta
-from pipeline.stages._generate import check_positive_int, end_on_length, length_limits
-from pipeline.stages._prompt import template_options
-from pipeline.tools import Tool, validate_arguments
+from pipeline.stages._generate import check_positive_int
+from pipeline.stages._observe import append_observation
+from pipeline.tools import Tool, ToolResult, TrajectoryTool, validate_arguments
 
 TOOL_CALLS = A.TOOL_CALLS
 TOOL_ERRORS = A.TOOL_ERRORS
 TEMPLATE_DRIFT = A.TEMPLATE_DRIFT
 COUNTERS = (TOOL_CALLS, TOOL_ERRORS, TEMPLATE_DRIFT)
 """Per-sample counters, mirrored into ``extra_fields`` so they reach the trainer view."""
+
+TOOL_REWARDS = "tool_rewards"
+"""``extra_fields`` key: the rewards tool calls returned (:class:`~pipeline.tools.ToolResult`),
+in call order; verl's ``tool_rewards`` column."""
+TOOL_CREATE_WAIT_S = "tool_create_wait_s"
+"""``extra_fields`` key: seconds the sample waited for its per-trajectory tool resources."""
+TOOL_RESOURCES_WARM = "tool_resources_warm"
+"""``extra_fields`` key: per-trajectory resources that came ready from a warm pool."""
+TOOL_CREATE_FAILURES = "tool_create_failures"
+"""``extra_fields`` key: per-trajectory resources whose creation failed (an error the model
+saw)."""
+
+Answer = tuple[str, str | None, float | None]
+"""One call's answer: content, error kind (None: no error), reward (None: none)."""
 
 ERROR_KINDS = ("parse", "unknown_tool", "invalid_arguments", "timeout", "tool_exception",
                "too_many_calls")
@@ -43,7 +55,7 @@ class CallTools:
 
     Calls of one turn run concurrently, each under its tool's ``timeout_s``. Tool messages are
     appended to ``messages``; their template tokens (see
-    :func:`~pipeline.stages._prompt.render_turn_delta`) are appended to ``response_ids`` with
+    :func:`~pipeline.stages.append_observation`) are appended to ``response_ids`` with
     ``response_mask = 0`` and logprob 0.0. If those tokens would leave no room for another
     model token in the response budget or the context, they are not appended and the sample
     ends with ``finish_reason=length`` (``raw_finish_reason`` ``response_budget``/``context``).
@@ -76,6 +88,9 @@ class CallTools:
         self.max_model_len = max_model_len
         self.offload = offload
         self.offload_chars = offload_chars
+        # Per-trajectory resources of TrajectoryTools, by (sample uid, tool name).
+        self._resources: dict[tuple[str, str], Any] = {}
+        self._creating: dict[tuple[str, str], asyncio.Lock] = {}
         # Concurrency slots per event loop and tool (weak: a finished loop takes its slots).
         self._slots: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, dict[str, FifoSlots]
@@ -89,50 +104,25 @@ class CallTools:
             return
         parse_errors: dict[str, str] = (last.model_extra or {}).get(TOOL_CALL_ERRORS) or {}
         answers = await self._answer_all(last.tool_calls, parse_errors, item, ctx)
+        rewards = [reward for _, _, reward in answers if reward is not None]
+        if rewards:  # verl's tool_rewards column
+            extra: dict[str, Any] = art.setdefault(A.EXTRA_FIELDS, {})
+            extra[TOOL_REWARDS] = [*(extra.get(TOOL_REWARDS) or ()), *rewards]
         replies = [AgentMessage(role="tool", tool_call_id=call.id, name=call.function.name,
                                 content=content, **({"error": kind} if kind else {}))
-                   for call, (content, kind) in zip(last.tool_calls, answers, strict=True)]
-        errors = sum(1 for _, kind in answers if kind)
+                   for call, (content, kind, _) in zip(last.tool_calls, answers, strict=True)]
+        errors = sum(1 for _, kind, _ in answers if kind)
         self._count(art, TOOL_CALLS, len(replies))
         self._count(art, TOOL_ERRORS, errors)
         if errors:
             ctx.log.info("tool_errors", errors=errors,
-                         kinds=sorted({kind for _, kind in answers if kind}))
+                         kinds=sorted({kind for _, kind, _ in answers if kind}))
         art[A.TOOL_TURNS] = art.get(A.TOOL_TURNS, 0) + 1
-        history = list(messages)
-        messages.extend(replies)
-        await self._append_tokens(item, ctx, history, replies)
-
-    async def _append_tokens(self, item: AgentRolloutItem, ctx: Context,
-                             history: list[AgentMessage], replies: list[AgentMessage]) -> None:
-        art = item.artifacts
-        response: list[int] = art.setdefault(A.RESPONSE_IDS, [])
-        last_token = response[-1] if response else (history[-1].token_ids or [-1])[-1]
-        args = (ctx.tokenizer, history, replies, item.data.tools, last_token,
-                template_options(item, ctx))
-        size = sum(len(str(m.content or "")) for m in (history[-1], *replies))
-        delta = (await asyncio.to_thread(render_turn_delta, *args)
-                 if self.offload and size > self.offload_chars else render_turn_delta(*args))
-        if delta.drift:
-            self._count(art, TEMPLATE_DRIFT, 1)
-            ctx.log.warning("template_drift", kinds=list(delta.drift))
-        else:
-            self._count(art, TEMPLATE_DRIFT, 0)
-        max_model_len = self.max_model_len or getattr(ctx.resources.engine, "max_model_len",
-                                                      None)
-        limits = length_limits(item, max_model_len)
-        for limit in ("context", "response_budget"):
-            if limit in limits and limits[limit] - len(delta.ids) <= 0:
-                end_on_length(item, limit)
-                return
-        response.extend(delta.ids)
-        art.setdefault(A.RESPONSE_MASK, []).extend([0] * len(delta.ids))
-        art.setdefault(A.LOGPROBS, []).extend([0.0] * len(delta.ids))
-        if ctx.config.token_integrity_checks and A.PROMPT_IDS in art:
-            integrity.mark_turn(art, art[A.PROMPT_IDS], response)  # the delta's end
+        await append_observation(item, ctx, replies, max_model_len=self.max_model_len,
+                                 offload=self.offload, offload_chars=self.offload_chars)
 
     async def _answer_all(self, calls: list[ToolCall], parse_errors: dict[str, str],
-                          item: AgentRolloutItem, ctx: Context) -> list[tuple[str, str | None]]:
+                          item: AgentRolloutItem, ctx: Context) -> list[Answer]:
         """Answer the calls concurrently, in owned tasks: if one raises (a broken
         limiter), its siblings are cancelled and awaited, never left running."""
         if len(calls) == 1:
@@ -141,40 +131,80 @@ class CallTools:
                                 for i, call in enumerate(calls)])
 
     async def _answer(self, call: ToolCall, parse_error: str | None, index: int,
-                      item: AgentRolloutItem, ctx: Context) -> tuple[str, str | None]:
-        """``(content, error kind or None)`` for one call; raises only on cancellation."""
+                      item: AgentRolloutItem, ctx: Context) -> Answer:
+        """``(content, error kind or None, reward or None)`` for one call; raises only on
+        cancellation."""
         if parse_error is not None:
-            return f"Error: {parse_error}", "parse"
+            return f"Error: {parse_error}", "parse", None
         if index >= self.max_calls_per_turn:
             return (f"Error: at most {self.max_calls_per_turn} tool calls per turn; "
-                    "this one was not run", "too_many_calls")
+                    "this one was not run", "too_many_calls", None)
         registry: Mapping[str, Tool] = ctx.resources.tools
         tool = registry.get(call.function.name)
         if tool is None:
             known = ", ".join(sorted(registry)) or "none"
             return (f"Error: unknown tool {call.function.name!r} (available: {known})",
-                    "unknown_tool")
+                    "unknown_tool", None)
         try:
             arguments = json.loads(call.function.arguments or "{}")
         except (ValueError, RecursionError):
-            return "Error: arguments are not valid JSON", "parse"
+            return "Error: arguments are not valid JSON", "parse", None
         problems = validate_arguments(tool.parameters, arguments)
         if problems:
-            return "Error: invalid arguments: " + "; ".join(problems[:5]), "invalid_arguments"
+            return ("Error: invalid arguments: " + "; ".join(problems[:5]), "invalid_arguments",
+                    None)
         async with self._acquire(tool, item, ctx):
             try:
                 async with asyncio.timeout(tool.timeout_s):
-                    result = await tool(arguments)
+                    if isinstance(tool, TrajectoryTool):
+                        resource = await self._resource(tool, item, ctx)
+                        result = await tool.call_with(resource, arguments)
+                    else:
+                        result = await tool(arguments)
             except TimeoutError:
-                return f"Error: tool {tool.name!r} timed out after {tool.timeout_s}s", "timeout"
+                return (f"Error: tool {tool.name!r} timed out after {tool.timeout_s}s",
+                        "timeout", None)
             except asyncio.CancelledError:
                 if cancel_requested():
                     raise
                 # A future inside the tool was cancelled by someone else: the tool failed.
-                return "Error: CancelledError: the tool's work was cancelled", "tool_exception"
+                return ("Error: CancelledError: the tool's work was cancelled",
+                        "tool_exception", None)
             except Exception as exc:  # the tool's own failure is the model's observation
-                return f"Error: {type(exc).__name__}: {exc}", "tool_exception"
-        return self._as_text(result), None
+                return f"Error: {type(exc).__name__}: {exc}", "tool_exception", None
+        if isinstance(result, ToolResult):
+            return self._as_text(result.content), None, result.reward
+        return self._as_text(result), None, None
+
+    async def _resource(self, tool: TrajectoryTool, item: AgentRolloutItem,
+                        ctx: Context) -> Any:
+        """The sample's resource for ``tool``: created at its first call (calls of one turn
+        wait for the same creation), released once through the sample's exit stack."""
+        key = (item.uid, tool.name)
+        lock = self._creating.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key in self._resources:
+                return self._resources[key]
+            extra: dict[str, Any] = item.artifacts.setdefault(A.EXTRA_FIELDS, {})
+            started = time.monotonic()
+            try:
+                resource, warm = await tool.create_for(item)
+            except Exception:
+                extra[TOOL_CREATE_FAILURES] = extra.get(TOOL_CREATE_FAILURES, 0) + 1
+                raise
+            finally:
+                extra[TOOL_CREATE_WAIT_S] = (extra.get(TOOL_CREATE_WAIT_S, 0.0)
+                                             + time.monotonic() - started)
+            self._resources[key] = resource
+            # Registered before anything else awaits: the release runs on every outcome.
+            ctx.exit_stack.push_async_callback(self._release, tool, key, resource)
+            extra[TOOL_RESOURCES_WARM] = extra.get(TOOL_RESOURCES_WARM, 0) + int(warm)
+            return resource
+
+    async def _release(self, tool: TrajectoryTool, key: tuple[str, str], resource: Any) -> None:
+        self._resources.pop(key, None)
+        self._creating.pop(key, None)
+        await tool.release_resource(resource)
 
     @contextlib.asynccontextmanager
     async def _acquire(self, tool: Tool, item: AgentRolloutItem,
@@ -190,10 +220,16 @@ class CallTools:
         rate = getattr(tool, "rate", None)
         max_concurrency = getattr(tool, "max_concurrency", None)
         started = time.monotonic()
+        fairness = _fairness_key(item, getattr(tool, "fairness_key", None))
+        # Limits shared with other tools first (an MCP server's), then the tool's own.
+        shared: tuple[tuple[str, float, int | None], ...] = getattr(tool, "shared_limits", ())
+        for key, shared_rate, shared_burst in shared:
+            await ctx.resources.limiters.get(key, shared_rate, shared_burst).acquire(
+                key=fairness)
         if rate is not None:
             bucket = ctx.resources.limiters.get(f"tool:{tool.name}", rate,
                                                 getattr(tool, "burst", None))
-            await bucket.acquire(key=_fairness_key(item, getattr(tool, "fairness_key", None)))
+            await bucket.acquire(key=fairness)
         slots = None
         if max_concurrency is not None:
             per_tool = self._slots.setdefault(asyncio.get_running_loop(), {})
@@ -202,7 +238,7 @@ class CallTools:
                 slots = per_tool[tool.name] = FifoSlots(max_concurrency)
             await slots.__aenter__()
         waited = time.monotonic() - started
-        if rate is not None or slots is not None:
+        if rate is not None or slots is not None or shared:
             item.artifacts[A.LIMITER_WAIT_S] = item.artifacts.get(A.LIMITER_WAIT_S, 0.0) + waited
         try:
             yield

@@ -1,6 +1,13 @@
 """Tools for agent loops: the tool protocol and registry, call parsers, a calculator."""
 
 from pipeline.tools._calculator import CalculatorError, calculator_tool, evaluate_arithmetic
+from pipeline.tools._lifecycle import (
+    PoolStats,
+    ResourceTool,
+    ToolResult,
+    TrajectoryTool,
+    WarmPool,
+)
 from pipeline.tools._parsers import (
     HermesToolParser,
     ParsedMessage,
@@ -23,9 +30,14 @@ __all__ = [
     "HermesToolParser",
     "ParsedMessage",
     "ParsedToolCall",
+    "PoolStats",
+    "ResourceTool",
     "Tool",
     "ToolParser",
+    "ToolResult",
+    "TrajectoryTool",
     "VLLMToolParser",
+    "WarmPool",
     "calculator_tool",
     "evaluate_arithmetic",
     "load_vllm_parsers",
