@@ -20,18 +20,28 @@ import structlog
 from pipeline._exceptions import ConfigError
 
 if TYPE_CHECKING:
-    from pipeline._runner.host import BatchHost
+    from pipeline._runner.host import BatchHost, InflightSample
 
 _logger = structlog.get_logger("pipeline")
+
+
+def stuck_by_stage(inflight: list[InflightSample], threshold_s: float | None) -> dict[str, int]:
+    """How many running samples have been in their current stage longer than
+    ``threshold_s``, per stage (empty without a threshold)."""
+    if threshold_s is None:
+        return {}
+    return dict(Counter(s.stage or "-" for s in inflight
+                        if s.in_stage_s is not None and s.in_stage_s > threshold_s))
 
 
 class ProgressHeartbeat:
     """Logs ``batch_heartbeat`` every ``interval_s`` while the ``async with`` body runs.
 
     Each line has ``done`` (samples finished since entering), ``total`` (if given),
-    ``running``, ``by_stage`` (running samples per stage), ``oldest_running_s``, ``rate_per_s``
-    and ``eta_s``. The logging task is owned by the context manager: cancelled and awaited on
-    exit.
+    ``running``, ``by_stage`` (running samples per stage), ``oldest_running_s``, ``stuck``
+    (samples longer than the config's ``stuck_stage_s`` in their current stage, per stage),
+    ``rate_per_s`` and ``eta_s``. The logging task is owned by the context manager: cancelled
+    and awaited on exit.
 
     Args:
         pipeline: the pipeline to watch.
@@ -85,6 +95,7 @@ class ProgressHeartbeat:
             "done": done, "total": self.total, "running": len(inflight),
             "by_stage": dict(Counter(s.stage or "-" for s in inflight).most_common()),
             "oldest_running_s": round(max((s.running_s for s in inflight), default=0.0), 1),
+            "stuck": stuck_by_stage(inflight, self.pipeline.config.stuck_stage_s),
             "rate_per_s": round(rate, 2), "elapsed_s": round(elapsed, 1),
         }
         if self.total is not None and rate > 0:

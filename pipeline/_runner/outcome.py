@@ -13,7 +13,7 @@ from pipeline import artifacts as A
 from pipeline._concurrency.cancel import cancel_requested
 from pipeline._data.construct import set_fields
 from pipeline._data.models import AgentRolloutItem, ExitReason, FinishReason, Status
-from pipeline._exceptions import ContractError, DeadlineExceeded, SampleAborted
+from pipeline._exceptions import ContractError, DeadlineExceeded, SampleAborted, StageTimeout
 
 if TYPE_CHECKING:
     from pipeline._runner.producer import Batch, SampleRun
@@ -135,6 +135,8 @@ def settle(exc: BaseException, run: SampleRun, batch: Batch, deadline_expired: b
         detail = f": {exc}" if isinstance(exc, DeadlineExceeded) else ""
         end(item, Status.TIMEOUT,
             f"sample timed out after {timeout_s}s {where}{detail}")
+    elif isinstance(exc, StageTimeout):
+        end(item, Status.TIMEOUT, str(exc))
     elif isinstance(exc, asyncio.CancelledError) and cancel_requested():
         uncancel()
         end(item, Status.ABORTED, OUTSIDE_CANCEL)

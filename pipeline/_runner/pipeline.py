@@ -47,7 +47,7 @@ from pipeline._runner.outcome import (
     uncancel,
 )
 from pipeline._runner.producer import Batch, Producer, SampleCallback, SampleRun, check_callback
-from pipeline._runner.stage import as_stages, run_stage
+from pipeline._runner.stage import as_stages, check_stage_budgets, run_stage
 from pipeline._runner.stream import (
     RolloutStream,
     RowSource,
@@ -111,6 +111,7 @@ class Pipeline:
         check_chain(self.stages)  # stage contracts: a chain that cannot work fails here
         self.resources = resources or Resources(**given)
         self.config = merge_config(config, options)
+        check_stage_budgets(self.stages, self.config.stage_timeout_s)
         check_callable(fill, "fill", "sync", shape="(item, ctx) -> RolloutSample")
         self.fill = fill
         # Slots are per event loop: a pipeline may serve a trainer's loop and a thread's loop.

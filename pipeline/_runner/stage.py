@@ -19,10 +19,12 @@ from pipeline import artifacts as A
 from pipeline._concurrency.cancel import cancel_requested
 from pipeline._data.models import AgentRolloutItem, StageRecord, Status, is_finite_number
 from pipeline._exceptions import (
+    ConfigError,
     ContractError,
     DeadlineExceeded,
     SampleAborted,
     StageDefinitionError,
+    StageTimeout,
 )
 from pipeline._runner.context import Context, Stage, StageFunction
 from pipeline._runner.outcome import capped
@@ -91,6 +93,67 @@ def as_stages(objs: Iterable[Any], where: str = "") -> list[Stage]:
     return stages
 
 
+def stage_names(stages: Iterable[Any]) -> set[str]:
+    """Every stage name in a stage list, nested ones (a ``Loop``'s body, a ``Route``'s
+    agents) included."""
+    names: set[str] = set()
+    for stage in stages:
+        names.add(stage.name)
+        nested = getattr(stage, "stages", None)
+        if isinstance(nested, list):
+            names |= stage_names(nested)
+        agents = getattr(stage, "agents", None)
+        if isinstance(agents, dict):
+            for agent in agents.values():
+                if isinstance(agent, list):
+                    names |= stage_names(agent)
+    return names
+
+
+def check_stage_budgets(stages: list[Stage], budgets: dict[str, float]) -> None:
+    """Refuse a ``stage_timeout_s`` entry that names no stage of the list (a typo would
+    otherwise leave a stage without the budget its user meant it to have).
+
+    Raises:
+        ConfigError: naming the entry and the known stage names.
+    """
+    if not budgets:
+        return
+    known = stage_names(stages)
+    for name in budgets:
+        if name not in known:
+            raise ConfigError(f"field 'stage_timeout_s.{name}': no stage is named {name!r}; "
+                              f"the stages are {sorted(known)}",
+                              field=f"stage_timeout_s.{name}")
+
+
+def stage_budget(stage: Stage, ctx: Context) -> float | None:
+    """The stage's own time budget: its ``stage_timeout_s`` attribute, else the config's
+    entry for its name, else None."""
+    budget = getattr(stage, "stage_timeout_s", None)
+    if budget is None and ctx.config.stage_timeout_s:
+        budget = ctx.config.stage_timeout_s.get(stage.name)
+    return budget
+
+
+async def _run_within(stage: Stage, item: AgentRolloutItem, ctx: Context, budget: float,
+                      start: float) -> None:
+    """Run the stage under its budget, decided by the clock as the sample deadline is: the
+    budget's cancellation reaches a stage that awaits, and a stage that returns past it (it
+    swallowed the cancellation, or blocked the loop) fails the budget all the same."""
+    scope = asyncio.timeout(budget)
+    try:
+        async with scope:
+            await stage.run(item, ctx)
+    except TimeoutError as exc:
+        if scope.expired():
+            raise StageTimeout(stage.name, budget) from exc
+        raise
+    if time.monotonic() - start > budget:
+        raise StageTimeout(stage.name, budget, " (it returned late: it swallowed the "
+                           "budget's cancellation or blocked the event loop past it)")
+
+
 async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     """Run one stage on one sample and append its :class:`StageRecord`.
 
@@ -105,6 +168,10 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     swallowed the deadline's cancellation, or blocked the event loop past it) ends ``timeout``
     as if the cancellation had gone through. A stage parked by the loop slice before it began
     has no record and no cleanup: it never ran.
+
+    A stage with a budget (:func:`stage_budget`) is held to it the same way, per run: past
+    it the stage is cancelled, or fails when it returns late, with :class:`StageTimeout`
+    (its record ends ``timeout``; the sample too, the error naming the stage).
     """
     if ctx.deadline is not None and ctx.deadline_passed():
         raise DeadlineExceeded(f"the deadline passed before stage '{stage.name}' started")
@@ -114,7 +181,11 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     record = StageRecord(stage.name, start, time.time(), "run", ctx.turn)  # positional: faster
     item.records.append(record)
     try:
-        await stage.run(item, ctx)
+        budget = stage_budget(stage, ctx)
+        if budget is None:
+            await stage.run(item, ctx)
+        else:
+            await _run_within(stage, item, ctx, budget, start)
         if ctx.deadline is not None and ctx.deadline_passed():
             raise DeadlineExceeded(
                 f"stage '{stage.name}' returned after the sample's deadline (it swallowed the "
@@ -141,7 +212,8 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
         raise
     except BaseException as exc:
         # Whatever a stage raised once the deadline passed, the deadline is what ended it.
-        record.status = Status.TIMEOUT if ctx.deadline_passed() else Status.FAILED
+        record.status = (Status.TIMEOUT if ctx.deadline_passed()
+                         or isinstance(exc, StageTimeout) else Status.FAILED)
         record.error_type = type(exc).__name__
         record.error_message = capped(str(exc))
         raise

@@ -117,10 +117,13 @@ class SampleInfo:
     task_state: TaskState | None
     awaiting: str | None
     location: FrameInfo | None
+    stuck: bool = False
+    """In its current stage longer than its pipeline's ``stuck_stage_s``."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"uid": self.uid, "group_id": self.group_id, "stage": self.stage,
+                "stuck": self.stuck,
                 "turn": self.turn, "running_s": round_or_none(self.running_s),
                 "in_stage_s": round_or_none(self.in_stage_s), "pipeline": self.pipeline,
                 "task_state": self.task_state, "awaiting": self.awaiting,

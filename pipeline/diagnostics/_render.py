@@ -62,11 +62,16 @@ def _render_samples(snapshot: Snapshot, out: list[str], limit: int) -> None:
         oldest[key] = max(oldest.get(key, 0.0), s.in_stage_s or 0.0)
     out.append("by stage: " + ", ".join(f"{stage}={count} (longest {oldest[stage]:.1f}s)"
                                         for stage, count in by_stage.most_common()))
+    stuck = Counter(s.stage or "-" for s in samples if s.stuck)
+    if stuck:
+        out.append("stuck (longer than stuck_stage_s in one stage): "
+                   + ", ".join(f"{stage}={count}" for stage, count in stuck.most_common()))
     for s in samples[:limit]:
         turn = "" if s.turn is None else f" turn={s.turn}"
         in_stage = "-" if s.in_stage_s is None else f"{s.in_stage_s:.2f}s"
         out.append(f"  uid={s.uid} group={s.group_id} stage={s.stage or '-'}{turn} "
-                   f"in_stage={in_stage} running={s.running_s:.2f}s task={s.task_state or '?'}")
+                   f"in_stage={in_stage}{' STUCK' if s.stuck else ''} "
+                   f"running={s.running_s:.2f}s task={s.task_state or '?'}")
         if s.location is not None:
             out.append(f"      at {s.location}")
         if s.awaiting:

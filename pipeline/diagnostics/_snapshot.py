@@ -221,6 +221,7 @@ def _samples(by_uid: dict[str | None, TaskInfo]) -> tuple[SampleInfo, ...]:
             if attempt == 99:
                 raise
     for index, pipe in enumerate(pipes):
+        stuck_s = pipe.config.stuck_stage_s
         for sample in pipe.inflight():
             task = by_uid.get(sample.uid)
             location = None if task is None else task.location
@@ -228,7 +229,9 @@ def _samples(by_uid: dict[str | None, TaskInfo]) -> tuple[SampleInfo, ...]:
                 uid=sample.uid, group_id=sample.group_id, stage=sample.stage, turn=sample.turn,
                 running_s=sample.running_s, in_stage_s=sample.in_stage_s, pipeline=index,
                 task_state=None if task is None else task.state,
-                awaiting=None if task is None else task.awaiting, location=location))
+                awaiting=None if task is None else task.awaiting, location=location,
+                stuck=(stuck_s is not None and sample.in_stage_s is not None
+                       and sample.in_stage_s > stuck_s)))
     out.sort(key=lambda s: -(s.in_stage_s if s.in_stage_s is not None else s.running_s))
     return tuple(out)
 

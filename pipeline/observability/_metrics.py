@@ -32,6 +32,8 @@
 ``rollout/limiter/<name>/{grants,wait_p50_s,...}``  only with ``limiters=`` (a registry)
 ``rollout/stage_s/<stage>/{mean,max}``              seconds per sample in each stage (run phase,
                                                     summed over loop turns)
+``rollout/stuck/<stage>``                           samples with one run of that stage longer
+                                                    than ``stuck_stage_s`` (stages that ran)
 ==================================================  ==========================================
 
 Counters come from artifacts (see ``records.COUNTER_KEYS``): ``tool_calls``, ``tool_errors``
@@ -84,7 +86,8 @@ class MetricsSink(Protocol):
         ...
 
 
-def batch_metrics(result: ProduceBatchResult, *, limiters: Any = None) -> dict[str, float]:
+def batch_metrics(result: ProduceBatchResult, *, limiters: Any = None,
+                  stuck_stage_s: float | None = 300.0) -> dict[str, float]:
     """Flat metrics of one batch (keys in the module docstring).
 
     Args:
@@ -92,6 +95,8 @@ def batch_metrics(result: ProduceBatchResult, *, limiters: Any = None) -> dict[s
         limiters: a rate-limiter registry (anything with ``stats() -> {name: stats}``,
             stats having ``grants``, ``timeouts``, ``wait_p50_s``, ``wait_p99_s``); its
             figures go under ``rollout/limiter/<name>/``.
+        stuck_stage_s: a stage run longer than this counts its sample under
+            ``rollout/stuck/<stage>`` (pass the pipeline config's; None: no such keys).
 
     Returns:
         Metric name -> value; conditional keys are left out rather than set to NaN.
@@ -143,15 +148,22 @@ def batch_metrics(result: ProduceBatchResult, *, limiters: Any = None) -> dict[s
     if limiters is not None:
         out.update(limiter_metrics(limiters))
     per_stage: dict[str, list[float]] = defaultdict(list)
+    stuck: Counter[str] = Counter()
     for it in items:
         spent: dict[str, float] = defaultdict(float)
+        stuck_in: set[str] = set()
         for r in it.records:
             if r.phase == "run" and r.end is not None:
                 spent[r.name] += r.end - r.start
+                if stuck_stage_s is not None and r.end - r.start > stuck_stage_s:
+                    stuck_in.add(r.name)
         for name, seconds in spent.items():
             per_stage[name].append(seconds)
+        stuck.update(stuck_in)
     for name, values in sorted(per_stage.items()):
         _spread(out, f"stage_s/{name}", values, ("mean", "max"))
+        if stuck_stage_s is not None:
+            out[f"{PREFIX}stuck/{name}"] = float(stuck[name])
     return out
 
 
@@ -167,13 +179,14 @@ def limiter_metrics(limiters: Any) -> dict[str, float]:
 
 
 def log_batch_metrics(result: ProduceBatchResult, sinks: Iterable[MetricsSink], step: int, *,
-                      limiters: Any = None) -> dict[str, float]:
+                      limiters: Any = None, stuck_stage_s: float | None = 300.0,
+                      ) -> dict[str, float]:
     """Compute :func:`batch_metrics` and hand them to every sink.
 
     Returns:
         The metrics logged.
     """
-    metrics = batch_metrics(result, limiters=limiters)
+    metrics = batch_metrics(result, limiters=limiters, stuck_stage_s=stuck_stage_s)
     for sink in sinks:
         sink.log(metrics, step)
     return metrics
