@@ -39,6 +39,8 @@ ROUTES: dict[str, tuple[str, str, Any]] = {
     "chat": ("POST", "/v1/chat/completions",
              {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
     "responses": ("POST", "/v1/responses", {"model": "m", "input": "hi"}),
+    "messages": ("POST", "/v1/messages", {"model": "m", "max_tokens": 8,
+                                          "messages": [{"role": "user", "content": "hi"}]}),
     "create": ("POST", "/sessions", {}),
     "create_named": ("POST", "/sessions/chosen-1", {}),
     "session_get": ("GET", "/sessions/{sid}", None),
@@ -49,6 +51,9 @@ ROUTES: dict[str, tuple[str, str, Any]] = {
                      {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
     "session_responses": ("POST", "/sessions/{sid}/v1/responses",
                           {"model": "m", "input": "hi"}),
+    "session_messages": ("POST", "/sessions/{sid}/v1/messages",
+                         {"model": "m", "max_tokens": 8,
+                          "messages": [{"role": "user", "content": "hi"}]}),
 }
 
 F, A, D = "full", "agent", "401"
@@ -58,6 +63,7 @@ WITH_SERVER_KEY: dict[str, tuple[str, ...]] = {
     "models": (F, F, F, D, D),  # any live session's key lists the model
     "chat": (D, F, F, D, D),  # the session is the key's: B's key chats in B
     "responses": (D, F, F, D, D),
+    "messages": (D, F, F, D, D),
     "create": (F, D, D, D, D),
     "create_named": (F, D, D, D, D),
     "session_get": (F, A, D, D, D),
@@ -66,6 +72,7 @@ WITH_SERVER_KEY: dict[str, tuple[str, ...]] = {
     "session_models": (F, F, D, D, D),
     "session_chat": (F, F, D, D, D),
     "session_responses": (F, F, D, D, D),
+    "session_messages": (F, F, D, D, D),
 }
 # without one (the "admin" key is then a wrong key): server routes are open, sessions are not
 WITHOUT_SERVER_KEY: dict[str, tuple[str, ...]] = {
@@ -73,6 +80,7 @@ WITHOUT_SERVER_KEY: dict[str, tuple[str, ...]] = {
     "models": (F, F, F, F, F),
     "chat": (D, F, F, D, D),
     "responses": (D, F, F, D, D),
+    "messages": (D, F, F, D, D),
     "create": (F, F, F, F, F),
     "create_named": (F, F, F, F, F),
     "session_get": (D, A, D, D, D),
@@ -81,6 +89,7 @@ WITHOUT_SERVER_KEY: dict[str, tuple[str, ...]] = {
     "session_models": (D, F, D, D, D),
     "session_chat": (D, F, D, D, D),
     "session_responses": (D, F, D, D, D),
+    "session_messages": (D, F, D, D, D),
 }
 
 

@@ -18,7 +18,8 @@ route              admin       own key       open    what it does
 =================  ==========  ============  ======  ===========================================
 health             full        denied        yes     server status
 models             full        full          yes     the served model
-chat, responses    denied      full          no      a turn in the key's session
+chat, responses,   denied      full          no      a turn in the key's session
+messages
 create(_named)     full        denied        yes     a new session (returns its key)
 session_get        full        agent         no      the record
 session_complete   full        agent         no      end the session; returns the record
@@ -26,6 +27,7 @@ session_delete     full        full          no      forget it, abort its reques
 session_models     full        full          no      the served model
 session_chat       full        full          no      a turn in ``{sid}``
 session_responses  full        full          no      a Responses turn in ``{sid}``
+session_messages   full        full          no      a Messages API turn in ``{sid}``
 =================  ==========  ============  ======  ===========================================
 
 An agent may end or delete its own session (a ``RemoteAgent`` fills the sample from the session
@@ -77,6 +79,7 @@ ROUTE_ACCESS: dict[str, Access] = {
     "models": Access(admin=FULL, own=FULL, open=True),
     "chat": Access(admin=DENIED, own=FULL),
     "responses": Access(admin=DENIED, own=FULL),
+    "messages": Access(admin=DENIED, own=FULL),
     "create": Access(admin=FULL, own=DENIED, open=True),
     "create_named": Access(admin=FULL, own=DENIED, open=True),
     "session_get": Access(admin=FULL, own=AGENT),
@@ -85,8 +88,12 @@ ROUTE_ACCESS: dict[str, Access] = {
     "session_models": Access(admin=FULL, own=FULL),
     "session_chat": Access(admin=FULL, own=FULL),
     "session_responses": Access(admin=FULL, own=FULL),
+    "session_messages": Access(admin=FULL, own=FULL),
 }
 """Route name (as the server names its routes) -> its :class:`Access` (see the module doc)."""
 
 SESSION_ROUTES = frozenset(name for name in ROUTE_ACCESS if name.startswith("session_"))
 """Routes with a ``{sid}``: ``own`` is that session's key."""
+
+ANTHROPIC_ROUTES = frozenset({"messages", "session_messages"})
+"""Routes that answer errors in Anthropic's shape (``_messages.error_body``)."""

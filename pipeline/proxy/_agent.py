@@ -8,7 +8,8 @@ when the sample ends (its exit stack), aborting any engine request the agent lef
 The agent is either
 
 * a command (argv, or a function of the item returning argv): run as a subprocess in its own
-  process group with ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` (the session's endpoint and key),
+  process group with ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` (the session's endpoint and key;
+  ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY`` too),
   ``OPENAI_MODEL``, ``PIPELINE_SESSION_ID`` and ``PIPELINE_ANSWER_FILE`` set, the task as one
   JSON object on stdin (``messages``, ``tools``, ``extra``, ``uid``, ``group_id``). Its final
   answer is what it wrote to ``PIPELINE_ANSWER_FILE`` if it wrote anything, else its last
@@ -97,9 +98,12 @@ class AgentEndpoint:
     task: dict[str, Any]
 
     def env(self) -> dict[str, str]:
-        """The environment variables an OpenAI SDK client picks up."""
+        """The environment variables an OpenAI SDK client picks up, and the ones the
+        ``anthropic`` SDK and Claude Code read (their base URL has no ``/v1``)."""
+        root = self.base_url.removesuffix("/v1")
         return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key,
-                "OPENAI_MODEL": self.model, "PIPELINE_SESSION_ID": self.session_id}
+                "OPENAI_MODEL": self.model, "PIPELINE_SESSION_ID": self.session_id,
+                "ANTHROPIC_BASE_URL": root, "ANTHROPIC_API_KEY": self.api_key}
 
 
 AgentFunction = Callable[[AgentEndpoint], Awaitable[str | None]]

@@ -4,9 +4,11 @@ Routes (``{sid}`` is a session id)::
 
     POST   /sessions/{sid}/v1/chat/completions   chat (stream true or false)
     POST   /sessions/{sid}/v1/responses          the Responses API (see ``_responses``)
+    POST   /sessions/{sid}/v1/messages           Anthropic's Messages API (see ``_messages``)
     GET    /sessions/{sid}/v1/models             the served model
     POST   /v1/chat/completions                  chat; the session is the one the key opens
     POST   /v1/responses                         responses; the session the key opens
+    POST   /v1/messages                          messages; the session the key opens
     GET    /v1/models
     GET    /health
     POST   /sessions                             create (server-generated id)
@@ -21,7 +23,9 @@ access. In short: a session's routes take that key or the server's key, never an
 session's; ``/health``, ``/v1/models`` and creating sessions need the server's key when one is
 configured (``/v1/models`` also takes any session key).
 
-Every error is an OpenAI-style JSON body with a 4xx/5xx status; an unexpected error is logged
+A key is sent as ``Authorization: Bearer ...`` or, as the ``anthropic`` SDK sends it, as
+``x-api-key``. Every error is an OpenAI-style JSON body (Anthropic's shape on the Messages
+routes) with a 4xx/5xx status; an unexpected error is logged
 with its traceback and answered 500 without one; errors an agent must not retry are *final*
 (404 with ``x-should-retry: false``, see ``_errors``). A client that goes away mid-answer is
 logged as such, not as an error.
@@ -52,11 +56,20 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline._data.config import SamplingParams, describe_validation_error
-from pipeline.proxy._access import AGENT, DENIED, FULL, ROUTE_ACCESS, SESSION_ROUTES, Grant
-from pipeline.proxy._completions import serve_chat, serve_responses
+from pipeline.proxy._access import (
+    AGENT,
+    ANTHROPIC_ROUTES,
+    DENIED,
+    FULL,
+    ROUTE_ACCESS,
+    SESSION_ROUTES,
+    Grant,
+)
+from pipeline.proxy._completions import serve_chat, serve_messages, serve_responses
 from pipeline.proxy._errors import ProxyAuthError, ProxyError, ProxyRequestError
 from pipeline.proxy._http import (
     ProxyHost,
+    anthropic_error_response,
     bearer,
     decode,
     error_response,
@@ -92,6 +105,7 @@ def build_app(host: ProxyHost) -> web.Application:
     add("GET", "/v1/models", routes.models, name="models")
     add("POST", "/v1/chat/completions", routes.chat, name="chat")
     add("POST", "/v1/responses", routes.responses, name="responses")
+    add("POST", "/v1/messages", routes.messages, name="messages")
     add("POST", "/sessions", routes.create, name="create")
     add("POST", "/sessions/{sid}", routes.create, name="create_named")
     add("GET", "/sessions/{sid}", routes.get, name="session_get")
@@ -100,6 +114,7 @@ def build_app(host: ProxyHost) -> web.Application:
     add("GET", "/sessions/{sid}/v1/models", routes.models, name="session_models")
     add("POST", "/sessions/{sid}/v1/chat/completions", routes.chat, name="session_chat")
     add("POST", "/sessions/{sid}/v1/responses", routes.responses, name="session_responses")
+    add("POST", "/sessions/{sid}/v1/messages", routes.messages, name="session_messages")
     return app
 
 
@@ -115,6 +130,8 @@ class _Routes:
             self._authorize(request)
             return await handler(request)
         except ProxyError as exc:
+            if request.match_info.route.name in ANTHROPIC_ROUTES:
+                return anthropic_error_response(exc)
             return error_response(exc)
         except ConnectionResetError:  # the client went away while we wrote the answer
             _logger.info("proxy_client_gone", path=request.path)
@@ -129,8 +146,11 @@ class _Routes:
         except Exception as exc:
             _logger.error("proxy_internal_error", path=request.path, error=repr(exc),
                           exc_info=True)
-            return error_response(ProxyError("internal error in the proxy; see its log",
-                                             code="internal_error"))
+            internal = ProxyError("internal error in the proxy; see its log",
+                                  code="internal_error")
+            if request.match_info.route.name in ANTHROPIC_ROUTES:
+                return anthropic_error_response(internal)
+            return error_response(internal)
 
     def _authorize(self, request: web.Request) -> Grant:
         """The request's grant under its route's rule (``_access.ROUTE_ACCESS``, the one
@@ -236,3 +256,8 @@ class _Routes:
         session = self._session_of(request)
         data, large = await read_json(request, self.host.config)
         return await serve_responses(self.host, request, session, data, large)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        session = self._session_of(request)
+        data, large = await read_json(request, self.host.config)
+        return await serve_messages(self.host, request, session, data, large)

@@ -1,9 +1,10 @@
-"""The turn routes over HTTP: chat completions and the Responses API, from a decoded body to
-the answer (JSON, or server-sent events when the request streams).
+"""The turn routes over HTTP: chat completions, the Responses API and Anthropic's Messages API,
+from a decoded body to the answer (JSON, or server-sent events when the request streams).
 
 Each request's fields are checked against the policy (``_policy``: served, enforced by the
 engine, or refused), the turn runs in its session (``_turns``), and the reply is written in the
-API's wire form (``_wire`` for chat, ``_responses`` for the Responses API). A client that goes
+API's wire form (``_wire`` for chat, ``_responses`` for the Responses API, ``_messages`` for
+the Messages API). A client that goes
 away mid-stream is logged as such, not as an error.
 """
 
@@ -16,10 +17,14 @@ from typing import Any
 import pydantic_core
 import structlog
 from aiohttp import web
+from pydantic import BaseModel
 
+from pipeline.proxy import _messages
+from pipeline.proxy._errors import FinalError
 from pipeline.proxy._http import ProxyHost, event_stream, json_response
 from pipeline.proxy._policy import (
     CHAT_FIELDS,
+    MESSAGES_FIELDS,
     RESPONSES_FIELDS,
     Constraints,
     FieldRule,
@@ -103,10 +108,65 @@ async def serve_responses(host: ProxyHost, request: web.Request, session: Sessio
         cached_tokens=outcome.cached_tokens)
     if not spec.stream:
         return json_response(final)
+    return await _write_events(request, stream_events(final))
+
+
+async def serve_messages(host: ProxyHost, request: web.Request, session: Session, data: Any,
+                         large: bool) -> web.StreamResponse:
+    """Run an Anthropic Messages API turn in ``session`` from the decoded body ``data`` and
+    answer it (``_messages``)."""
+    spec = (await asyncio.to_thread(_messages.parse_messages, data) if large
+            else _messages.parse_messages(data))
+    features = check_fields(data, MESSAGES_FIELDS, host.enforces)
+    if large:  # translating many blocks would block the loop
+        chat, extra = await asyncio.to_thread(_messages.to_chat, spec)
+    else:
+        chat, extra = _messages.to_chat(spec)
+    if extra and host.config.strict_fields:
+        raise FinalError(f"{extra[0]}: the proxy cannot act on this hint, and strict_fields "
+                         "refuses what it would ignore", param=extra[0],
+                         code="unsupported_parameter")
+    chat, ignored = _with_hints(host, data, MESSAGES_FIELDS, chat)
+    constraints = None if not features else Constraints(
+        features, response_format=_messages_format(data),
+        tool_choice=chat.tool_choice if not isinstance(chat.tool_choice, BaseModel)
+        else chat.tool_choice.model_dump(), tools=chat.tool_schemas)
+    outcome = await host.turns.run(session, chat, offload=large, constraints=constraints)
+    _log_split(session, outcome)
+    stop_string = None
+    if outcome.turn is not None:
+        outcome.turn.request.update(api="messages")
+        outcome.turn.ignored_fields = (*ignored, *(p for p in extra if p not in ignored))
+        stop_string = outcome.turn.stop_string
+    final = _messages.message_body(
+        message_id=_messages.new_message_id(), model=host.config.model_name,
+        reply=outcome.reply, finish_reason=outcome.finish_reason, stop_string=stop_string,
+        usage=_messages.usage_body(outcome.prompt_tokens, len(outcome.reply.token_ids or ()),
+                                   outcome.cached_tokens))
+    if not spec.stream:
+        return json_response(final)
+    return await _write_events(request, _messages.stream_events(final))
+
+
+def _messages_format(data: dict[str, Any]) -> dict[str, Any] | None:
+    """A Messages request's output format (``output_config.format``, or the older
+    ``output_format``) in chat's ``response_format`` shape."""
+    config = data.get("output_config")
+    fmt = (config or {}).get("format") if isinstance(config, dict) else None
+    fmt = fmt or data.get("output_format")
+    if not isinstance(fmt, dict):
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"],
+                                                   "strict": True}}
+
+
+async def _write_events(request: web.Request,
+                        events: list[dict[str, Any]]) -> web.StreamResponse:
+    """Server-sent events named by their ``type`` (Responses and Messages streams)."""
     response = event_stream()
     try:
         await response.prepare(request)
-        for event in stream_events(final):
+        for event in events:
             await response.write(b"event: " + event["type"].encode() + b"\ndata: "
                                  + pydantic_core.to_json(event) + b"\n\n")
         await response.write_eof()

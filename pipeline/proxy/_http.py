@@ -19,6 +19,7 @@ from aiohttp import web
 from pipeline._data.config import SamplingParams
 from pipeline.proxy._config import ProxyConfig
 from pipeline.proxy._errors import ProxyError, ProxyRequestError
+from pipeline.proxy._messages import error_body
 from pipeline.proxy._records import SessionRecord
 from pipeline.proxy._sessions import Session, SessionStore
 from pipeline.proxy._turns import TurnRunner
@@ -70,10 +71,13 @@ async def read_json(request: web.Request, config: ProxyConfig) -> tuple[Any, boo
 
 
 def bearer(request: web.Request) -> str | None:
-    """The request's bearer token, if it sent one."""
+    """The request's key, if it sent one: its bearer token, else its ``x-api-key`` header
+    (how the ``anthropic`` SDK and Claude Code send an API key)."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
+    if scheme.lower() == "bearer":
+        return token.strip() or None
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 def decode(body: bytes) -> Any:
@@ -103,6 +107,13 @@ def error_response(exc: ProxyError) -> web.Response:
         response.headers["WWW-Authenticate"] = "Bearer"
     if exc.final:
         response.headers["x-should-retry"] = "false"
+    return response
+
+
+def anthropic_error_response(exc: ProxyError) -> web.Response:
+    """:func:`error_response` in Anthropic's error shape (the Messages routes)."""
+    response = error_response(exc)
+    response.body = pydantic_core.to_json(error_body(exc))
     return response
 
 

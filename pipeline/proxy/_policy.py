@@ -1,8 +1,9 @@
 """What the proxy does with every request field: serve it, have the engine enforce it, or
 refuse it. No field is silently ignored.
 
-Each field of ``POST /v1/chat/completions`` and ``POST /v1/responses`` (as the official SDK
-names them) has a :class:`FieldRule`:
+Each field of ``POST /v1/chat/completions``, ``POST /v1/responses`` (as the official SDK
+names them) and ``POST /v1/messages`` (as the ``anthropic`` SDK does) has a
+:class:`FieldRule`:
 
 - ``supported``: the proxy honours it;
 - ``no effect``: a hint the proxy cannot act on — hosted-service bookkeeping (``user``,
@@ -76,9 +77,9 @@ def engine_enforces(engine: Any) -> frozenset[str]:
     return frozenset(str(name) for name in declared) & frozenset(ENFORCEABLE)
 
 
-# A check gets (value, body) and returns None (served as is), a constraint name (needs the
-# engine), or raises _Refuse with the reason.
-Check = Callable[[Any, Mapping[str, Any]], str | None]
+# A check gets (value, body) and returns None (served as is), a constraint name or several
+# (needs the engine), or raises _Refuse with the reason.
+Check = Callable[[Any, Mapping[str, Any]], str | tuple[str, ...] | None]
 
 
 class _Refuse(Exception):
@@ -105,7 +106,8 @@ class FieldRule:
 
 
 TEMPLATE_HINTS: dict[str, str] = {"reasoning_effort": "reasoning_effort",
-                                  "reasoning.effort": "reasoning_effort"}
+                                  "reasoning.effort": "reasoning_effort",
+                                  "output_config.effort": "reasoning_effort"}
 """Hint paths that become a chat-template option (path -> template variable) where the
 tokenizer's chat template reads that variable (:func:`template_hints`)."""
 
@@ -393,6 +395,98 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
 }
 """Every field of ``POST /v1/responses``."""
 
+ANTHROPIC_EFFORTS = ("low", "medium", "high", "max")
+"""The efforts Anthropic's ``output_config.effort`` names."""
+
+
+def _anthropic_tool_choice(value: Any, body: Mapping[str, Any]) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError("expected an object")
+    kind = value.get("type")
+    if kind not in ("auto", "any", "tool", "none"):
+        raise ValueError("type: expected one of auto, any, tool, none")
+    if kind == "tool" and not isinstance(value.get("name"), str):
+        raise ValueError("a tool choice of type tool needs a string name")
+    unknown = set(value) - {"type", "name", "disable_parallel_tool_use"}
+    if unknown:
+        raise _Refuse(f"tool_choice {sorted(unknown)} are not known")
+    needs: tuple[str, ...] = {"any": (TOOL_REQUIRED,), "tool": (TOOL_NAMED,)}.get(
+        str(kind), ())
+    if value.get("disable_parallel_tool_use") and body.get("tools") and kind != "none":
+        needs += (SINGLE_CALL,)
+    return needs or None
+
+
+def _anthropic_format(fmt: Any) -> str | None:
+    if fmt is None:
+        return None
+    if not isinstance(fmt, Mapping) or fmt.get("type") != JSON_SCHEMA:
+        raise _Refuse("format: only json_schema is known")
+    if not isinstance(fmt.get("schema"), Mapping):
+        raise ValueError("format.schema: expected an object")
+    return JSON_SCHEMA
+
+
+def _output_config(value: Any, body: Mapping[str, Any]) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError("expected an object")
+    unknown = set(value) - {"effort", "format"}
+    if unknown:
+        raise _Refuse(f"output_config {sorted(unknown)} are not known")
+    _one_of(ANTHROPIC_EFFORTS)(value.get("effort"), body)
+    return _anthropic_format(value.get("format"))
+
+
+def _thinking(value: Any, body: Mapping[str, Any]) -> str | None:
+    if value is not None and (not isinstance(value, Mapping) or value.get("type") not in (
+            "enabled", "disabled", "adaptive")):
+        raise ValueError("type: expected one of enabled, disabled, adaptive")
+    return None
+
+
+MESSAGES_FIELDS: dict[str, FieldRule] = {
+    "model": _COMMON["model"],
+    "messages": _SUPPORTED, "system": _SUPPORTED, "max_tokens": _SUPPORTED,
+    "stop_sequences": _SUPPORTED, "stream": _SUPPORTED, "temperature": _SUPPORTED,
+    "top_p": _SUPPORTED,
+    "tools": FieldRule("supported", "client tools (name, description, input_schema); server "
+                       "tools refused"),
+    "tool_choice": FieldRule("enforced", "auto / none supported; any, tool (named) and "
+                             "disable_parallel_tool_use: enforced by the engine, else refused",
+                             _anthropic_tool_choice),
+    "output_config": FieldRule("enforced", "format json_schema: enforced by the engine, else "
+                               "refused; effort: " + _EFFORT, _output_config,
+                               _parts("effort")),
+    "output_format": FieldRule("enforced", "json_schema (the older beta of "
+                               "output_config.format): enforced by the engine, else refused",
+                               lambda value, body: _anthropic_format(value)),
+    "cache_control": FieldRule("no effect", "accepted (on blocks too: Claude Code sends it on "
+                               "every request) and listed in ignored_fields; refused with "
+                               "strict_fields", _served, _whole),
+    "metadata": _no_effect(), "service_tier": _no_effect(), "inference_geo": _no_effect(),
+    "user_profile_id": _no_effect(), "workspace_id": _no_effect(),
+    "speed": FieldRule("no effect", "standard / fast: " + _NO_EFFECT,
+                       _one_of(("standard", "fast")), _whole),
+    "diagnostics": _refused("diagnostics: the proxy reports no prompt-cache divergence"),
+    "thinking": FieldRule("no effect", "enabled / disabled / adaptive: " + _NO_EFFECT,
+                          _thinking, _whole),
+    "top_k": _refused("the proxy serves no top_k (sampling is the session's)"),
+    "container": _refused("containers: the proxy serves no server tools"),
+    "mcp_servers": _refused("MCP servers: the proxy serves no server tools"),
+    "context_management": _refused("server-side context management"),
+}
+"""Every field of ``POST /v1/messages`` (Anthropic's Messages API), and
+:data:`MESSAGES_EXTENSION_FIELDS`."""
+
+MESSAGES_EXTENSION_FIELDS = frozenset({"stream", "temperature", "top_p", "top_k",
+                                       "output_format", "mcp_servers", "context_management"})
+"""Messages fields the ``anthropic`` SDK's create parameters no longer type (sampling knobs,
+older betas) that clients still send."""
+
 
 def check_fields(body: Mapping[str, Any], rules: Mapping[str, FieldRule],
                  enforces: frozenset[str]) -> frozenset[str]:
@@ -418,11 +512,10 @@ def check_fields(body: Mapping[str, Any], rules: Mapping[str, FieldRule],
             detail = f" ({exc})" if type(exc) is ValueError and exc.args else ""
             raise ProxyRequestError(f"{name}: invalid value{detail}", param=name,
                                     code="invalid_value") from None
-        if need is None:
-            continue
-        if need not in enforces:
-            raise FinalError(f"{name}: {need} is a decoding constraint this engine does not "
-                             "enforce (refused, not ignored)", param=name,
-                             code="unsupported_parameter")
-        needed.add(need)
+        for one in (need,) if isinstance(need, str) else need or ():
+            if one not in enforces:
+                raise FinalError(f"{name}: {one} is a decoding constraint this engine does "
+                                 "not enforce (refused, not ignored)", param=name,
+                                 code="unsupported_parameter")
+            needed.add(one)
     return frozenset(needed)

@@ -1,0 +1,376 @@
+"""Anthropic's Messages API (``POST .../v1/messages``): its request as a chat turn, its answer,
+its streaming events and its error shape.
+
+Claude Code (and ``claude-agent-sdk`` over it) and every tool built on the ``anthropic`` SDK
+speak only this API. As for the Responses API, the proxy translates each request into the chat
+request it stands for and runs it through the same :class:`~pipeline.proxy._turns.TurnRunner`,
+so all three APIs record the same segments, merge by the same rules and yield the same sample:
+
+- ``system`` (a string or text blocks) becomes the first (system) message; Claude Code's
+  ``x-anthropic-billing-header`` block (a per-request hash: it would split the session at every
+  turn) is dropped and listed in ``ignored_fields``;
+- a user message's ``tool_result`` blocks become tool messages (in block order), its text
+  blocks one user message after them (one block: a string; several: text parts);
+- an assistant message's text blocks become its content, its ``tool_use`` blocks its tool calls
+  (``input`` as JSON arguments, compared with the recorded call as parsed JSON), its
+  ``thinking`` blocks its ``reasoning_content`` (never compared: the recorded tokens stand for
+  the reply); ``redacted_thinking`` is skipped;
+- ``tools`` (client tools: ``name``, ``description``, ``input_schema``) become function tools;
+  server tools (``web_search_...``, ``bash_...``) are refused;
+- ``tool_choice`` ``auto``/``none`` are served, ``any`` and ``{"type": "tool", "name"}`` are
+  ``required`` and a named function, ``disable_parallel_tool_use`` is
+  ``parallel_tool_calls: false``: constraints the engine must enforce (``_policy``);
+- ``stop_sequences`` are chat's ``stop``, ``max_tokens`` chat's ``max_tokens``;
+- ``cache_control`` (on blocks or at the top) is accepted with no effect and listed, and so is
+  a ``tool_result``'s ``is_error`` (chat's tool messages have no such flag).
+
+The answer is a ``message`` whose ``content`` holds a ``thinking`` block (reasoning a family's
+parser split off), a ``text`` block (when the reply has text, or no call) and one ``tool_use``
+block per call; ``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence`` or
+``tool_use``. Streamed, it is the event sequence the SDK's accumulator expects
+(``message_start``, ``content_block_start``/``_delta``/``_stop`` per block, ``message_delta``,
+``message_stop``). Errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``,
+with the same statuses (final ones: 404 with ``x-should-retry: false``, which the ``anthropic``
+SDK honours as the ``openai`` one does).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline._data.config import describe_validation_error
+from pipeline._data.models import AgentMessage
+from pipeline.proxy._errors import FinalError, ProxyError, ProxyRequestError
+from pipeline.proxy._wire import ChatCompletionRequest, invalid, value_repr
+
+BILLING_HEADER = "x-anthropic-billing-header"
+"""The system block Claude Code prefixes with a per-request hash (dropped, listed)."""
+_MAX_STOPS = 4  # chat's limit: each stop string is searched in every reply
+
+
+class MessagesRequest(BaseModel):
+    """The body of ``POST .../v1/messages``, validated (field policy: ``_policy``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[Any] = Field(min_length=1)
+    system: str | list[Any] | None = None
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+def parse_messages(data: Any) -> MessagesRequest:
+    """Validate a decoded body.
+
+    Raises:
+        ProxyRequestError: naming the first invalid field.
+    """
+    if not isinstance(data, dict):
+        raise ProxyRequestError("the request body must be a JSON object", code="invalid_value")
+    try:
+        return MessagesRequest.model_validate(data)
+    except ValidationError as exc:
+        raise invalid(exc, data) from None
+
+
+def to_chat(request: MessagesRequest) -> tuple[ChatCompletionRequest, tuple[str, ...]]:
+    """The chat request ``request`` stands for, and the paths of what it sent that has no
+    effect (``cache_control``, ``tool_result.is_error``, Claude Code's billing header).
+
+    Raises:
+        ProxyRequestError: a block, tool or field the proxy cannot translate (``param``
+            names its path).
+        FinalError: a server tool (refused, ``unsupported_parameter``).
+    """
+    ignored: set[str] = set()
+    messages = _system(request.system, ignored)
+    for i, message in enumerate(request.messages):
+        messages += _message(message, f"messages.{i}", ignored)
+    stops = request.stop_sequences or []
+    if len(stops) > _MAX_STOPS or any(not s for s in stops):
+        raise ProxyRequestError(f"stop_sequences: up to {_MAX_STOPS} non-empty strings are "
+                                "served", param="stop_sequences", code="invalid_value")
+    choice = request.tool_choice or {}
+    body: dict[str, Any] = {
+        "model": request.model, "messages": messages, "temperature": request.temperature,
+        "top_p": request.top_p, "max_tokens": request.max_tokens, "stop": stops or None,
+        "stream": bool(request.stream), "tools": _tools(request.tools, ignored),
+        "tool_choice": chat_tool_choice(choice),
+        "parallel_tool_calls": False if choice.get("disable_parallel_tool_use") else None}
+    try:
+        chat = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise ProxyRequestError(describe_validation_error(exc), code="invalid_value") from None
+    return chat, tuple(sorted(ignored))
+
+
+def chat_tool_choice(choice: dict[str, Any]) -> str | dict[str, Any] | None:
+    """Anthropic's ``tool_choice`` in chat's shape (``_policy`` checked it)."""
+    kind = choice.get("type")
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return kind if kind in ("auto", "none") else None
+
+
+def _system(system: str | list[Any] | None, ignored: set[str]) -> list[dict[str, Any]]:
+    if system is None:
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}] if system else []
+    texts = []
+    for j, block in enumerate(system):
+        text = _text_block(block, f"system.{j}", ignored)
+        if text.startswith(BILLING_HEADER):
+            ignored.add(f"system.{BILLING_HEADER}")
+        elif text:
+            texts.append(text)
+    return [{"role": "system", "content": "".join(texts)}] if texts else []
+
+
+def _message(message: Any, where: str, ignored: set[str]) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages (a user message with tool results: the tool
+    messages, then the user's text)."""
+    if not isinstance(message, dict):
+        raise _bad(where, f"a message is an object, got {value_repr(message)}")
+    role = message.get("role")
+    if role not in ("user", "assistant"):
+        raise _bad(f"{where}.role", f"must be 'user' or 'assistant', got {value_repr(role)}")
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content", "must be a string or a list of content blocks, got "
+                                       f"{value_repr(content)}")
+    texts: list[str] = []
+    out: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    thinking: list[str] = []
+    for j, block in enumerate(content):
+        path = f"{where}.content.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if isinstance(block, dict) and block.get("cache_control") is not None:
+            ignored.add("cache_control")
+        if kind == "text":
+            texts.append(_text_block(block, path, ignored))
+        elif role == "user" and kind == "tool_result":
+            out.append(_tool_result(block, path, ignored))
+        elif role == "assistant" and kind == "tool_use":
+            calls.append(_tool_use(block, path))
+        elif role == "assistant" and kind == "thinking":
+            thinking.append(_string(block, "thinking", path))
+        elif role == "assistant" and kind == "redacted_thinking":
+            continue  # opaque; the recorded tokens stand for the reply
+        else:
+            raise _bad(path, f"{role} content blocks of type {value_repr(kind)} are not served "
+                             "(text, tool_use, tool_result, thinking are)")
+    if role == "user":
+        if texts or not out:
+            out.append({"role": "user", "content": _joined(texts)})
+        return out
+    reply: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    if calls:
+        reply["tool_calls"] = calls
+    if thinking:
+        reply["reasoning_content"] = "".join(thinking)
+    return [reply]
+
+
+def _joined(texts: list[str]) -> str | list[dict[str, Any]]:
+    """Text blocks as chat content: one is a string, several are text parts."""
+    if len(texts) == 1:
+        return texts[0]
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def _text_block(block: Any, where: str, ignored: set[str]) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text":
+        raise _bad(where, "must be a text block")
+    if block.get("cache_control") is not None:
+        ignored.add("cache_control")
+    return _string(block, "text", where)
+
+
+def _tool_result(block: dict[str, Any], where: str, ignored: set[str]) -> dict[str, Any]:
+    content = block.get("content")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        text = "\n".join(_text_block(part, f"{where}.content.{k}", ignored)
+                         for k, part in enumerate(content))
+    else:
+        raise _bad(f"{where}.content", "must be a string or a list of text blocks, got "
+                                       f"{value_repr(content)}")
+    if block.get("is_error") is not None:
+        ignored.add("tool_result.is_error")
+    return {"role": "tool", "tool_call_id": _string(block, "tool_use_id", where),
+            "content": text}
+
+
+def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+    arguments = block.get("input", {})
+    if not isinstance(arguments, dict):
+        raise _bad(f"{where}.input", f"must be an object, got {value_repr(arguments)}")
+    return {"id": _string(block, "id", where), "type": "function",
+            "function": {"name": _string(block, "name", where),
+                         "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _tools(tools: list[Any] | None, ignored: set[str]) -> list[dict[str, Any]] | None:
+    """Client tools in chat's shape; server tools are refused."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict):
+            raise _bad(where, f"a tool is an object, got {value_repr(tool)}")
+        if tool.get("type") not in (None, "custom"):
+            raise FinalError(f"{where}: only client tools are served (server tools such as "
+                             f"{tool.get('type')!r} are not)", param=where,
+                             code="unsupported_parameter")
+        if tool.get("cache_control") is not None:
+            ignored.add("cache_control")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise _bad(f"{where}.input_schema", f"must be an object, got {value_repr(schema)}")
+        function: dict[str, Any] = {"name": _string(tool, "name", where), "parameters": schema}
+        if tool.get("description") is not None:
+            function["description"] = _string(tool, "description", where)
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _string(block: dict[str, Any], name: str, where: str) -> str:
+    value = block.get(name)
+    if not isinstance(value, str):
+        raise _bad(f"{where}.{name}", f"must be a string, got {value_repr(value)}")
+    return value
+
+
+def _bad(where: str, why: str) -> ProxyRequestError:
+    return ProxyRequestError(f"{where}: {why}", param=where, code="invalid_value")
+
+
+# ----- the answer ----------------------------------------------------------------------------
+
+
+def new_message_id() -> str:
+    """A fresh message id."""
+    return "msg_" + uuid.uuid4().hex
+
+
+def content_blocks(reply: AgentMessage) -> list[dict[str, Any]]:
+    """The reply's ``content``: thinking, text (when there is text, or no call), tool uses.
+
+    A call's ``input`` is its arguments parsed (the tool parser accepted them as JSON; a
+    value that is not an object is wrapped as ``{"value": ...}``, Anthropic's input being
+    an object).
+    """
+    blocks: list[dict[str, Any]] = []
+    reasoning = (reply.model_extra or {}).get("reasoning_content")
+    if reasoning:
+        blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    text = reply.content if isinstance(reply.content, str) else ""
+    if text or not reply.tool_calls:
+        blocks.append({"type": "text", "text": text})
+    for call in reply.tool_calls or ():
+        try:
+            value = json.loads(call.function.arguments or "{}")
+        except ValueError:
+            value = call.function.arguments
+        blocks.append({"type": "tool_use", "id": call.id, "name": call.function.name,
+                       "input": value if isinstance(value, dict) else {"value": value}})
+    return blocks
+
+
+def stop_reason(finish_reason: str, stop_string: str | None) -> str:
+    """Anthropic's ``stop_reason`` for the turn's finish reason (and its stop string)."""
+    if finish_reason == "length":
+        return "max_tokens"
+    if finish_reason == "tool_calls":
+        return "tool_use"
+    return "stop_sequence" if stop_string is not None else "end_turn"
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """``usage``: prompt tokens reused from the session's record count as cache reads (what
+    Anthropic's ``input_tokens`` leaves out)."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
+
+
+def message_body(*, message_id: str, model: str, reply: AgentMessage, finish_reason: str,
+                 stop_string: str | None, usage: dict[str, Any]) -> dict[str, Any]:
+    """A whole ``message`` object."""
+    reason = stop_reason(finish_reason, stop_string)
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model,
+            "content": content_blocks(reply), "stop_reason": reason,
+            "stop_sequence": stop_string if reason == "stop_sequence" else None,
+            "usage": usage}
+
+
+def stream_events(final: dict[str, Any]) -> list[dict[str, Any]]:
+    """The streaming events of a finished message, in order (each has its ``type``, which is
+    also the SSE event name).
+
+    The engine returns a turn whole, so each block is started, sent as one delta and stopped.
+    """
+    usage = final["usage"]
+    start = {**final, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {**usage, "output_tokens": 0}}
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
+    for index, block in enumerate(final["content"]):
+        kind = block["type"]
+        if kind == "text":
+            first: dict[str, Any] = {"type": "text", "text": ""}
+            delta = {"type": "text_delta", "text": block["text"]}
+        elif kind == "thinking":
+            first = {"type": "thinking", "thinking": "", "signature": ""}
+            delta = {"type": "thinking_delta", "thinking": block["thinking"]}
+        else:
+            first = {**block, "input": {}}
+            delta = {"type": "input_json_delta",
+                     "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+        events += [{"type": "content_block_start", "index": index, "content_block": first},
+                   {"type": "content_block_delta", "index": index, "delta": delta}]
+        if kind == "thinking":
+            events.append({"type": "content_block_delta", "index": index,
+                           "delta": {"type": "signature_delta", "signature": ""}})
+        events.append({"type": "content_block_stop", "index": index})
+    events += [{"type": "message_delta",
+                "delta": {"stop_reason": final["stop_reason"],
+                          "stop_sequence": final["stop_sequence"]},
+                "usage": usage},
+               {"type": "message_stop"}]
+    return events
+
+
+# ----- errors --------------------------------------------------------------------------------
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def error_body(exc: ProxyError) -> dict[str, Any]:
+    """``exc`` in Anthropic's error shape. The type follows the status as Anthropic's does
+    (the SDK picks its exception class by status); a refused field (404, final) keeps
+    ``invalid_request_error``, which is what it is."""
+    kind = _ERROR_TYPES.get(exc.status, "api_error")
+    if exc.status == 404 and exc.code == "unsupported_parameter":
+        kind = "invalid_request_error"
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
