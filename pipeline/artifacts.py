@@ -48,6 +48,10 @@ EXIT_REASON: Final = "exit_reason"
 POLICY_VERSION: Final = "policy_version"
 """int: version of the weights that generated the sample (set by engines with weight sync)."""
 
+TOKEN_VERSIONS: Final = "token_versions"
+"""list[int]: aligned with ``RESPONSE_IDS``: the policy version that sampled each token, -1 on
+tokens the model did not sample; set by ``Generate`` when the engine reports versions."""
+
 RAW_FINISH_REASON: Final = "raw_finish_reason"
 """str: the engine's own finish reason for the last generation, kept beside ours."""
 

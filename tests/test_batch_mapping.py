@@ -111,7 +111,8 @@ def test_verl_outputs_match_the_doc(batch):
                                                                                   "as_dict"}
         assert out["metrics"]["generate_sequences"] > 0 and out["metrics"]["num_preempted"] == -1
         extra_row = next(r for r in rows if r[0] == "`extra_fields`")
-        documented = set(re.findall(r"`((?:rollout|reward)_\w+)`", extra_row[2]))
+        documented = set(re.findall(r"`((?:rollout|reward|min_global|max_global)_\w+)`",
+                                    extra_row[2]))
         assert set(out["extra_fields"]) == documented | {"turn_lengths"}
         assert set(out["extra_fields"]["reward_extra_info"]) == {"acc", "score"}
         if sample.masked:

@@ -179,6 +179,11 @@ class AgentRolloutItem(BaseModel):
         return self.ended_at - self.started_at
 
 
+NOT_SAMPLED = -1
+"""``RolloutSample.token_versions`` entry of a token the model did not sample (tool output,
+template tokens)."""
+
+
 class RolloutSample(BaseModel):
     """The trainer's view of one rollout: one per item, same order as the input, never dropped.
 
@@ -186,6 +191,12 @@ class RolloutSample(BaseModel):
     ``logprobs`` is aligned with ``response_ids`` (0.0 where the mask is 0). A ``masked``
     sample carries no loss (failed, timed out, aborted). ``routed_experts`` is an int array
     ``[prompt_len + response_len, num_layers, topk]`` when the engine reports MoE routing.
+
+    Policy versions (asynchronous RL): ``token_versions`` is aligned with ``response_ids``:
+    the version of the weights that sampled each model token, :data:`NOT_SAMPLED` (-1) on
+    tool/template tokens; None when the engine tracks no versions. ``policy_version`` is the
+    oldest version of any token (verl's ``min_global_steps``), :attr:`max_policy_version` the
+    newest (``max_global_steps``).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -209,6 +220,16 @@ class RolloutSample(BaseModel):
     routed_experts: Any = None
     tool_turns: int = 0
     extra_fields: dict[str, Any] = Field(default_factory=dict)
+    token_versions: list[int] | None = None
+
+    @property
+    def max_policy_version(self) -> int | None:
+        """The newest weight version that sampled a token of this sample (None: untracked)."""
+        if self.token_versions:
+            newest = max(self.token_versions)
+            if newest != NOT_SAMPLED:
+                return newest
+        return self.policy_version
 
     @field_validator("reward")
     @classmethod

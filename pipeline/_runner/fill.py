@@ -62,6 +62,13 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
             f"sample {item.uid}: logprobs has {len(logprobs)} entries for "
             f"{len(response_ids)} response tokens"
         )
+    versions_raw = art.get(A.TOKEN_VERSIONS)
+    versions: list[int] | None = None if versions_raw is None else _as_list(versions_raw)
+    if versions is not None and len(versions) != len(response_ids):
+        raise ContractError(
+            f"sample {item.uid}: token_versions has {len(versions)} entries for "
+            f"{len(response_ids)} response tokens"
+        )
     masked = status is not Status.COMPLETED
     reward = art.get(A.REWARD)
     if reward is not None and not is_finite_number(reward):
@@ -86,6 +93,7 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
         "routed_experts": art.get(A.ROUTED_EXPERTS),
         "tool_turns": int(art.get(A.TOOL_TURNS, 0)),
         "extra_fields": _as_dict(art.get(A.EXTRA_FIELDS) or {}),
+        "token_versions": versions,
     }
     if _already_valid(values):
         return construct(RolloutSample, values)
@@ -106,6 +114,7 @@ def _already_valid(values: dict[str, Any]) -> bool:
         and _only(values["prompt_ids"], int) and _only(values["response_ids"], int)
         and _only(values["response_mask"], int)
         and (values["logprobs"] is None or _only(values["logprobs"], float))
+        and (values["token_versions"] is None or _only(values["token_versions"], int))
         and _str_keys(values["reward_payload"]) and _str_keys(values["extra_fields"])
         and type(values["status"]) is Status and type(values["finish_reason"]) is FinishReason
         and type(values["exit_reason"]) is str

@@ -11,6 +11,7 @@ Layout, for a prompt ``[1, 2, 3]`` and a response ``[4, 5, (tool) 6, 7]`` with
     response_mask    [1, 1, 0, 1, 0, 0]                   model tokens only, 0 on padding
     rollout_log_probs                                      0.0 on padding
     rm_scores        [0, 0, 0, r, 0, 0]                   reward on the last response token
+    rollout_token_versions [v, v, -1, w, -1, -1]           policy version per sampled token
     routed_experts   [P + R, num_layers, topk]             aligned with input_ids
 
 The arrays are built with numpy and handed over to torch without a copy, so importing this
@@ -27,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import structlog
 
-from pipeline._data.models import RolloutSample
+from pipeline._data.models import NOT_SAMPLED, RolloutSample
 from pipeline._exceptions import ConfigError, ContractError
 from pipeline.batch._experts import as_routes, check_routed_experts
 
@@ -76,7 +77,8 @@ def collate(
         ``prompts`` ``[B, P]``, ``responses`` ``[B, R]``, ``input_ids``,
         ``attention_mask``, ``position_ids`` ``[B, P + R]`` (int64), ``response_mask``
         ``[B, R]`` (int64), ``masked`` and ``overlong`` ``[B]`` (bool); when present
-        ``rollout_log_probs`` and ``rm_scores`` ``[B, R]`` (float32) and
+        ``rollout_log_probs`` and ``rm_scores`` ``[B, R]`` (float32),
+        ``rollout_token_versions`` ``[B, R]`` (int64, -1 where no model token) and
         ``routed_experts`` ``[B, P + R, num_layers, topk]`` (the samples' integer dtype).
 
     Raises:
@@ -96,6 +98,9 @@ def collate(
     logprobs = _logprobs(samples, layout.slot_r, layout.keep_r)
     if logprobs is not None:
         out["rollout_log_probs"] = logprobs
+    versions = _token_versions(samples, layout.slot_r, layout.keep_r)
+    if versions is not None:
+        out["rollout_token_versions"] = versions
     scores = _rm_scores(samples, layout.masked, layout.keep_r, layout.width_r)
     if scores is not None:
         out["rm_scores"] = scores
@@ -182,6 +187,9 @@ def check_alignment(samples: Sequence[RolloutSample]) -> None:
         if s.logprobs is not None and len(s.logprobs) != len(s.response_ids):
             raise ContractError(f"sample {s.uid}: logprobs has {len(s.logprobs)} entries for "
                                 f"{len(s.response_ids)} response tokens")
+        if s.token_versions is not None and len(s.token_versions) != len(s.response_ids):
+            raise ContractError(f"sample {s.uid}: token_versions has {len(s.token_versions)} "
+                                f"entries for {len(s.response_ids)} response tokens")
 
 
 def _flat(parts: Iterable[Iterable[Any]], count: int, dtype: type[Any]) -> np.ndarray:
@@ -228,6 +236,20 @@ def _logprobs(samples: Sequence[RolloutSample], slot_r: np.ndarray,
              for s, k in zip(samples, keep_r.tolist(), strict=True))
     out = np.zeros(slot_r.shape, dtype=np.float32)
     out[slot_r] = _flat(parts, int(keep_r.sum()), np.float32)
+    return out
+
+
+def _token_versions(samples: Sequence[RolloutSample], slot_r: np.ndarray,
+                    keep_r: np.ndarray) -> np.ndarray | None:
+    """The policy version of each response token, -1 where none sampled it (tool tokens,
+    padding, samples without versions); present when any sample has versions."""
+    if not any(s.token_versions is not None for s in samples):
+        return None
+    parts = (s.token_versions[:k] if s.token_versions is not None
+             else itertools.repeat(NOT_SAMPLED, k)
+             for s, k in zip(samples, keep_r.tolist(), strict=True))
+    out = np.full(slot_r.shape, NOT_SAMPLED, dtype=np.int64)
+    out[slot_r] = _flat(parts, int(keep_r.sum()), np.int64)
     return out
 
 

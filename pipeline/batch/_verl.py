@@ -30,7 +30,7 @@ VERL_BATCH_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attent
                    "position_ids")
 """Tensor keys every verl rollout batch has."""
 
-VERL_OPTIONAL_KEYS = ("rollout_log_probs", "routed_experts", "rm_scores")
+VERL_OPTIONAL_KEYS = ("rollout_log_probs", "routed_experts", "rm_scores", "rollout_token_versions")
 """Tensor keys present for the whole batch or for none of it."""
 
 STATUS_KEYS = ("rollout_status", "rollout_finish_reason", "rollout_masked", "rollout_overlong")
@@ -173,8 +173,10 @@ def to_verl_outputs(
         ``multi_modal_data``, ``reward_score``, ``num_turns``, ``metrics`` (every
         ``AgentLoopMetrics`` field, set explicitly so verl's V1 ``as_dict`` keeps them),
         ``extra_fields`` (the sample's own, with the batch's union of keys, plus
-        ``rollout_uid``, ``rollout_group_id``, the :data:`STATUS_KEYS` but overlong, and
-        ``reward_extra_info`` when the batch has rewards).
+        ``rollout_uid``, ``rollout_group_id``, the :data:`STATUS_KEYS` but overlong,
+        ``min_global_steps`` / ``max_global_steps`` (the sample's oldest and newest policy
+        version) when the batch tracks versions, and ``reward_extra_info`` when the batch
+        has rewards).
 
     Raises:
         ContractError: the routed-experts rules, or an unmasked sample without logprobs or
@@ -190,8 +192,11 @@ def to_verl_outputs(
     infos = reward_extra_info(samples, reward_extra_keys)
     module = _verl_module("verl.experimental.agent_loop.agent_loop", use_verl)
     outputs = []
-    for sample, arr, item, info, extra in zip(samples, routes, _items(samples, items), infos,
-                                              _extra_fields(samples), strict=True):
+    versions = _version_columns(samples)
+    for i, (sample, arr, item, info, extra) in enumerate(zip(
+            samples, routes, _items(samples, items), infos, _extra_fields(samples),
+            strict=True)):
+        steps = {key: column[i] for key, column in versions.items()}
         fields: dict[str, Any] = {
             "prompt_ids": list(sample.prompt_ids),
             "response_ids": list(sample.response_ids),
@@ -206,11 +211,23 @@ def to_verl_outputs(
                 0.0 if sample.masked or sample.reward is None else float(sample.reward)),
             "num_turns": _num_turns(sample, item),
             "metrics": verl_metrics(item),
-            "extra_fields": {**extra, **_status_fields(sample),
+            "extra_fields": {**steps, **extra, **_status_fields(sample),
                              **({"reward_extra_info": info} if with_reward else {})},
         }
         outputs.append(fields if module is None else _verl_output(module, fields))
     return outputs
+
+
+def _version_columns(samples: Sequence[RolloutSample]) -> dict[str, list[Any]]:
+    """verl's ``min_global_steps`` / ``max_global_steps`` from the samples' policy versions
+    (the oldest and newest version that sampled a token), where any sample tracks them; a
+    sample's own ``extra_fields`` value wins (the verl agent loop's server steps)."""
+    if all(s.policy_version is None for s in samples):
+        return {}
+    return {"min_global_steps": [s.extra_fields.get("min_global_steps", s.policy_version)
+                                 for s in samples],
+            "max_global_steps": [s.extra_fields.get("max_global_steps", s.max_policy_version)
+                                 for s in samples]}
 
 
 def _status_fields(sample: RolloutSample) -> dict[str, Any]:
@@ -287,6 +304,8 @@ def to_verl_batch(
         dtypes.update(it.data.extra.get(VERL_DTYPES) or {} if it is not None else {})
     for key in sorted({k for verl_row in inputs if verl_row for k in verl_row}):
         columns[key] = [verl_row.get(key) if verl_row else None for verl_row in inputs]
+    for key, value in _version_columns(samples).items():
+        columns.setdefault(key, value)
     for key in VERL_WORKER_KEYS:
         columns.setdefault(key, [None] * n)
     columns["multi_modal_inputs"] = [{} for _ in range(n)]

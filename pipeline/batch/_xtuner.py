@@ -63,7 +63,9 @@ def to_xtuner(
         "extra_info": {}}}``; ``env.rollout.extra_info`` holds ``response_mask`` (XTuner's
         record has no mask of its own; multi-turn samples need it) and, when the batch has
         them, ``routed_experts`` as an array ``[prompt_len + response_len, num_layers,
-        topk]`` under the batch rules.
+        topk]`` under the batch rules, and, when the sample tracks them, ``token_versions``
+        (the policy version of each response token, -1 on tool tokens) with
+        ``min_policy_version`` / ``max_policy_version``; ``uid.version`` is the oldest.
 
     Raises:
         ContractError: misaligned samples or broken routed-experts rules.
@@ -82,6 +84,10 @@ def to_xtuner(
             else list(sample.response_mask)}
         if layout is not None:
             rollout_extra["routed_experts"] = filled_routes(sample, arr, layout)
+        if sample.token_versions is not None:
+            rollout_extra["token_versions"] = list(sample.token_versions)
+            rollout_extra["min_policy_version"] = sample.policy_version
+            rollout_extra["max_policy_version"] = sample.max_policy_version
         reward = {**sample.reward_payload, "score": sample.reward}  # None when masked
         records.append({
             "uid": {"env": env, "root_id": int_id(sample.group_id),

@@ -47,6 +47,8 @@ class Request:
     processor: LogitsProcessor | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)
+    """The policy version current at each sampled token's step."""
     aborted: bool = False
     finished: bool = False
 

@@ -165,6 +165,25 @@ def oldest_version(out: Any, submitted: int | None) -> int | None:
     return min(versions) if versions else submitted
 
 
+def token_versions(out: Any, submitted: int | None, count: int) -> list[int] | None:
+    """The weight version of each of ``count`` output tokens from vLLM's version spans (0.32;
+    a span labelled before the first update, vLLM's ``"default"``, takes ``submitted``);
+    None when the output carries no spans or they do not cover every token."""
+    spans = getattr(out, "weight_versions", None)
+    if not spans:
+        return None
+    versions: list[int] = []
+    for span in spans:
+        try:
+            version = int(span.version)
+        except (TypeError, ValueError):
+            if submitted is None:
+                return None
+            version = submitted
+        versions.extend([version] * (int(span.end) - int(span.start)))
+    return versions if len(versions) == count else None
+
+
 def as_ids(value: Any) -> set[int]:
     """Token ids from a config's ``eos_token_id`` (an int, a list, or a mapping holding one)."""
     if isinstance(value, Mapping):

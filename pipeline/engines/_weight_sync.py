@@ -237,7 +237,8 @@ class _WorkerEngine(Protocol):
 
     async def aclose(self) -> None: ...
 
-    async def call_in_worker(self, fn: Callable[[Any], Any]) -> Any: ...
+    async def call_in_worker(self, fn: Callable[[Any], Any], *,
+                             recompute: bool = False) -> Any: ...
 
 
 class WeightSyncedEngine:
@@ -246,8 +247,10 @@ class WeightSyncedEngine:
     ``engine.call_in_worker(fn)`` must run ``fn(model)`` while no forward pass runs
     (``TransformersEngine`` does). Pausing is client-side (:class:`PauseGate`); the weight
     copy runs between two decode steps, so with ``mode="keep"`` requests in flight go on
-    decoding and switch to the new weights at that step. Other attributes are the wrapped
-    engine's.
+    decoding and switch to the new weights at that step: they prefill their tokens again
+    (``call_in_worker(..., recompute=True)``), so no later token sees the old weights' KV, and
+    each token reports the version that sampled it (``Generation.token_versions``). Other
+    attributes are the wrapped engine's.
 
     Args:
         engine: the engine to wrap.
@@ -278,8 +281,8 @@ class WeightSyncedEngine:
         async with self.gate.admit(request_id, self.policy_version):
             admitted = self.gate.in_flight.get(request_id)
             gen = await self.engine.generate(prompt_ids, sampling, request_id)
-        if admitted is not None and (gen.policy_version is None
-                                     or admitted < gen.policy_version):
+        if gen.token_versions is None and admitted is not None and (
+                gen.policy_version is None or admitted < gen.policy_version):
             gen.policy_version = admitted
         return gen
 
@@ -309,9 +312,16 @@ class WeightSyncedEngine:
             EngineError: names or shapes that do not fit the model.
         """
         check_weight_source(state_dict, path)
-        await self.engine.call_in_worker(lambda model: load_weights(model, state_dict, path))
-        self.policy_version = next_version(self.policy_version, version)
-        return self.policy_version
+        new = next_version(self.policy_version, version)
+
+        def load(model: Any) -> None:
+            load_weights(model, state_dict, path)
+            # Set between the same two steps: the next token is stamped with the new version.
+            self.engine.policy_version = new
+
+        # Requests kept across the update prefill their tokens again under the new weights.
+        await self.engine.call_in_worker(load, recompute=True)
+        return new
 
     async def reset_prefix_cache(self) -> bool:
         """Nothing to drop: this engine keeps no KV cache across requests."""

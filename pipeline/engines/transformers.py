@@ -129,6 +129,7 @@ class TransformersEngine:
         self._known: dict[str, Request] = {}  # worker thread only: queued or running
         self._closed = False
         self._lock = threading.Lock()
+        self._recompute = False  # worker thread only: re-prefill the running rows next step
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: Any = None,
@@ -203,14 +204,19 @@ class TransformersEngine:
         if not self._closed:
             self._send("abort", request_id)
 
-    async def call_in_worker(self, fn: Callable[[Any], _T]) -> _T:
+    async def call_in_worker(self, fn: Callable[[Any], _T], *, recompute: bool = False) -> _T:
         """Run ``fn(model)`` on the worker thread between two steps and return its result.
 
-        The hook weight sync builds on: nothing runs on the model while ``fn`` runs.
+        The hook weight sync builds on: nothing runs on the model while ``fn`` runs. With
+        ``recompute=True`` (``fn`` changed the weights) the requests decoding now drop their
+        KV cache and prefill their prompt and the tokens sampled so far again before their
+        next token, so every token after the call is sampled from the new weights alone (a
+        partial rollout; vLLM preempts its running requests the same way). The policy version
+        each token is stamped with is read at its step, so ``fn`` may set ``policy_version``.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[_T] = loop.create_future()
-        self._send("call", fn, loop, future)
+        self._send("call", fn, loop, future, recompute)
         return await future
 
     async def aclose(self) -> None:
@@ -253,6 +259,10 @@ class TransformersEngine:
                         for request in list(self._known.values()):
                             self._finish(request, FinishReason.ABORT, "abort")
                         return
+                    if batch is not None and self._recompute:
+                        waiting[:0] = batch.rows  # their KV came from the old weights
+                        batch = None
+                    self._recompute = False
                     if batch is not None:
                         batch = self._drop(batch, [r.aborted for r in batch.rows])
                     if waiting and (batch is None or len(batch.rows) < self.max_batch_size):
@@ -297,18 +307,19 @@ class TransformersEngine:
                         waiting.remove(found)
                         self._finish(found, FinishReason.ABORT, "abort")
             elif kind == "call":
-                fn, loop, future = command[1:]
+                fn, loop, future, recompute = command[1:]
                 try:
                     deliver(loop, future, fn(self.model), None)
                 except Exception as exc:
                     deliver(loop, future, None, exc)
+                self._recompute = self._recompute or recompute
 
     def _admit(self, waiting: list[Request], batch: Batch | None) -> Batch | None:
         free = self.max_batch_size - (len(batch.rows) if batch else 0)
         group: list[Request] = []
         longest = 0
         while waiting and len(group) < free:
-            longest_if = max(longest, len(waiting[0].prompt))
+            longest_if = max(longest, len(waiting[0].prompt) + len(waiting[0].tokens))
             if group and longest_if * (len(group) + 1) > self.max_prefill_tokens:
                 break
             longest = longest_if
@@ -316,8 +327,10 @@ class TransformersEngine:
         ids = torch.full((len(group), longest), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(group), longest), dtype=torch.long)
         for i, request in enumerate(group):
-            ids[i, longest - len(request.prompt):] = torch.tensor(request.prompt)
-            mask[i, longest - len(request.prompt):] = 1
+            # A recomputed request prefills the tokens it sampled too (see call_in_worker).
+            context = request.prompt + request.tokens
+            ids[i, longest - len(context):] = torch.tensor(context)
+            mask[i, longest - len(context):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = new_cache()
@@ -360,6 +373,7 @@ class TransformersEngine:
                 continue
             request.tokens.append(token)
             request.logprobs.append(logprob)
+            request.versions.append(self.policy_version)
             self.counters.generated_tokens += 1
             if token in self.eos_token_ids:
                 self._finish(request, FinishReason.STOP, "eos")
@@ -422,6 +436,11 @@ class TransformersEngine:
         request.finished = True
         self._known.pop(request.request_id, None)
         routes = self.routes.pop(request.request_id) if self.routes is not None else None
+        versions = request.versions
+        tracked = [v for v in versions if v is not None]
+        per_token = list(tracked) if len(tracked) == len(versions) and tracked else None
         generation = Generation(list(request.tokens), list(request.logprobs), reason, raw,
-                                routed_experts=routes, policy_version=self.policy_version)
+                                routed_experts=routes,
+                                policy_version=min(tracked) if tracked else self.policy_version,
+                                token_versions=per_token)
         deliver(request.loop, request.future, generation, None)

@@ -49,6 +49,7 @@ from pipeline.engines._vllm_compat import (
     oldest_version,
     on_cpu,
     sampled_logprobs,
+    token_versions,
     vllm_env,
 )
 from pipeline.engines._weight_sync import (
@@ -93,7 +94,9 @@ class VLLMEngine:
     weight version that produced any of its tokens: from vLLM's own version spans where its
     outputs carry them (0.32), else stamped here: a request takes the version current when it
     was submitted, or, if it was submitted while the engine was paused, the one current at
-    ``resume``.
+    ``resume``. With the spans each token's version is reported too
+    (``Generation.token_versions``); a request kept across an update (``pause("keep")``) is
+    preempted by the update and prefills its tokens again under the new weights on resume.
 
     Args:
         llm: a started ``vllm.v1.engine.async_llm.AsyncLLM``.
@@ -255,7 +258,8 @@ class VLLMEngine:
         if experts is not None:
             experts = full_length_experts(experts, len(final.prompt_token_ids or ()) + len(tokens))
         return Generation(tokens, logprobs, reason, raw, routed_experts=experts,
-                          policy_version=oldest_version(out, submitted))
+                          policy_version=oldest_version(out, submitted),
+                          token_versions=token_versions(out, submitted, len(tokens)))
 
     async def abort(self, request_id: str) -> None:
         """Abort ``request_id`` in vLLM (its generation ends ``abort``); unknown ids are
@@ -333,6 +337,12 @@ class VLLMEngine:
         with as_engine_error("loading the new weights"):
             await self.llm.collective_rpc("reload_weights",
                                           kwargs={"weights_path": absolute(path)})
+        if self._paused and self._versions:
+            # Requests kept by pause("keep") hold KV the old weights computed: preempted now,
+            # they prefill their prompt and sampled tokens again under the new weights on
+            # resume (tokens kept, none re-sampled), a partial rollout.
+            with as_engine_error("recomputing the kept requests"):
+                await self.llm.reset_prefix_cache(reset_running_requests=True)
         await self.reset_prefix_cache()
         new = next_version(self.policy_version, version)
         if self.features.weight_versions:  # vLLM stamps its outputs' token spans itself

@@ -15,17 +15,18 @@ import asyncio
 import threading
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline import artifacts as A
 from pipeline._data.models import (
+    NOT_SAMPLED,
     TOOL_CALL_ERRORS,
     AgentMessage,
     AgentRolloutItem,
     ExitReason,
     FinishReason,
 )
-from pipeline._exceptions import ConfigError, SampleAborted, StageDefinitionError
+from pipeline._exceptions import ConfigError, ContractError, SampleAborted, StageDefinitionError
 from pipeline._runner.context import Context
 from pipeline._text import integrity
 from pipeline._text.render import decode_text
@@ -38,6 +39,9 @@ from pipeline.tools import (
     needs_vllm,
     read_turn,
 )
+
+if TYPE_CHECKING:
+    from pipeline.engines import Generation
 
 _BUILDING = threading.Lock()
 """Held while a vLLM parser is built (module-wide: a stage instance stays picklable)."""
@@ -122,7 +126,7 @@ class Generate:
     requires: ClassVar[Mapping[str, str]] = MappingProxyType({A.PROMPT_IDS: "BuildPrompt"})
     provides = frozenset({A.RESPONSE_IDS, A.RESPONSE_MASK, A.LOGPROBS, A.TURNS, A.MESSAGES,
                           A.EXIT_REASON, A.RAW_FINISH_REASON, A.POLICY_VERSION,
-                          A.ROUTED_EXPERTS, A.TOKEN_INTEGRITY})
+                          A.TOKEN_VERSIONS, A.ROUTED_EXPERTS, A.TOKEN_INTEGRITY})
 
     def __init__(self, *, parser: ToolParser | None = None, parse_tool_calls: bool = True,
                  max_model_len: int | None = None, family: str | None = None,
@@ -236,8 +240,7 @@ class Generate:
         response.extend(gen.token_ids)
         mask.extend([1] * len(gen.token_ids))
         logprobs.extend(gen.logprobs)
-        if gen.policy_version is not None:
-            art[A.POLICY_VERSION] = gen.policy_version
+        self._record_versions(art, gen, len(response) - len(gen.token_ids))
         if gen.routed_experts is not None:
             art[A.ROUTED_EXPERTS] = gen.routed_experts
         text = self._decode(ctx, gen.token_ids)
@@ -254,6 +257,27 @@ class Generate:
             end_on_length(item, "context" if gen.raw_finish_reason == "context" else limit)
         else:
             item.finish_reason, item.raw_finish_reason = gen.finish_reason, gen.raw_finish_reason
+
+    @staticmethod
+    def _record_versions(art: dict[str, Any], gen: Generation, start: int) -> None:
+        """Per-token policy versions: the engine's own where it tracks them per token, else
+        the generation's version for each of its tokens; tokens before ``start`` that no turn
+        stamped (tool output) get :data:`NOT_SAMPLED`. ``POLICY_VERSION`` stays the oldest."""
+        per_token = gen.token_versions
+        if per_token is None and gen.policy_version is not None:
+            per_token = [gen.policy_version] * len(gen.token_ids)
+        if per_token is None:
+            return
+        if len(per_token) != len(gen.token_ids):
+            raise ContractError(f"the engine reported {len(per_token)} token versions for "
+                                f"{len(gen.token_ids)} tokens")
+        versions: list[int] = art.setdefault(A.TOKEN_VERSIONS, [])
+        versions.extend([NOT_SAMPLED] * (start - len(versions)))
+        versions.extend(per_token)
+        oldest = min(per_token, default=gen.policy_version)
+        if oldest is not None:
+            earlier = art.get(A.POLICY_VERSION)
+            art[A.POLICY_VERSION] = oldest if earlier is None else min(earlier, oldest)
 
     @staticmethod
     def _decode(ctx: Context, token_ids: list[int]) -> str | None:
