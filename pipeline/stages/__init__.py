@@ -14,6 +14,7 @@ from pipeline._text.render import (
     render_turn_delta,
 )
 from pipeline.stages._base import Loop
+from pipeline.stages._env import ENV_DONE, ENV_METADATA, TURN_SCORES, GymEnvironment
 from pipeline.stages._generate import LENGTH_LIMITS, Generate
 from pipeline.stages._judge import Judge, JudgerSpec
 from pipeline.stages._observe import append_observation
@@ -25,12 +26,16 @@ __all__ = [
     "DRIFT_BOUNDARY",
     "DRIFT_CLOSING",
     "DRIFT_PREFIX",
+    "ENV_DONE",
+    "ENV_METADATA",
     "LENGTH_LIMITS",
     "TOOL_CALL_ERRORS",
+    "TURN_SCORES",
     "BuildPrompt",
     "CallTools",
     "FunctionStage",
     "Generate",
+    "GymEnvironment",
     "Judge",
     "JudgerSpec",
     "Loop",
