@@ -23,6 +23,7 @@ from pipeline._data.models import TOOL_CALL_ERRORS, AgentMessage, AgentRolloutIt
 from pipeline._runner.context import Context
 from pipeline.stages._generate import check_positive_int
 from pipeline.stages._observe import append_observation
+from pipeline.multimodal import image_result_parts, is_image_result
 from pipeline.tools import Tool, ToolResult, TrajectoryTool, validate_arguments
 
 TOOL_CALLS = A.TOOL_CALLS
@@ -42,7 +43,7 @@ TOOL_CREATE_FAILURES = "tool_create_failures"
 """``extra_fields`` key: per-trajectory resources whose creation failed (an error the model
 saw)."""
 
-Answer = tuple[str, str | None, float | None]
+Answer = tuple[str | list[dict[str, Any]], str | None, float | None]
 """One call's answer: content, error kind (None: no error), reward (None: none)."""
 
 ERROR_KINDS = ("parse", "unknown_tool", "invalid_arguments", "timeout", "tool_exception",
@@ -180,7 +181,8 @@ class CallTools:
                         ctx: Context) -> Any:
         """The sample's resource for ``tool``: created at its first call (calls of one turn
         wait for the same creation), released once through the sample's exit stack."""
-        key = (item.uid, tool.name)
+        # Tools that share one resource (an MCP server's) name it by ``resource_key``.
+        key = (item.uid, getattr(tool, "resource_key", tool.name))
         lock = self._creating.setdefault(key, asyncio.Lock())
         async with lock:
             if key in self._resources:
@@ -246,7 +248,9 @@ class CallTools:
             if slots is not None:
                 await slots.__aexit__(None, None, None)
 
-    def _as_text(self, result: Any) -> str:
+    def _as_text(self, result: Any) -> str | list[dict[str, Any]]:
+        if is_image_result(result):  # image parts stay parts: the processor renders them
+            return image_result_parts(result, self.max_result_chars)
         text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False,
                                                                  default=str)
         return text[: self.max_result_chars]

@@ -8,6 +8,7 @@ from pipeline.tools._lifecycle import (
     TrajectoryTool,
     WarmPool,
 )
+from pipeline.tools._mcp import MCPServer, MCPServerError, MCPTool, MCPTrajectoryTool
 from pipeline.tools._parsers import (
     HermesToolParser,
     ParsedMessage,
@@ -28,6 +29,10 @@ __all__ = [
     "CalculatorError",
     "FunctionTool",
     "HermesToolParser",
+    "MCPServer",
+    "MCPServerError",
+    "MCPTool",
+    "MCPTrajectoryTool",
     "ParsedMessage",
     "ParsedToolCall",
     "PoolStats",
