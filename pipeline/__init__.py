@@ -20,7 +20,7 @@ live in their subpackage.
 from __future__ import annotations
 
 from pipeline import artifacts
-from pipeline._data.config import PipelineConfig, SamplingParams
+from pipeline._data.config import AdaptiveConcurrency, PipelineConfig, SamplingParams
 from pipeline._data.models import (
     AgentMessage,
     AgentRolloutItem,
@@ -39,11 +39,13 @@ from pipeline._exceptions import (
     ConfigError,
     ContractError,
     DeadlineExceeded,
+    EngineCircuitOpen,
     EngineError,
     PipelineError,
     RowError,
     SampleAborted,
     StageDefinitionError,
+    StageTimeout,
     TokenIntegrityError,
 )
 from pipeline._logging import configure_logging
@@ -86,6 +88,7 @@ from pipeline.tools import FunctionTool, Tool, calculator_tool, make_registry
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveConcurrency",
     "AgentMessage",
     "AgentRolloutItem",
     "BatchProgress",
@@ -99,6 +102,7 @@ __all__ = [
     "DeadlineExceeded",
     "DynamicSampling",
     "Engine",
+    "EngineCircuitOpen",
     "EngineError",
     "ExitReason",
     "FairAsyncTokenBucket",
@@ -133,6 +137,7 @@ __all__ = [
     "Stage",
     "StageDefinitionError",
     "StageRecord",
+    "StageTimeout",
     "Status",
     "StreamReport",
     "StructlogSink",

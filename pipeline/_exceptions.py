@@ -137,17 +137,20 @@ class EngineCircuitOpen(PipelineError):
 
     Attributes:
         engine: the engine's name (its type, and the server when the error named one).
+        count: samples in a row that failed on engine errors.
         last_errors: the last errors, newest last.
         result: the batch's :class:`~pipeline.ProduceBatchResult` (every sample, with its
             status: those never admitted end ``failed`` with this error), when raised by
             ``run_batch``; else None.
     """
 
-    def __init__(self, engine: str, last_errors: list[str], result: object = None) -> None:
+    def __init__(self, engine: str, count: int, last_errors: list[str],
+                 result: object = None) -> None:
         shown = "; ".join(last_errors[-3:])
-        super().__init__(f"circuit breaker open: {len(last_errors)} samples in a row failed "
-                         f"on engine errors from {engine}; no new sample is admitted. Last "
-                         f"errors: {shown}")
+        super().__init__(f"circuit breaker open: {count} samples in a row failed on engine "
+                         f"errors from {engine}; no new sample is admitted. Last errors: "
+                         f"{shown}")
         self.engine = engine
+        self.count = count
         self.last_errors = last_errors
         self.result = result

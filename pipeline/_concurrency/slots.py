@@ -14,13 +14,34 @@ class FifoSlots:
     Used instead of ``asyncio.Semaphore``, whose ``locked()`` on Python 3.11 scans every
     waiter on each acquire, which is quadratic with thousands of queued samples. A waiter
     cancelled after being handed a slot passes it on.
+
+    The size can change while slots are held (:meth:`resize`, adaptive concurrency): a
+    shrink below the slots held leaves ``free`` negative, a debt the next releases pay back
+    before anyone else is let in.
     """
 
-    __slots__ = ("free", "waiters")
+    __slots__ = ("free", "size", "waiters")
 
     def __init__(self, size: int) -> None:
+        self.size = size
         self.free = size
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def in_use(self) -> int:
+        """Slots held now."""
+        return self.size - self.free
+
+    def resize(self, size: int) -> None:
+        """Make the limit ``size`` (>= 1): growing lets waiters in now; shrinking takes
+        effect as held slots are given back (none is taken away)."""
+        self.free += size - self.size
+        self.size = size
+        while self.free > 0 and self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                self.free -= 1
+                waiter.set_result(None)
 
     async def __aenter__(self) -> None:
         if not self.take_now():
@@ -41,7 +62,11 @@ class FifoSlots:
         await wait_in_line(self.waiters, self.release)
 
     def release(self) -> None:
-        """Give a held slot back: to the first waiter still waiting, else to the pool."""
+        """Give a held slot back: to the first waiter still waiting, else to the pool (or
+        to the debt a shrink left)."""
+        if self.free < 0:
+            self.free += 1
+            return
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():

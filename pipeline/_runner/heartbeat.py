@@ -40,8 +40,9 @@ class ProgressHeartbeat:
     Each line has ``done`` (samples finished since entering), ``total`` (if given),
     ``running``, ``by_stage`` (running samples per stage), ``oldest_running_s``, ``stuck``
     (samples longer than the config's ``stuck_stage_s`` in their current stage, per stage),
-    ``rate_per_s`` and ``eta_s``. The logging task is owned by the context manager: cancelled
-    and awaited on exit.
+    ``concurrency`` (the pipeline's flow control: limit, admitted, the adaptive controller's
+    decision and the engine's KV use, the circuit breaker), ``rate_per_s`` and ``eta_s``.
+    The logging task is owned by the context manager: cancelled and awaited on exit.
 
     Args:
         pipeline: the pipeline to watch.
@@ -98,6 +99,9 @@ class ProgressHeartbeat:
             "stuck": stuck_by_stage(inflight, self.pipeline.config.stuck_stage_s),
             "rate_per_s": round(rate, 2), "elapsed_s": round(elapsed, 1),
         }
+        flow = getattr(self.pipeline, "flow_state", None)
+        if callable(flow):
+            out["concurrency"] = flow()
         if self.total is not None and rate > 0:
             out["eta_s"] = round(max(0, self.total - done) / rate, 1)
         return out

@@ -209,7 +209,11 @@ class Pipeline:
         samples = [self.sample_of(run) for run in runs]
         stats = safe_stats(samples, items, time.monotonic() - started)
         log_batch_done(_logger, stats, items)
-        return ProduceBatchResult(samples=samples, items=items, stats=stats)
+        result = ProduceBatchResult(samples=samples, items=items, stats=stats)
+        breaker = self._loop_state().flow.breaker
+        if breaker.opened:
+            raise breaker.error(result)
+        return result
 
     def stream(
         self,
@@ -302,15 +306,31 @@ class Pipeline:
         with self._lock:
             self._active_batches += 1
         try:
-            if self.config.progress_log_s is None:
-                yield
-            else:
-                async with ProgressHeartbeat(self, interval_s=self.config.progress_log_s,
-                                             total=total):
+            async with self._loop_state().flow.running(self.resources.engine):
+                if self.config.progress_log_s is None:
                     yield
+                else:
+                    async with ProgressHeartbeat(self, interval_s=self.config.progress_log_s,
+                                                 total=total):
+                        yield
         finally:
             with self._lock:
                 self._active_batches -= 1
+
+    def _loop_state(self) -> LoopState:
+        """The slots, flow control and deadlines of this pipeline on the running loop."""
+        loop = asyncio.get_running_loop()
+        state = self._loops.get(loop)
+        if state is None:
+            state = self._loops[loop] = LoopState(loop, self.config)
+        return state
+
+    def flow_state(self) -> dict[str, Any] | None:
+        """Flow control as plain data: the concurrency limit, samples admitted, and the
+        adaptive controller's and circuit breaker's state when on (of the loop this
+        pipeline ran on last); None before any sample ran. Safe from any thread."""
+        states = list(self._loops.values())
+        return states[-1].flow.state() if states else None
 
     def sample_of(self, run: SampleRun) -> RolloutSample:
         """The sample a finished run produced; a task that ended without one (cancelled
@@ -359,9 +379,8 @@ class Pipeline:
         item = run.item
         set_fields(item, {"queued_at": time.monotonic()})
         loop = asyncio.get_running_loop()
-        state = self._loops.get(loop)
-        if state is None:
-            state = self._loops[loop] = LoopState(loop, self.config)
+        state = self._loop_state()
+        breaker = state.flow.breaker
         if run.abort_requested:  # over-sampling had enough before this task was made
             force_end(item, Status.ABORTED, ENOUGH)
         else:
@@ -369,7 +388,10 @@ class Pipeline:
                 if not state.slots.take_now():
                     await state.slots.wait()
                 try:
-                    await self._execute(run, batch, loop, state)
+                    if breaker.opened:  # admitted no more: the batch ends on the breaker
+                        force_end(item, Status.FAILED, f"not run: {breaker.error()}")
+                    else:
+                        await self._execute(run, batch, loop, state)
                 finally:
                     if not run.abandoned:  # an abandoned run gave its slot back already
                         state.slots.release()
@@ -453,9 +475,12 @@ class Pipeline:
             except BaseException as exc:  # SystemExit in a tool fails its sample, not the batch
                 if not run.abandoned:
                     settle(exc, run, batch, ctx.deadline_passed(), self.config.sample_timeout_s)
+                    if item.status is Status.FAILED:
+                        state.flow.breaker.failed(item, exc, self.resources.engine)
             else:
                 if not run.abandoned:
                     end(item, Status.COMPLETED, None)
+                    state.flow.sample_completed(item)
         finally:
             try:
                 steps = cleanup_steps(item, ctx)

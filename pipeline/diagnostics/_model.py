@@ -157,6 +157,9 @@ class Snapshot:
     threads: tuple[ThreadInfo, ...]
     samples: tuple[SampleInfo, ...]
     errors: tuple[str, ...] = field(default=())
+    flow: tuple[dict[str, Any], ...] = field(default=())
+    """Each running pipeline's flow control (``Pipeline.flow_state()``): concurrency limit,
+    admitted samples, the adaptive controller and the circuit breaker."""
 
     def task_groups(self) -> list[TaskGroupInfo]:
         """Tasks grouped by (state, await chain), largest group first."""

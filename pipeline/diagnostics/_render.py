@@ -52,6 +52,8 @@ def render_text(snapshot: Snapshot, *, max_samples: int = 100, max_groups: int =
 def _render_samples(snapshot: Snapshot, out: list[str], limit: int) -> None:
     samples = snapshot.samples
     out.append("")
+    for flow in snapshot.flow:
+        out.append("flow control: " + " ".join(f"{key}={value}" for key, value in flow.items()))
     out.append(f"== samples in flight: {len(samples)} ==")
     if not samples:
         return
@@ -143,6 +145,7 @@ def snapshot_to_dict(snapshot: Snapshot) -> dict[str, Any]:
                    "thread_ident": lp.thread_ident, "current_task": lp.current_task,
                    "lag_s": lp.lag_s} for lp in snapshot.loops],
         "samples": [s.to_dict() for s in snapshot.samples],
+        "flow": list(snapshot.flow),
         "task_count": len(snapshot.tasks),
         "task_groups": [_group_dict(g) for g in snapshot.task_groups()],
         "threads": [t.to_dict() for t in snapshot.threads],

@@ -125,16 +125,21 @@ def capture_snapshot(*, reason: str = "manual", loops: Iterable[asyncio.Abstract
                  lag_s=(lags or {}).get(lid))
         for lid, lp in loop_objs.items())
     samples: tuple[SampleInfo, ...] = ()
+    flow: tuple[dict[str, Any], ...] = ()
     if include_samples:
         try:
             samples = _samples({t.sample_uid: t for t in tasks if t.sample_uid})
         except Exception as exc:
             errors.append(f"samples: {type(exc).__name__}: {exc}")
+        try:
+            flow = _flow()
+        except Exception as exc:
+            errors.append(f"flow: {type(exc).__name__}: {exc}")
     threads = _threads(frames, set(loop_threads.values()), errors)
     return Snapshot(pid=os.getpid(), reason=reason, taken_at=time.time(),
                     capture_s=time.perf_counter() - start, python=sys.version.split()[0],
                     loops=loops_info, tasks=tuple(tasks), threads=threads,
-                    samples=samples, errors=tuple(errors))
+                    samples=samples, errors=tuple(errors), flow=flow)
 
 
 def task_infos(tasks: Iterable[asyncio.Task[Any]]) -> tuple[TaskInfo, ...]:
@@ -234,6 +239,13 @@ def _samples(by_uid: dict[str | None, TaskInfo]) -> tuple[SampleInfo, ...]:
                        and sample.in_stage_s > stuck_s)))
     out.sort(key=lambda s: -(s.in_stage_s if s.in_stage_s is not None else s.running_s))
     return tuple(out)
+
+
+def _flow() -> tuple[dict[str, Any], ...]:
+    from pipeline._runner.pipeline import running_pipelines  # the core imports diagnostics
+
+    states = [(index, pipe.flow_state()) for index, pipe in enumerate(running_pipelines())]
+    return tuple({"pipeline": index, **state} for index, state in states if state is not None)
 
 
 def _threads(frames: dict[int, Any], loop_idents: set[int],
