@@ -128,7 +128,7 @@ class VLLMEngine:
     @classmethod
     async def start(cls, model: str | Path, *, dtype: str = "auto",
                     max_model_len: int | None = None, seed: int = 0,
-                    enforce_eager: bool = False, return_routed_experts: bool = False,
+                    enforce_eager: bool | None = None, return_routed_experts: bool = False,
                     ignore_eos: bool = False, cache_root: str | Path | None = None,
                     kv_cache_gib: float | None = None, max_num_seqs: int | None = None,
                     max_num_batched_tokens: int | None = None, request_seeds: bool = True,
@@ -141,7 +141,9 @@ class VLLMEngine:
                 ``"float32"`` matches a float32 trainer exactly).
             max_model_len: context limit; default the model's.
             seed: vLLM's global seed (requests carry their own seeds too).
-            enforce_eager: skip ``torch.compile`` and graph capture (faster start).
+            enforce_eager: skip ``torch.compile`` and graph capture (faster start). Default
+                (None): eager on vLLM's CPU platform, where compiling added 60-100 s to a
+                first start of the tiny model and decoded no faster; compiled on a GPU.
             return_routed_experts: ask vLLM for MoE router choices.
             ignore_eos: see the class doc.
             cache_root: vLLM's compile cache (see :func:`vllm_env`).
@@ -412,13 +414,15 @@ class VLLMEngine:
 
 
 def _engine_args(model: str | Path, *, dtype: str, max_model_len: int | None, seed: int,
-                 enforce_eager: bool, max_num_seqs: int | None,
+                 enforce_eager: bool | None, max_num_seqs: int | None,
                  max_num_batched_tokens: int | None, return_routed_experts: bool,
                  kv_cache_gib: float | None, known: set[str],
                  engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """``AsyncEngineArgs`` fields for :meth:`VLLMEngine.start` (see its doc)."""
+    cpu = on_cpu()
     kwargs: dict[str, Any] = {
-        "model": str(model), "dtype": dtype, "seed": seed, "enforce_eager": enforce_eager,
+        "model": str(model), "dtype": dtype, "seed": seed,
+        "enforce_eager": cpu if enforce_eager is None else enforce_eager,
         "logprobs_mode": LOGPROBS_MODE, "disable_log_stats": True,
     }
     optional = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
@@ -426,7 +430,6 @@ def _engine_args(model: str | Path, *, dtype: str, max_model_len: int | None, se
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if return_routed_experts:
         kwargs["enable_return_routed_experts"] = True
-    cpu = on_cpu()
     if kv_cache_gib is not None and not cpu:
         if "kv_cache_memory_bytes" not in known:
             raise ConfigError("kv_cache_gib on a GPU needs vLLM's kv_cache_memory_bytes "
