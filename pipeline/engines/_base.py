@@ -36,8 +36,9 @@ class Generation:
         policy_version: version of the weights that produced these tokens, if tracked; the
             oldest one when a weight update fell inside the request.
         token_versions: the version of the weights that sampled each token, aligned with
-            ``token_ids``, when the engine tracks it per token (a request that ran across a
-            weight update, paused with ``"keep"``, has two or more values); else None.
+            ``token_ids``, when they differ (a request that ran across a weight update,
+            paused with ``"keep"``); None when every token has ``policy_version`` (engines
+            may also report a list of one value), or versions are not tracked.
         text: the engine's own detokenization of ``token_ids``, when it reports one; the
             token-integrity check compares it with the tokenizer's decode.
     """

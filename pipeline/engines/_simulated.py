@@ -47,7 +47,8 @@ class SimulatedEngine:
 
     Weight sync (:class:`~pipeline.engines.WeightSync`): there are no weights, so
     ``update_weights`` accepts any source (or none) and bumps ``policy_version``; every
-    generation reports the version of each token in ``token_versions``. A ``"keep"`` pause
+    generation reports the version of each token in ``token_versions`` (None when one version
+    sampled them all: ``policy_version``). A ``"keep"`` pause
     freezes the decoder (capacity mode) or holds replies until ``resume`` (latency mode, where
     a request's tokens are taken as sampled evenly over its latency).
 
@@ -206,14 +207,15 @@ class SimulatedEngine:
         if aborted:
             # What was sampled before the abort is returned (none in latency mode).
             kept = len(versions) if self.scheduler is not None else 0
-            return Generation(tokens[:kept], logprobs[:kept], FinishReason.ABORT, "abort",
-                              policy_version=min(versions[:kept], default=None),
-                              token_versions=versions[:kept])
-        if fault < self.hang_rate + self.error_rate:
+            versions = versions[:kept]
+            tokens, logprobs, reason = tokens[:kept], logprobs[:kept], FinishReason.ABORT
+        elif fault < self.hang_rate + self.error_rate:
             raise EngineError(f"simulated engine fault on request {request_id}")
-        return Generation(tokens, logprobs, reason, reason.value,
-                          policy_version=min(versions, default=self.policy_version),
-                          token_versions=versions)
+        oldest = min(versions, default=self.policy_version)
+        # One version for every token is the common case: no per-token list to carry then.
+        per_token = versions if versions and max(versions) != oldest else None
+        return Generation(tokens, logprobs, reason, reason.value, policy_version=oldest,
+                          token_versions=per_token)
 
     async def _wait(self, request_id: str, latency: float | None) -> bool:
         """The latency model: wait ``latency`` (None: forever); True when aborted."""
