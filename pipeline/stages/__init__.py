@@ -21,6 +21,7 @@ from pipeline.stages._observe import append_observation
 from pipeline.stages._prompt import BuildPrompt
 from pipeline.stages._route import Route, agents_ran
 from pipeline.stages._tools import CallTools
+from pipeline.stages._user import USER_STOPPED, USER_TURNS, SimulatedUser, UserPolicy
 
 __all__ = [
     "DRIFT_BOUNDARY",
@@ -31,6 +32,8 @@ __all__ = [
     "LENGTH_LIMITS",
     "TOOL_CALL_ERRORS",
     "TURN_SCORES",
+    "USER_STOPPED",
+    "USER_TURNS",
     "BuildPrompt",
     "CallTools",
     "FunctionStage",
@@ -40,8 +43,10 @@ __all__ = [
     "JudgerSpec",
     "Loop",
     "Route",
+    "SimulatedUser",
     "Stage",
     "TurnDelta",
+    "UserPolicy",
     "agents_ran",
     "append_observation",
     "as_stage",
