@@ -24,7 +24,7 @@ PUBLIC_MODULES = {
     "pipeline", "pipeline.batch", "pipeline.diagnostics", "pipeline.engines",
     "pipeline.judgers", "pipeline.models", "pipeline.observability", "pipeline.proxy",
     "pipeline.ratelimit", "pipeline.stages", "pipeline.tools", "pipeline.integrations",
-    "pipeline.distributed", "pipeline.families",
+    "pipeline.distributed", "pipeline.families", "pipeline.multimodal",
     # importing the module is the point: a heavy optional dependency, a command, test helpers
     "pipeline.engines.vllm", "pipeline.engines.transformers", "pipeline.engines.moe",
     "pipeline.cli", "pipeline.models.tiny", "pipeline.models.tiny.__main__",

@@ -51,6 +51,8 @@ class Request:
     """The policy version current at each sampled token's step."""
     aborted: bool = False
     finished: bool = False
+    images: Any = None
+    """The request's ``MultiModalInputs`` (pixel inputs of its image tokens), or None."""
 
 
 @dataclass(eq=False)

@@ -101,6 +101,8 @@ class TransformersEngine:
         if max_batch_size < 1 or max_prefill_tokens < 1:
             raise ConfigError("max_batch_size and max_prefill_tokens must be >= 1")
         config = model.config
+        if hasattr(config, "get_text_config"):  # a vision-language model's sizes are its text's
+            config = config.get_text_config()
         layer_types = getattr(config, "layer_types", None) or []
         if getattr(config, "use_sliding_window", False) or any(
                 t != "full_attention" for t in layer_types):
@@ -124,6 +126,12 @@ class TransformersEngine:
         self._step_valid: torch.Tensor | None = None  # which input positions were real tokens
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # vision-language models (the Qwen2-VL family): their mrope position function and
+        # image token; None for text models
+        inner = getattr(model, "model", None)
+        self._rope_index: Callable[..., Any] | None = getattr(inner, "get_rope_index", None)
+        self._image_token_id = getattr(model.config, "image_token_id", None)
+        self._dtype = next(model.parameters()).dtype
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._known: dict[str, Request] = {}  # worker thread only: queued or running
@@ -148,7 +156,12 @@ class TransformersEngine:
             dtype = torch.float32 if str(device) == "cpu" else torch.bfloat16
         try:
             tokenizer = hf.AutoTokenizer.from_pretrained(str(path))
-            model = hf.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+            config = hf.AutoConfig.from_pretrained(str(path))
+            # a vision-language checkpoint (Qwen2.5-VL) loads as its own class: the causal-LM
+            # auto class would load its text half only
+            auto = (hf.AutoModelForImageTextToText if hasattr(config, "vision_config")
+                    else hf.AutoModelForCausalLM)
+            model = auto.from_pretrained(str(path), dtype=dtype)
         except (OSError, ValueError) as exc:
             raise EngineError(f"cannot load a model from {path}: {exc}") from exc
         return cls(model.to(device), tokenizer, **kwargs)
@@ -161,8 +174,12 @@ class TransformersEngine:
     # ----- the async side (event loop) --------------------------------------------------
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       request_id: str) -> Generation:
+                       request_id: str, *, multi_modal: Any = None) -> Generation:
         """Queue one request and wait for it (see the class doc for what comes back).
+
+        ``multi_modal`` (a :class:`pipeline.multimodal.MultiModalInputs`) carries the pixel
+        inputs of the prompt's image tokens, for a vision-language model (Qwen2-VL,
+        Qwen2.5-VL): they are encoded at prefill, with the model's 3-D (mrope) positions.
 
         Raises:
             EngineError: the engine is closed, the prompt is empty or holds an id outside the
@@ -177,6 +194,9 @@ class TransformersEngine:
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise EngineError(f"request {request_id}: prompt holds a token id outside "
                               f"[0, {self.vocab_size})")
+        if multi_modal and self._rope_index is None:
+            raise EngineError(f"request {request_id}: the model takes no images "
+                              f"({type(self.model).__name__})")
         room = self.max_model_len - len(prompt)
         if room <= 0:
             return Generation([], [], FinishReason.LENGTH, "context",
@@ -190,7 +210,8 @@ class TransformersEngine:
             generator=torch.Generator().manual_seed(self._request_seed(prompt, sampling,
                                                                        request_id)),
             processor=(self.processor_factory(request_id, prompt)
-                       if self.processor_factory is not None else None))
+                       if self.processor_factory is not None else None),
+            images=multi_modal or None)
         self._send("add", request)
         try:
             return await request.future
@@ -334,10 +355,14 @@ class TransformersEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = new_cache()
-        logits = self._forward(ids, mask, positions, cache)
+        vision = self._vision_inputs(group, ids, mask)
+        if vision:  # 3-D positions: after an image they run on from its largest + 1
+            positions = vision.pop("position_ids")
+        logits = self._forward(ids, mask, positions, cache, **vision)
         self.counters.prefill_calls += 1
         self.counters.prefill_tokens += int(mask.sum())
-        fresh = Batch(group, cache, mask, positions[:, -1] + 1, torch.zeros(0))
+        last = positions[..., -1].amax(0) if positions.dim() == 3 else positions[:, -1]
+        fresh = Batch(group, cache, mask, last + 1, torch.zeros(0))
         return self._merge(batch, self._sample_and_settle(fresh, logits))
 
     def _decode(self, batch: Batch) -> Batch | None:
@@ -350,12 +375,27 @@ class TransformersEngine:
         self.counters.max_batch_rows = max(self.counters.max_batch_rows, len(batch.rows))
         return self._sample_and_settle(batch, logits)
 
+    def _vision_inputs(self, group: list[Request], ids: torch.Tensor,
+                       mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The prefill's pixel inputs and the model's own 3-D rope positions for them
+        (``get_rope_index``), when a row of ``group`` has images; else empty."""
+        inputs = [r.images for r in group if r.images]
+        if not inputs:
+            return {}
+        assert self._rope_index is not None
+        grid = torch.cat([i.image_grid_thw for i in inputs]).to(self.device)
+        pixels = torch.cat([i.pixel_values for i in inputs]).to(self.device, self._dtype)
+        kinds = (ids == self._image_token_id).int()
+        positions, _ = self._rope_index(ids, kinds, image_grid_thw=grid, attention_mask=mask)
+        return {"position_ids": positions, "pixel_values": pixels, "image_grid_thw": grid}
+
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 cache: Any) -> torch.Tensor:
+                 cache: Any, **vision: torch.Tensor) -> torch.Tensor:
         """One forward pass; returns float32 logits of each row's last position ``[B, V]``."""
         self._step_valid = mask[:, -ids.shape[1]:]
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
+                         use_cache=True, logits_to_keep=1, **vision,
+                         **{self._cache_kwarg: cache})
         return out.logits[:, -1, :].float()
 
     def _sample_and_settle(self, batch: Batch, logits: torch.Tensor) -> Batch | None:

@@ -31,6 +31,7 @@ from pipeline._runner.context import Context
 from pipeline._text import integrity
 from pipeline._text.render import decode_text
 from pipeline._text.tokenizer import Tokenizer
+from pipeline.multimodal import multi_modal_inputs
 from pipeline.tools import (
     HermesToolParser,
     ToolParser,
@@ -226,7 +227,11 @@ class Generate:
         if update:
             sampling = sampling.model_copy(update=update)
         try:
-            gen = await ctx.engine.generate([*art[A.PROMPT_IDS], *response], sampling, request_id)
+            ids = [*art[A.PROMPT_IDS], *response]
+            images = multi_modal_inputs(art)  # only engines that take images get the keyword
+            engine: Any = ctx.engine  # ``multi_modal`` is an optional keyword of engines
+            gen = await (engine.generate(ids, sampling, request_id) if images is None else
+                         engine.generate(ids, sampling, request_id, multi_modal=images))
         except asyncio.CancelledError:
             await ctx.abort_engine_request(request_id)
             raise

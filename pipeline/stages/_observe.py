@@ -17,6 +17,7 @@ from pipeline._data.models import AgentMessage, AgentRolloutItem
 from pipeline._runner.context import Context
 from pipeline._text import integrity
 from pipeline._text.render import render_turn_delta
+from pipeline.multimodal import add_images, expand_observation
 from pipeline.stages._generate import end_on_length, length_limits
 from pipeline.stages._prompt import template_options
 
@@ -47,14 +48,20 @@ async def append_observation(item: AgentRolloutItem, ctx: Context,
     art = item.artifacts
     messages: list[AgentMessage] = art.setdefault(A.MESSAGES, [])
     history = list(messages)
-    messages.extend(new_messages)
     response: list[int] = art.setdefault(A.RESPONSE_IDS, [])
     last_token = response[-1] if response else (history[-1].token_ids or [-1])[-1]
     args = (ctx.tokenizer, history, list(new_messages), item.data.tools, last_token,
             template_options(item, ctx))
-    size = sum(len(str(m.content or "")) for m in (history[-1], *new_messages))
-    delta = (await asyncio.to_thread(render_turn_delta, *args)
-             if offload and size > offload_chars else render_turn_delta(*args))
+    # images (a tool's screenshot): placeholders expanded by the processor, in a thread
+    vision = await expand_observation(art, *args[1:])
+    if vision is not None:
+        new_messages, delta, images = vision
+        messages.extend(new_messages)
+    else:
+        messages.extend(new_messages)
+        size = sum(len(str(m.content or "")) for m in (history[-1], *new_messages))
+        delta = (await asyncio.to_thread(render_turn_delta, *args)
+                 if offload and size > offload_chars else render_turn_delta(*args))
     drift = 1 if delta.drift else 0
     art[A.TEMPLATE_DRIFT] = art.get(A.TEMPLATE_DRIFT, 0) + drift
     art.setdefault(A.EXTRA_FIELDS, {})[A.TEMPLATE_DRIFT] = art[A.TEMPLATE_DRIFT]
@@ -66,6 +73,8 @@ async def append_observation(item: AgentRolloutItem, ctx: Context,
         if limit in limits and limits[limit] - len(delta.ids) <= 0:
             end_on_length(item, limit)
             return False
+    if vision is not None:
+        add_images(art, images)
     response.extend(delta.ids)
     art.setdefault(A.RESPONSE_MASK, []).extend([0] * len(delta.ids))
     art.setdefault(A.LOGPROBS, []).extend([0.0] * len(delta.ids))

@@ -10,9 +10,17 @@ from typing import Any
 
 from pipeline import artifacts as A
 from pipeline._data.models import AgentMessage, AgentRolloutItem
+from pipeline._exceptions import ConfigError
 from pipeline._runner.context import Context
 from pipeline._text.encode import batch_encoder
 from pipeline._text.render import encode_text, render, render_prompt
+from pipeline.multimodal import (
+    MULTI_MODAL,
+    Rendered,
+    SampleImages,
+    VisionProcessor,
+    has_images,
+)
 
 
 class BuildPrompt:
@@ -30,23 +38,46 @@ class BuildPrompt:
     encoded together, off the loop and over the machine's cores). The tokenizer is then used
     from that thread: do not change its padding or truncation settings while a batch runs.
 
+    With a ``processor`` (a vision-language model's), image parts of the messages (see
+    :mod:`pipeline.multimodal`) are loaded, checked and rendered by it: the template's image
+    placeholders expanded to the model's image tokens (they count toward the prompt and
+    context limits like any token), the pixel inputs kept in the ``multi_modal`` artifact for
+    the engine, each image replaced in ``messages`` by its hash and size. That work runs in a
+    worker thread, once per group: the ``n`` samples of a prompt share one processing.
+
     Args:
-        offload: False renders and tokenizes every prompt inline.
+        offload: False renders and tokenizes every prompt inline (images still go to a
+            worker thread).
         offload_chars: the size (message text plus tool schemas) above which a prompt goes
             to a worker thread; 0 sends every prompt there.
+        processor: a Hugging Face processor or a :class:`~pipeline.multimodal.VisionProcessor`;
+            the pipeline's tokenizer must be its tokenizer.
     """
 
     name = "build_prompt"
     requires: frozenset[str] = frozenset()
     provides = frozenset({A.RAW_PROMPT, A.PROMPT_IDS, A.MESSAGES})
 
-    def __init__(self, *, offload: bool = True, offload_chars: int = 32768) -> None:
+    def __init__(self, *, offload: bool = True, offload_chars: int = 32768,
+                 processor: Any = None) -> None:
         self.offload = offload
         self.offload_chars = offload_chars
+        self.processor = (processor if processor is None or isinstance(processor, VisionProcessor)
+                          else VisionProcessor(processor))
         self._rendered = _RenderCache()
+        self._vision: OrderedDict[str, tuple[Any, asyncio.Future[_Vision]]] = OrderedDict()
 
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
         row, tokenizer = item.data, ctx.tokenizer
+        if self.processor is not None:
+            if tokenizer is not self.processor.tokenizer:
+                raise ConfigError("BuildPrompt(processor=...) needs the pipeline's tokenizer "
+                                  "to be the processor's (Pipeline(tokenizer="
+                                  "processor.tokenizer))", field="tokenizer")
+            if has_images(row.messages):
+                await self._run_vision(item, ctx)
+                return
+            item.artifacts[MULTI_MODAL] = SampleImages(self.processor)
         cached, ids = self._rendered.get(item.group_id, row, tokenizer)
         if cached is not None:
             text = cached
@@ -66,6 +97,27 @@ class BuildPrompt:
         item.artifacts[A.PROMPT_IDS] = list(ids)
         item.artifacts[A.MESSAGES] = [AgentMessage.model_validate(m) for m in row.messages]
 
+    async def _run_vision(self, item: AgentRolloutItem, ctx: Context) -> None:
+        """Render a prompt with images: once per group, in a worker thread; the group's
+        other samples await the same result (a cancelled sample does not cancel it)."""
+        assert self.processor is not None
+        entry = self._vision.get(item.group_id)
+        if entry is None or entry[0] is not item.data:
+            processor, row, options = self.processor, item.data, template_options(item, ctx)
+            future = asyncio.get_running_loop().run_in_executor(
+                None, _render_vision, processor, row.messages, row.tools, options)
+            entry = self._vision[item.group_id] = (item.data, future)
+            while len(self._vision) > self.vision_groups:
+                self._vision.popitem(last=False)
+        rendered, messages = await asyncio.shield(entry[1])
+        item.artifacts[A.RAW_PROMPT] = rendered.text
+        item.artifacts[A.PROMPT_IDS] = list(rendered.ids)
+        item.artifacts[A.MESSAGES] = [AgentMessage.model_validate(m) for m in messages]
+        item.artifacts[MULTI_MODAL] = SampleImages(self.processor, rendered.inputs)
+
+    vision_groups = 64
+    """How many groups' image renderings are kept (pixel inputs are large)."""
+
     async def _encode(self, tokenizer: Any, text: str) -> list[int]:
         encoder = batch_encoder(tokenizer) if self.offload else None
         if encoder is not None:
@@ -74,6 +126,18 @@ class BuildPrompt:
             except Exception:  # the same ids inline (e.g. another thread reconfigured it)
                 pass
         return encode_text(tokenizer, text)
+
+
+_Vision = tuple[Rendered, list[dict[str, Any]]]
+
+
+def _render_vision(processor: VisionProcessor, messages: Sequence[Mapping[str, Any]],
+                   tools: Sequence[dict[str, Any]] | None, options: Mapping[str, Any]
+                   ) -> _Vision:
+    """Load the images, render the template with placeholders, expand them (worker thread)."""
+    kept, images = processor.load_messages(messages)
+    text = render(processor.tokenizer, kept, tools, add_generation_prompt=True, options=options)
+    return processor.expand(text, images), kept
 
 
 def template_options(item: AgentRolloutItem, ctx: Context) -> Mapping[str, Any]:

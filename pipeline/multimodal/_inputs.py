@@ -1,0 +1,175 @@
+"""A sample's images and their pixel inputs, and the processor that renders them.
+
+:class:`VisionProcessor` wraps a Hugging Face processor (``AutoProcessor``: for Qwen2-VL /
+Qwen2.5-VL a ``Qwen2_5_VLProcessor``): the chat template renders one placeholder per image
+(``<|vision_start|><|image_pad|><|vision_end|>``), the processor's ``__call__`` resizes each
+image, cuts it into patches and repeats the placeholder token once per merged patch, so the
+token ids are exactly what the model expects, and returns ``pixel_values`` and
+``image_grid_thw`` beside them. Everything here is synchronous and CPU-heavy: callers run it
+in a worker thread (:mod:`pipeline.multimodal._prompt`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.multimodal._images import (
+    ImageError,
+    ImageLimits,
+    LoadedImage,
+    iter_image_parts,
+    part_source,
+)
+
+MULTI_MODAL = "multi_modal"
+"""Artifact: the sample's :class:`SampleImages` (set by ``BuildPrompt(processor=...)``)."""
+
+
+@dataclass(frozen=True)
+class MultiModalInputs:
+    """The images of a token sequence and the processor's pixel inputs for them, in the order
+    their placeholder tokens appear. Immutable: a tool turn's images make a new one
+    (:meth:`plus`), so the ``n`` samples of a group share their prompt's.
+
+    Attributes:
+        images: the decoded images (``LoadedImage``: PIL image, sha256, size).
+        pixel_values: the processor's ``pixel_values`` (``[patches, C*T*P*P]`` for Qwen2-VL),
+            a torch tensor, or None without images.
+        image_grid_thw: ``[images, 3]`` patch grid per image (torch), or None.
+        image_token_counts: placeholder tokens per image in the token ids.
+    """
+
+    images: tuple[LoadedImage, ...] = ()
+    pixel_values: Any = None
+    image_grid_thw: Any = None
+    image_token_counts: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.images)
+
+    def plus(self, other: MultiModalInputs) -> MultiModalInputs:
+        """These inputs followed by ``other``'s (a later turn's images)."""
+        if not other:
+            return self
+        if not self:
+            return other
+        import torch
+
+        return MultiModalInputs(
+            self.images + other.images, torch.cat([self.pixel_values, other.pixel_values]),
+            torch.cat([self.image_grid_thw, other.image_grid_thw]),
+            self.image_token_counts + other.image_token_counts)
+
+    def pil_images(self) -> list[Any]:
+        """The PIL images, as vLLM's ``multi_modal_data["image"]`` takes them."""
+        return [image.image for image in self.images]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per image: sha256, width, height, placeholder tokens (what dumps keep)."""
+        return [{"sha256": image.sha256, "width": image.width, "height": image.height,
+                 "tokens": tokens}
+                for image, tokens in zip(self.images, self.image_token_counts, strict=True)]
+
+    def trainer_inputs(self) -> dict[str, Any]:
+        """verl's ``multi_modal_inputs`` entry of a sample: ``pixel_values`` and
+        ``image_grid_thw`` (empty without images)."""
+        if not self:
+            return {}
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+
+
+@dataclass
+class SampleImages:
+    """The ``multi_modal`` artifact of one sample: its processor and the inputs so far
+    (prompt images, then each tool turn's), replaced as turns add images."""
+
+    processor: VisionProcessor
+    inputs: MultiModalInputs = field(default_factory=MultiModalInputs)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """Text with image placeholders, its expanded token ids and the pixel inputs."""
+
+    text: str
+    ids: list[int]
+    inputs: MultiModalInputs
+
+
+class VisionProcessor:
+    """A Hugging Face processor (image processor + tokenizer), used the way the pipeline
+    needs it: messages' image parts loaded and checked (:class:`ImageLimits`), replaced by
+    references (hash and size) in what is kept, and the template's placeholders expanded by
+    the processor.
+
+    Args:
+        processor: the model's processor (``AutoProcessor.from_pretrained(model_dir)``, or
+            :func:`pipeline.multimodal.tiny_vl_processor`); its ``tokenizer`` is the one the
+            pipeline must use (``Pipeline(tokenizer=processor.tokenizer)``).
+        limits: bounds on each image.
+    """
+
+    def __init__(self, processor: Any, *, limits: ImageLimits | None = None) -> None:
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.limits = limits or ImageLimits()
+        token = getattr(processor, "image_token", "<|image_pad|>")
+        self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(token))
+
+    def load_messages(self, messages: Sequence[Mapping[str, Any]], *, where: str = "messages"
+                      ) -> tuple[list[dict[str, Any]], list[LoadedImage]]:
+        """Messages with each image part replaced by its reference (``image_ref``), and the
+        loaded images in order. A part that already is a reference without an image (a
+        message read back from a record) is refused: the image is gone.
+
+        Raises:
+            ImageError: a part that cannot be used (names ``where.<i>.content.<j>``).
+        """
+        out: list[dict[str, Any]] = []
+        images: list[LoadedImage] = []
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            parts = list(iter_image_parts(content))
+            if not parts:
+                out.append(dict(message))
+                continue
+            new_content = list(content or ())
+            for j, part in parts:
+                source = part_source(part)
+                spot = f"{where}.{i}.content.{j}"
+                if source is None:
+                    raise ImageError("an image part without an image (a reference read back "
+                                     "from a record cannot be rendered again)", field=spot)
+                loaded = _load(source, self.limits, spot)
+                images.append(loaded)
+                new_content[j] = loaded.ref()
+            out.append({**message, "content": new_content})
+        return out, images
+
+    def expand(self, text: str, images: Sequence[LoadedImage]) -> Rendered:
+        """Token ids of ``text`` with each image placeholder expanded by the processor, and
+        the pixel inputs of ``images`` (one per placeholder, in order)."""
+        if not images:
+            from pipeline._text.render import encode_text
+
+            return Rendered(text, encode_text(self.tokenizer, text), MultiModalInputs())
+        out = self.processor(text=[text], images=[image.image for image in images],
+                             return_tensors="pt")
+        ids = [int(t) for t in out["input_ids"][0]]
+        grid = out["image_grid_thw"]
+        merge = int(getattr(self.processor.image_processor, "merge_size", 1))
+        counts = tuple(int(g.prod()) // (merge * merge) for g in grid)
+        found = sum(1 for t in ids if t == self.image_token_id)
+        if found != sum(counts):  # the template lost or doubled a placeholder
+            raise ImageError(f"the rendered text holds {found} image tokens, the "
+                             f"{len(images)} images need {sum(counts)}")
+        return Rendered(text, ids, MultiModalInputs(tuple(images), out["pixel_values"], grid,
+                                                    counts))
+
+
+def _load(source: Any, limits: ImageLimits, spot: str) -> LoadedImage:
+    from pipeline.multimodal._images import load_image
+
+    return load_image(source, limits=limits, field=spot)

