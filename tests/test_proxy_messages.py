@@ -20,6 +20,7 @@ import asyncio
 import http.client as httpclient
 import json
 import re
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -441,3 +442,62 @@ async def test_anthropic_sdk_tool_loop_is_token_exact(flags, make_engine, tiny_t
     assert segment.tool_turns == 2
     assert item.artifacts[FINAL_ANSWER] in ("Answer: 50", "Answer: 51")
     assert result.samples[0].extra_fields["ignored_fields"] == ["cache_control"]
+
+
+class ClaudeScript:
+    """The shared script, its calls to ``add`` renamed as Claude Code names the SDK's MCP tool
+    (``mcp__calc__add``)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from _proxy_fixtures import Script
+
+        self.script = Script(tokenizer)
+
+    def __call__(self, request_id: str, prompt_ids: list[int]) -> Any:
+        from _model_fixtures import ForcedText
+
+        tok = self.script.tokenizer
+        texts = [t.replace('"name": "add"', '"name": "mcp__calc__add"')
+                 for t in self.script.texts(prompt_ids)]
+        return ForcedText([tok.encode(t) for t in texts], tok.eos_token_id)
+
+
+def strace_connects(path: Path) -> list[str]:
+    """The internet-family ``connect`` calls strace recorded (Unix sockets left out)."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [line for line in lines if "connect(" in line and "AF_UNIX" not in line]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace audits the Claude Code CLI")
+async def test_claude_code_through_claude_agent_sdk_is_token_exact(make_engine, tiny_tokenizer,
+                                                                   tmp_path):
+    """Claude Code (the CLI ``claude-agent-sdk`` bundles) runs a tool loop against the proxy:
+    its requests (inline system messages, ``cache_control``, ``context_management``,
+    adaptive ``thinking``, its billing header) are served, the sample is token-exact, and the
+    CLI connected to nothing but 127.0.0.1."""
+    pytest.importorskip("claude_agent_sdk")
+    from _add_task import SYSTEM
+    from _add_task import TOOLS as ADD_TOOLS
+    from _proxy_fixtures import CLIENTS_DIR, RecordingEngine, Served, run_client
+
+    tok = tiny_tokenizer
+    engine = RecordingEngine(make_engine(processor_factory=ClaudeScript(tok)))
+    served = Served(engine, tok)
+    row = {"messages": [{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": "What is 12 plus 30, plus 8?"}],
+           "tools": ADD_TOOLS}
+    async with served.proxy:
+        result, sent = await run_client(
+            served, engine, tok, [sys.executable, str(CLIENTS_DIR / "claude_agent.py")], row,
+            tmp_path)
+    # the CLI's connects (strace's, turned into audit records by the agent program) were
+    # checked by run_client with the Python ones: here, that there were some
+    assert strace_connects(tmp_path / "net.jsonl.strace")
+    (item,) = result.items
+    segments = item.artifacts[SEGMENTS]
+    assert [len(s.turns) for s in segments] == [3] and len(sent[0]) == 3
+    assert segments[0].tool_turns == 2
+    assert item.artifacts[FINAL_ANSWER] in ("Answer: 50", "Answer: 51")
+    assert {"cache_control", "context_management", "system.x-anthropic-billing-header",
+            "thinking"} <= set(result.samples[0].extra_fields["ignored_fields"])

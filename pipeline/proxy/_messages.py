@@ -6,7 +6,9 @@ speak only this API. As for the Responses API, the proxy translates each request
 request it stands for and runs it through the same :class:`~pipeline.proxy._turns.TurnRunner`,
 so all three APIs record the same segments, merge by the same rules and yield the same sample:
 
-- ``system`` (a string or text blocks) becomes the first (system) message; Claude Code's
+- ``system`` (a string or text blocks) becomes the first (system) message, a ``system`` message
+  among the messages (Claude Code sends its environment notes so) a system message there; Claude
+  Code's
   ``x-anthropic-billing-header`` block (a per-request hash: it would split the session at every
   turn) is dropped and listed in ``ignored_fields``;
 - a user message's ``tool_result`` blocks become tool messages (in block order), its text
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -145,14 +147,17 @@ def _message(message: Any, where: str, ignored: set[str]) -> list[dict[str, Any]
     if not isinstance(message, dict):
         raise _bad(where, f"a message is an object, got {value_repr(message)}")
     role = message.get("role")
-    if role not in ("user", "assistant"):
-        raise _bad(f"{where}.role", f"must be 'user' or 'assistant', got {value_repr(role)}")
+    if role not in ("user", "assistant", "system"):
+        raise _bad(f"{where}.role", "must be 'user', 'assistant' or 'system', got "
+                                    f"{value_repr(role)}")
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
+    if role == "system":  # Claude Code sends its environment notes as one, after the task
+        return _system(content if isinstance(content, list) else _bad_content(where, content),
+                       ignored)
     if not isinstance(content, list):
-        raise _bad(f"{where}.content", "must be a string or a list of content blocks, got "
-                                       f"{value_repr(content)}")
+        _bad_content(where, content)
     texts: list[str] = []
     out: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
@@ -185,6 +190,11 @@ def _message(message: Any, where: str, ignored: set[str]) -> list[dict[str, Any]
     if thinking:
         reply["reasoning_content"] = "".join(thinking)
     return [reply]
+
+
+def _bad_content(where: str, content: Any) -> NoReturn:
+    raise _bad(f"{where}.content", "must be a string or a list of content blocks, got "
+                                   f"{value_repr(content)}")
 
 
 def _joined(texts: list[str]) -> str | list[dict[str, Any]]:

@@ -441,6 +441,23 @@ def _output_config(value: Any, body: Mapping[str, Any]) -> str | None:
     return _anthropic_format(value.get("format"))
 
 
+def _context_management(value: Any, body: Mapping[str, Any]) -> str | None:
+    """Only ``clear_thinking_*`` edits: the proxy renders earlier replies from the tokens it
+    recorded, thinking included, whatever a client asks to clear (clearing tool results would
+    change the prompt: refused)."""
+    if value is None:
+        return None
+    edits = value.get("edits") if isinstance(value, Mapping) else None
+    if not isinstance(edits, list) or set(value) - {"edits"}:
+        raise ValueError("expected an object with a list of edits")
+    for edit in edits:
+        kind = edit.get("type") if isinstance(edit, Mapping) else None
+        if not isinstance(kind, str) or not kind.startswith("clear_thinking"):
+            raise _Refuse(f"edit {kind!r}: only clear_thinking edits are accepted (the proxy "
+                          "keeps the recorded tokens; other edits would change the prompt)")
+    return None
+
+
 def _thinking(value: Any, body: Mapping[str, Any]) -> str | None:
     if value is not None and (not isinstance(value, Mapping) or value.get("type") not in (
             "enabled", "disabled", "adaptive")):
@@ -477,7 +494,10 @@ MESSAGES_FIELDS: dict[str, FieldRule] = {
     "top_k": _refused("the proxy serves no top_k (sampling is the session's)"),
     "container": _refused("containers: the proxy serves no server tools"),
     "mcp_servers": _refused("MCP servers: the proxy serves no server tools"),
-    "context_management": _refused("server-side context management"),
+    "context_management": FieldRule(
+        "no effect", "clear_thinking edits (Claude Code sends one on every request): the "
+        "recorded tokens are kept, listed in ignored_fields, refused with strict_fields; other "
+        "edits refused", _context_management, _whole),
 }
 """Every field of ``POST /v1/messages`` (Anthropic's Messages API), and
 :data:`MESSAGES_EXTENSION_FIELDS`."""
