@@ -308,3 +308,54 @@ def test_tool_returning_an_image_is_token_exact(vl):
     assert mask[len(context) - len(sample.prompt_ids):] == [1] * len(sampled)
     tool_message = next(m for m in item.artifacts[A.MESSAGES] if m.role == "tool")
     assert tool_message.content[0]["width"] == 160 and "sha256" in tool_message.content[0]
+
+
+def test_image_tokens_count_toward_the_context_and_the_simulated_engine_ignores_pixels(vl):
+    """The simulated engine takes the images and ignores them; the image's tokens count
+    toward the context limit: a limit the text alone fits but the image does not ends the
+    sample ``length`` before any request."""
+    from pipeline.testing import SimulatedEngine
+
+    data = png((5, 5, 5), (224, 224))  # 16x16 patches -> 64 image tokens
+    calls: list[Any] = []
+
+    def responder(prompt_ids, rng):  # type: ignore[no-untyped-def]
+        calls.append(len(prompt_ids))
+        return [151645]
+
+    engine = SimulatedEngine(responder=responder, latency_s=0.0)
+    tokenizer = vl["processor"].tokenizer
+    text_only = len(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What color is this?"}], add_generation_prompt=True,
+        tokenize=True, return_dict=True)["input_ids"])
+    rows = [image_row(data_url(data))]
+    fits = Pipeline([BuildPrompt(processor=vl["processor"]), Generate()], engine=engine,
+                    tokenizer=tokenizer, sampling={"max_tokens": 4})
+    result = run(fits, rows)
+    assert result.items[0].status.value == "completed", result.items[0].error
+    assert calls and calls[0] == len(result.samples[0].prompt_ids) >= text_only + 64
+    calls.clear()
+    tight = Pipeline([BuildPrompt(processor=vl["processor"]),
+                      Generate(max_model_len=text_only + 40)], engine=engine,
+                     tokenizer=tokenizer, sampling={"max_tokens": 4})
+    result = run(tight, rows)
+    assert result.samples[0].finish_reason.value == "length"
+    assert calls == []
+
+
+def test_openai_engine_refuses_images():
+    from pipeline import EngineError, SamplingParams
+    from pipeline.engines import OpenAIEngine
+    from pipeline.multimodal import MultiModalInputs
+
+    engine = OpenAIEngine("http://127.0.0.1:9", model="m")
+    inputs = MultiModalInputs((load_image(png((1, 1, 1))),), None, None, (4,))
+
+    async def go() -> None:
+        try:
+            await engine.generate([1], SamplingParams(max_tokens=1), "r", multi_modal=inputs)
+        finally:
+            await engine.aclose()
+
+    with pytest.raises(EngineError, match="takes no images"):
+        asyncio.run(go())

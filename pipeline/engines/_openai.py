@@ -241,14 +241,20 @@ class OpenAIEngine:
         return body
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       request_id: str) -> Generation:
+                       request_id: str, *, multi_modal: Any = None) -> Generation:
         """One completion on the routed server (see the class doc).
+
+        ``multi_modal`` (images) is refused: token-id prompts go to ``/v1/completions``,
+        which takes no images; use the in-process vLLM or transformers engine for them.
 
         Raises:
             EngineError: a 4xx answer, retries exhausted, or an answer without token ids or
                 logprobs (the server is not vLLM-compatible enough).
             asyncio.CancelledError: the caller was cancelled; the connection is closed.
         """
+        if multi_modal:
+            raise EngineError(f"request {request_id}: the OpenAI engine sends token-id "
+                              f"prompts to /v1/completions, which takes no images")
         model = await self.model_name()
         async with self._gate.admit(request_id, self.policy_version):
             version = self._gate.in_flight.get(request_id)

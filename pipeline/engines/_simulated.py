@@ -184,9 +184,12 @@ class SimulatedEngine:
         return reply[: sampling.max_tokens], FinishReason.LENGTH
 
     async def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: str, *,
+        multi_modal: Any = None,
     ) -> Generation:
-        """Simulate one request (see class doc): seeded tokens after the simulated time."""
+        """Simulate one request (see class doc): seeded tokens after the simulated time.
+        ``multi_modal`` (a vision-language prompt's images) is accepted and ignored: the
+        image tokens in ``prompt_ids`` count like any other."""
         while self._pause_mode is not None and self._opened is not None:
             await self._opened.wait()  # paused: new requests wait for resume
         self.calls += 1

@@ -213,16 +213,26 @@ class VLLMEngine:
             ignore_eos=self.ignore_eos, logprobs=0, detokenize=False,
             output_kind=self._output_kind, **extra)
 
-    def prompt(self, prompt_ids: Sequence[int]) -> dict[str, Any]:
-        """A token-id prompt in the form the installed vLLM takes without re-processing."""
+    def prompt(self, prompt_ids: Sequence[int], multi_modal: Any = None) -> dict[str, Any]:
+        """A token-id prompt in the form the installed vLLM takes without re-processing.
+
+        With ``multi_modal`` (:class:`pipeline.multimodal.MultiModalInputs`) the prompt also
+        carries the images as vLLM's ``multi_modal_data`` (its own processor encodes them and
+        finds their image tokens, already expanded in ``prompt_ids``) and their sha256 as
+        ``multi_modal_uuids`` (vLLM's cache key: the n samples of a group hit it).
+        """
         ids = [int(t) for t in prompt_ids]
-        if self.features.token_input:
-            return {"type": "token", "prompt_token_ids": ids}
-        return {"prompt_token_ids": ids}
+        prompt: dict[str, Any] = ({"type": "token", "prompt_token_ids": ids}
+                                  if self.features.token_input else {"prompt_token_ids": ids})
+        if multi_modal:
+            prompt["multi_modal_data"] = {"image": multi_modal.pil_images()}
+            prompt["multi_modal_uuids"] = {"image": [i.sha256 for i in multi_modal.images]}
+        return prompt
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       request_id: str) -> Generation:
-        """Generate one continuation of ``prompt_ids`` (see the class doc).
+                       request_id: str, *, multi_modal: Any = None) -> Generation:
+        """Generate one continuation of ``prompt_ids`` (see the class doc); ``multi_modal``:
+        the images of a vision-language prompt (see :meth:`prompt`).
 
         Raises:
             EngineError: the engine is closed or failed, or returned no logprobs.
@@ -230,7 +240,7 @@ class VLLMEngine:
         """
         if self._closed:
             raise EngineError(f"request {request_id}: the engine is closed")
-        prompt = self.prompt(prompt_ids)
+        prompt = self.prompt(prompt_ids, multi_modal)
         params = self.sampling_params(sampling)
         final: Any = None
         self._versions[request_id] = None if self._paused else self.policy_version
