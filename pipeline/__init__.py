@@ -49,6 +49,7 @@ from pipeline._exceptions import (
     TokenIntegrityError,
 )
 from pipeline._logging import configure_logging
+from pipeline._runner.async_driver import AsyncReport, AsyncRollout
 from pipeline._runner.context import Context, Resources
 from pipeline._runner.dynamic import (
     DynamicSampling,
@@ -91,6 +92,8 @@ __all__ = [
     "AdaptiveConcurrency",
     "AgentMessage",
     "AgentRolloutItem",
+    "AsyncReport",
+    "AsyncRollout",
     "BatchProgress",
     "BatchStats",
     "BuildPrompt",

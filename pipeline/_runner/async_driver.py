@@ -1,0 +1,399 @@
+"""Asynchronous RL: a rollout stream a trainer holds across weight updates.
+
+A synchronous trainer generates a batch, stops, trains, pushes weights and generates again:
+the engine idles while the trainer trains, and the trainer waits for each batch's slowest
+sample. :class:`AsyncRollout` keeps up to ``max_inflight`` groups generating while the trainer
+takes batches of finished groups (:meth:`AsyncRollout.next_batch`) and pushes new weights
+without stopping the stream (:meth:`AsyncRollout.update_weights`): the engine is paused with
+``"keep"``, its weights replaced, and resumed; requests in flight go on under the new weights
+with the tokens they had (a partial rollout), and every token records the version that sampled
+it (``RolloutSample.token_versions``).
+
+Staleness (AReaL's bound): with ``max_staleness=eta`` a group's *lag* is the trainer's version
+minus the oldest version of any of its tokens (the version current when it started, for a
+group that sampled nothing). Two rules keep it within ``eta``:
+
+- admission: a group starts only while the groups started (and not set aside) are fewer than
+  ``(updates + eta + 1) * batch_groups``, so nothing starts that could only be trained on
+  more than ``eta`` versions later; ``eta = 0`` is the synchronous loop (one batch per
+  version, started after the update);
+- delivery: a finished group whose lag exceeds ``eta`` when the trainer takes it is set aside
+  and counted, never delivered; groups started under an older version that finish within the
+  bound are delivered.
+
+Nothing is lost: every group started ends delivered, set aside, or (when the driver closes)
+undelivered, each counted in :class:`AsyncReport` by lag; its samples keep their status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from pipeline._concurrency.cancel import wait_through_cancellation
+from pipeline._data.config import check_count
+from pipeline._data.models import RolloutSample
+from pipeline._exceptions import ConfigError
+from pipeline._runner.dynamic import GroupResult
+from pipeline._runner.producer import SampleRun
+from pipeline._runner.stream import RowSource
+
+if TYPE_CHECKING:
+    from pipeline._runner.pipeline import Pipeline
+
+WeightLoader = Callable[[], Awaitable[int | None]]
+"""Loads new weights into the paused engine by the caller's own means (an NCCL broadcast) and
+returns the new version, or None to let the driver read ``engine.policy_version``."""
+
+
+@dataclass
+class AsyncReport:
+    """What an :class:`AsyncRollout` did; every dict maps a version lag to a group count.
+
+    Invariant once the driver is closed: ``groups_started == sum(delivered) +
+    sum(set_aside) + undelivered``.
+
+    Attributes:
+        version: the trainer's version now (the engine's after the last update).
+        updates: weight updates through the driver.
+        groups_started: groups started.
+        delivered: groups handed to the trainer, by lag when handed over.
+        set_aside: finished groups whose lag exceeded ``max_staleness``, by lag.
+        interrupted: groups in flight at an update, by their lag just after it (a group
+            in flight at two updates is counted twice).
+        undelivered: groups started and not handed over when the driver closed (finished
+            or cut short; their samples end ``aborted`` if cut short).
+        update_stall_s: seconds each update held the engine paused.
+        by_status: samples by status, of every group that finished.
+        set_aside_groups: the groups set aside, samples included.
+        wall_time_s: from start to close.
+    """
+
+    version: int = 0
+    updates: int = 0
+    groups_started: int = 0
+    delivered: dict[int, int] = field(default_factory=dict)
+    set_aside: dict[int, int] = field(default_factory=dict)
+    interrupted: dict[int, int] = field(default_factory=dict)
+    undelivered: int = 0
+    update_stall_s: list[float] = field(default_factory=list)
+    by_status: dict[str, int] = field(default_factory=dict)
+    set_aside_groups: list[GroupResult] = field(default_factory=list)
+    wall_time_s: float = 0.0
+
+    def count(self, sample: RolloutSample) -> None:
+        """Count one finished sample under its status."""
+        key = sample.status.value
+        self.by_status[key] = self.by_status.get(key, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """The counts as plain JSON-ready values (the groups themselves left out)."""
+        return {"version": self.version, "updates": self.updates,
+                "groups_started": self.groups_started,
+                "delivered": _keyed(self.delivered), "set_aside": _keyed(self.set_aside),
+                "interrupted": _keyed(self.interrupted), "undelivered": self.undelivered,
+                "update_stall_s": [round(s, 4) for s in self.update_stall_s],
+                "by_status": dict(self.by_status), "wall_time_s": round(self.wall_time_s, 3)}
+
+
+def _keyed(counts: dict[int, int]) -> dict[str, int]:
+    return {str(lag): counts[lag] for lag in sorted(counts)}
+
+
+def _bump(counts: dict[int, int], lag: int) -> None:
+    counts[lag] = counts.get(lag, 0) + 1
+
+
+@dataclass
+class _Group:
+    runs: list[SampleRun]
+    version: int
+    """The trainer's version when the group started."""
+    left: int
+
+
+def group_lag(group: GroupResult, version: int, started: int) -> int:
+    """``version`` minus the oldest version of any token of ``group`` (``started`` when no
+    sample reports one)."""
+    oldest = [s.policy_version for s in group.samples if s.policy_version is not None]
+    return version - min(oldest, default=started)
+
+
+class AsyncRollout:
+    """Groups generating continuously across weight updates, under a staleness bound.
+
+    Use it as ``async with AsyncRollout(pipeline, rows, n=4, batch_groups=8,
+    max_inflight=16, max_staleness=1) as rollout:``, then per training step ``groups = await
+    rollout.next_batch()``, train, ``await rollout.update_weights(state_dict=...)``. The
+    engine is the pipeline's (``pipeline.resources.engine``); it must implement the weight
+    sync hooks (:class:`~pipeline.engines.WeightSync`; every built-in engine does, the
+    transformers engine through :class:`~pipeline.engines.WeightSyncedEngine`).
+
+    Args:
+        pipeline: the pipeline whose samples are generated.
+        rows: any iterable of rows, read lazily as groups start.
+        n: samples per row (None: each row's ``sampling.n``).
+        batch_groups: groups per trainer batch (:meth:`next_batch`).
+        max_inflight: groups generating at once at most (default ``2 * batch_groups``).
+        max_staleness: ``eta``, the most versions a delivered group's oldest token may lag
+            the trainer; None: no bound (only ``max_inflight``).
+        pause_mode: how :meth:`update_weights` pauses the engine: ``"keep"`` (partial
+            rollouts, the default) or ``"wait"`` (requests in flight finish on the old
+            weights first).
+
+    Raises:
+        ConfigError: a count out of range, an unknown pause mode, or an engine without the
+            weight sync hooks; naming the field.
+    """
+
+    def __init__(self, pipeline: Pipeline, rows: Iterable[Any], *, n: int | None = None,
+                 batch_groups: int, max_inflight: int | None = None,
+                 max_staleness: int | None = None, pause_mode: str = "keep") -> None:
+        check_count(batch_groups, "batch_groups", 1)
+        check_count(max_inflight, "max_inflight", 1, optional=True)
+        check_count(max_staleness, "max_staleness", 0, optional=True)
+        if pause_mode not in ("keep", "wait"):
+            raise ConfigError(f"pause_mode must be 'keep' or 'wait', got {pause_mode!r}",
+                              field="pause_mode")
+        engine = pipeline.resources.engine
+        for hook in ("pause", "resume", "update_weights"):
+            if not callable(getattr(engine, hook, None)):
+                raise ConfigError(f"AsyncRollout needs an engine with weight sync hooks; "
+                                  f"{type(engine).__name__} has no {hook}()", field="engine")
+        self.pipeline = pipeline
+        self.engine: Any = engine
+        self.batch_groups = batch_groups
+        self.max_inflight = max_inflight if max_inflight is not None else 2 * batch_groups
+        self.max_staleness = max_staleness
+        self.pause_mode = pause_mode
+        self.report = AsyncReport(version=int(getattr(engine, "policy_version", None) or 0))
+        self._source = RowSource(rows, n, pipeline)
+        self._producer = pipeline.producer(None, None)
+        self._groups: dict[str, _Group] = {}
+        self._ready: deque[tuple[GroupResult, int]] = deque()
+        self._useful = 0  # groups started and not set aside
+        self._changed = asyncio.Event()  # a group finished, or the feeder ended
+        self._wake = asyncio.Event()  # admission may have opened
+        self._feeder: asyncio.Task[None] | None = None
+        self._scope: Any = None
+        self._error: BaseException | None = None
+        self._updating = asyncio.Lock()
+        self._closed = False
+        self._feeding = True
+        self._started_at = time.monotonic()
+
+    @property
+    def version(self) -> int:
+        """The trainer's version: the engine's after the last update through the driver."""
+        return self.report.version
+
+    @property
+    def inflight_groups(self) -> int:
+        """Groups started and not finished yet."""
+        return len(self._groups)
+
+    async def __aenter__(self) -> AsyncRollout:
+        self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def start(self) -> None:
+        """Start generating (``async with`` calls it); idempotent."""
+        if self._feeder is None and not self._closed:
+            self._started_at = time.monotonic()
+            self._scope = self.pipeline.batch_scope(None)
+            self._feeder = asyncio.get_running_loop().create_task(
+                self._feed(), name="async-rollout-feeder")
+
+    # ----- admission and the feeder --------------------------------------------------------
+
+    def _may_start(self) -> bool:
+        if len(self._groups) >= self.max_inflight:
+            return False
+        if self.max_staleness is None:
+            return True
+        return self._useful < (self.report.updates + self.max_staleness + 1) * self.batch_groups
+
+    def _fill(self) -> None:
+        """Start groups while admission allows (see the module doc)."""
+        while not self._closed and self._error is None and self._may_start():
+            items = self._source.next_group()
+            if items is None:
+                return
+            runs = self._producer.start(items)
+            self._groups[items[0].group_id] = _Group(runs, self.report.version, len(runs))
+            self.report.groups_started += 1
+            self._useful += 1
+
+    async def _feed(self) -> None:
+        """Owned by the driver: turns finished samples into groups and refills."""
+        producer = self._producer
+        assert self._scope is not None
+        async with self._scope:
+            try:
+                while True:
+                    self._wake.clear()
+                    self._fill()
+                    if not producer.unfinished:
+                        if self._source.stopped is not None:
+                            return  # every row started and finished
+                        await self._wake.wait()
+                        continue
+                    run = await producer.next_finished()
+                    group = self._groups.get(run.item.group_id)
+                    if group is None:
+                        continue
+                    group.left -= 1
+                    if group.left == 0:
+                        self._finish_group(run.item.group_id, group)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bad row drawn late: the trainer sees it
+                self._error = exc
+            finally:
+                self._feeding = False  # before the scope's own exit, which may take steps
+                self._changed.set()
+
+    def _finish_group(self, gid: str, group: _Group) -> None:
+        del self._groups[gid]
+        runs = sorted(group.runs, key=lambda r: r.item.sample_index)
+        result = GroupResult(gid, [self.pipeline.sample_of(r) for r in runs],
+                             [r.item for r in runs])
+        for sample in result.samples:
+            self.report.count(sample)
+        self._ready.append((result, group.version))
+        self._changed.set()
+
+    # ----- the trainer's side ---------------------------------------------------------------
+
+    async def next_batch(self, num_groups: int | None = None) -> list[GroupResult]:
+        """Wait for ``num_groups`` (default ``batch_groups``) finished groups within the
+        staleness bound and hand them over, oldest first.
+
+        Returns fewer (possibly none) once the rows are exhausted and nothing is left to
+        finish.
+
+        Raises:
+            ConfigError: the driver was closed or not started.
+            Exception: an error the rows raised when drawn (a bad row).
+        """
+        want = self.batch_groups if num_groups is None else num_groups
+        check_count(want, "num_groups", 1)
+        if self._feeder is None or self._closed:
+            raise ConfigError("AsyncRollout.next_batch: use the driver inside 'async with' "
+                              "(or call start()), before aclose()")
+        while True:
+            self._set_aside_stale()
+            self._fill()
+            if len(self._ready) >= want or (not self._feeding and not self._groups):
+                break
+            if self._error is not None:
+                raise self._error
+            if not self._groups and self._source.stopped is None:
+                raise ConfigError(
+                    f"AsyncRollout.next_batch: {len(self._ready)} group(s) ready, {want} asked, "
+                    f"and max_staleness={self.max_staleness} lets no group start before the "
+                    "next update_weights(): update the weights between batches",
+                    field="max_staleness")
+            self._changed.clear()
+            await self._changed.wait()
+        if self._error is not None and not self._ready:
+            raise self._error
+        batch: list[GroupResult] = []
+        while self._ready and len(batch) < want:
+            result, started = self._ready.popleft()
+            _bump(self.report.delivered, group_lag(result, self.report.version, started))
+            batch.append(result)
+        return batch
+
+    def _set_aside_stale(self) -> None:
+        if self.max_staleness is None:
+            return
+        kept: deque[tuple[GroupResult, int]] = deque()
+        for result, started in self._ready:
+            lag = group_lag(result, self.report.version, started)
+            if lag > self.max_staleness:
+                _bump(self.report.set_aside, lag)
+                self.report.set_aside_groups.append(result)
+                self._useful -= 1  # its place may be taken by a fresh group
+            else:
+                kept.append((result, started))
+        if len(kept) != len(self._ready):
+            self._ready = kept
+            self._fill()
+            self._wake.set()
+
+    async def update_weights(self, state_dict: Mapping[str, Any] | None = None,
+                             path: str | Path | None = None, *, version: int | None = None,
+                             load: WeightLoader | None = None) -> int:
+        """Push new weights without stopping the stream: pause the engine (``pause_mode``),
+        load, resume; return the new version.
+
+        ``state_dict``/``path``/``version`` go to ``engine.update_weights``; or pass ``load``
+        to load them by other means while the engine is paused. The engine is resumed
+        however the load ends (an error, a cancellation); a failed load changes no version.
+
+        Raises:
+            EngineError, ConfigError: what the engine's hooks raise.
+        """
+        async with self._updating:
+            engine = self.engine
+            began = time.monotonic()
+            await engine.pause(self.pause_mode)
+            try:
+                if load is not None:
+                    loaded = await load()
+                    new = int(loaded if loaded is not None else engine.policy_version or 0)
+                else:
+                    new = int(await engine.update_weights(state_dict, path, version=version))
+            finally:
+                resume = asyncio.ensure_future(engine.resume())
+                cancelled = await wait_through_cancellation([resume])
+                self.report.update_stall_s.append(time.monotonic() - began)
+                if cancelled:
+                    raise asyncio.CancelledError
+                resume.result()  # its error, if any
+            self.report.version = new
+            self.report.updates += 1
+            for group in self._groups.values():
+                _bump(self.report.interrupted, new - group.version)
+            self._fill()
+            self._wake.set()
+            self._changed.set()  # ready groups may be stale now
+            return new
+
+    async def aclose(self) -> None:
+        """Cancel what still runs (cleanups run), wait for it, and count what was never
+        delivered; idempotent, safe under cancellation."""
+        if self._closed:
+            return
+        self._closed = True
+        feeder = self._feeder
+        cancelled = False
+        try:
+            if feeder is not None and not feeder.done():
+                feeder.cancel()
+                cancelled = await wait_through_cancellation([feeder])
+        finally:
+            try:
+                if self._producer.unfinished:
+                    await self._producer.cancel()  # re-raises a cancellation of ours
+            finally:
+                self.report.undelivered = len(self._ready) + len(self._groups)
+                for gid, group in list(self._groups.items()):
+                    for run in group.runs:
+                        self.report.count(self.pipeline.sample_of(run))
+                    del self._groups[gid]
+                self._ready.clear()
+                self.report.wall_time_s = time.monotonic() - self._started_at
+        if cancelled:
+            raise asyncio.CancelledError
