@@ -199,6 +199,9 @@ class SimulatedEngine:
         tokens, reason = self._complete(
             self._reply(list(prompt_ids), rng, sampling.max_tokens), sampling)
         logprobs = [-rng.expovariate(2.0) for _ in tokens]
+        # Everything is drawn before the wait: a live generator (2.5 KB of Mersenne Twister
+        # state) held by every request in flight would weigh more than its reply does.
+        del rng
         hang = fault < self.hang_rate
         if self.scheduler is not None and not hang:
             versions, aborted = await self._decode(request_id, len(prompt_ids), tokens)
