@@ -52,6 +52,10 @@ TOKEN_VERSIONS: Final = "token_versions"
 """list[int]: aligned with ``RESPONSE_IDS``: the policy version that sampled each token, -1 on
 tokens the model did not sample; set by ``Generate`` when the engine reports versions."""
 
+MULTI_MODAL: Final = "multi_modal"
+"""``pipeline.multimodal.SampleImages``: the sample's vision processor and the pixel inputs of
+its image tokens so far (prompt, then tool turns); set by ``BuildPrompt(processor=...)``."""
+
 RAW_FINISH_REASON: Final = "raw_finish_reason"
 """str: the engine's own finish reason for the last generation, kept beside ours."""
 

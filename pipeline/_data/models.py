@@ -11,7 +11,7 @@ import math
 import numbers
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from pipeline._data.config import SamplingParams
 from pipeline._data.rows import DatasetRow
@@ -197,6 +197,11 @@ class RolloutSample(BaseModel):
     tool/template tokens; None when the engine tracks no versions. ``policy_version`` is the
     oldest version of any token (verl's ``min_global_steps``), :attr:`max_policy_version` the
     newest (``max_global_steps``).
+
+    Vision-language samples: ``multi_modal_inputs`` is their ``MultiModalInputs`` (the
+    images and the processor's ``pixel_values`` / ``image_grid_thw`` for the image tokens of
+    ``prompt_ids`` and ``response_ids``, in order; see :mod:`pipeline.multimodal`); None
+    without images.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -221,6 +226,12 @@ class RolloutSample(BaseModel):
     tool_turns: int = 0
     extra_fields: dict[str, Any] = Field(default_factory=dict)
     token_versions: list[int] | None = None
+    multi_modal_inputs: Any = None
+
+    @field_serializer("multi_modal_inputs", when_used="json")
+    def _images_as_summary(self, value: Any) -> Any:
+        """In JSON (dumps, wire forms) each image is its hash, size and token count."""
+        return None if value is None else value.summary()
 
     @property
     def max_policy_version(self) -> int | None:

@@ -94,6 +94,8 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
         "tool_turns": int(art.get(A.TOOL_TURNS, 0)),
         "extra_fields": _as_dict(art.get(A.EXTRA_FIELDS) or {}),
         "token_versions": versions,
+        # a vision-language sample's pixel inputs (pipeline.multimodal.MultiModalInputs)
+        "multi_modal_inputs": getattr(art.get(A.MULTI_MODAL), "inputs", None) or None,
     }
     if _already_valid(values):
         return construct(RolloutSample, values)

@@ -31,6 +31,7 @@ import structlog
 from pipeline._data.models import NOT_SAMPLED, RolloutSample
 from pipeline._exceptions import ConfigError, ContractError
 from pipeline.batch._experts import as_routes, check_routed_experts
+from pipeline.multimodal import image_columns
 
 _logger = structlog.get_logger("pipeline.batch")
 
@@ -79,7 +80,9 @@ def collate(
         ``[B, R]`` (int64), ``masked`` and ``overlong`` ``[B]`` (bool); when present
         ``rollout_log_probs`` and ``rm_scores`` ``[B, R]`` (float32),
         ``rollout_token_versions`` ``[B, R]`` (int64, -1 where no model token) and
-        ``routed_experts`` ``[B, P + R, num_layers, topk]`` (the samples' integer dtype).
+        ``routed_experts`` ``[B, P + R, num_layers, topk]`` (the samples' integer dtype);
+        with images (vision-language samples) ``pixel_values`` and ``image_grid_thw`` (every
+        sample's images in order, concatenated) and ``image_counts`` ``[B]``.
 
     Raises:
         ConfigError: a budget below 1, or an unknown ``pad_to`` / ``return_tensors``.
@@ -114,7 +117,9 @@ def collate(
         uids = [s.uid for s, o in zip(samples, layout.overlong.tolist(), strict=True) if o]
         _logger.warning("collate_overlong", count=len(uids), uids=uids[:8],
                         max_prompt_len=max_prompt_len, max_response_len=max_response_len)
-    return _to_torch(out) if return_tensors == "pt" else out
+    result = _to_torch(out) if return_tensors == "pt" else out
+    result.update(image_columns(samples, return_tensors))
+    return result
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from pipeline._data.models import AgentRolloutItem, RolloutSample
 from pipeline._exceptions import ConfigError
 from pipeline.batch._collate import check_alignment, collate, has_logprobs, has_rewards
 from pipeline.batch._experts import as_routes, check_routed_experts, filled_routes
+from pipeline.multimodal import mrope_position_ids
 
 VERL_BATCH_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask",
                    "position_ids")
@@ -206,7 +207,9 @@ def to_verl_outputs(
                 list(sample.logprobs) if sample.logprobs is not None
                 else [0.0] * len(sample.response_ids)),
             "routed_experts": None if layout is None else filled_routes(sample, arr, layout),
-            "multi_modal_data": None,
+            # verl's worker builds multi_modal_inputs and mrope positions from the images
+            "multi_modal_data": ({"images": sample.multi_modal_inputs.pil_images()}
+                                 if sample.multi_modal_inputs else None),
             "reward_score": None if not with_reward else (
                 0.0 if sample.masked or sample.reward is None else float(sample.reward)),
             "num_turns": _num_turns(sample, item),
@@ -256,6 +259,7 @@ def to_verl_batch(
     uid_key: str | None = "uid",
     reward_extra_keys: Sequence[str] | None = None,
     use_verl: bool | None = None,
+    processor: Any = None,
 ) -> Any:
     """The batch verl's agent-loop worker hands its trainer: a ``DataProto`` (or dicts).
 
@@ -277,6 +281,11 @@ def to_verl_batch(
             its own ``uid`` column (``DataProto.union`` refuses differing values).
         reward_extra_keys: pins the reward-extra columns (see :func:`reward_extra_info`).
         use_verl: as for :func:`to_verl_outputs`, with ``verl.protocol.DataProto``.
+        processor: for vision-language samples, the processor with the model's
+            ``get_rope_index`` (verl's ``hf_processor``): ``position_ids`` are then
+            ``[B, 4, T]`` mrope positions in verl's layout
+            (:func:`pipeline.multimodal.mrope_position_ids`), and ``multi_modal_inputs``
+            holds each sample's ``pixel_values`` and ``image_grid_thw``.
 
     Returns:
         ``DataProto(batch=..., non_tensor_batch=..., meta_info=...)``, or a dict with
@@ -289,11 +298,20 @@ def to_verl_batch(
         ``rm_scores`` is present; nothing that may differ between workers).
 
     Raises:
-        ContractError, ConfigError: as :func:`collate` raises them.
+        ContractError, ConfigError: as :func:`collate` raises them; ConfigError
+            (``field="processor"``) for images without a processor that has
+            ``get_rope_index``.
     """
     samples = [with_response_token(s, pad_token_id) for s in samples]
     tensors = collate(samples, pad_token_id=pad_token_id, max_prompt_len=max_prompt_len,
                       max_response_len=max_response_len, pad_to="max", return_tensors="pt")
+    images = [s.multi_modal_inputs or None for s in samples]
+    for key in ("pixel_values", "image_grid_thw", "image_counts"):  # per sample below
+        tensors.pop(key, None)
+    if any(images) or getattr(processor, "get_rope_index", None) is not None:  # as verl's
+        tensors["position_ids"] = mrope_position_ids(
+            processor, tensors["input_ids"], tensors["attention_mask"],
+            [i.image_grid_thw if i else None for i in images])
     masked, overlong = tensors.pop("masked").numpy(), tensors.pop("overlong").numpy()
     rows = _items(samples, items)
     n = len(samples)
@@ -308,7 +326,7 @@ def to_verl_batch(
         columns.setdefault(key, value)
     for key in VERL_WORKER_KEYS:
         columns.setdefault(key, [None] * n)
-    columns["multi_modal_inputs"] = [{} for _ in range(n)]
+    columns["multi_modal_inputs"] = [i.trainer_inputs() if i else {} for i in images]
     columns["raw_prompt"] = [_raw_prompt(it, verl_row) for it, verl_row in zip(rows, inputs,
                                                                             strict=True)]
     extras = _extra_fields(samples)

@@ -31,6 +31,7 @@ from pipeline.multimodal._inputs import (
     SampleImages,
     VisionProcessor,
 )
+from pipeline.multimodal._positions import image_columns, mrope_position_ids
 from pipeline.multimodal._tiny_vl import (
     TinyVLSpec,
     build_tiny_vl_model,
@@ -61,11 +62,13 @@ __all__ = [
     "ensure_tiny_vl_model",
     "expand_observation",
     "has_images",
+    "image_columns",
     "image_ref",
     "image_result_parts",
     "is_image_part",
     "is_image_result",
     "load_image",
+    "mrope_position_ids",
     "multi_modal_inputs",
     "tiny_vl_processor",
     "vl_chat_template",

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline import artifacts as A
 from pipeline.multimodal._images import (
     ImageError,
     ImageLimits,
@@ -23,7 +24,7 @@ from pipeline.multimodal._images import (
     part_source,
 )
 
-MULTI_MODAL = "multi_modal"
+MULTI_MODAL = A.MULTI_MODAL
 """Artifact: the sample's :class:`SampleImages` (set by ``BuildPrompt(processor=...)``)."""
 
 
@@ -73,11 +74,16 @@ class MultiModalInputs:
                 for image, tokens in zip(self.images, self.image_token_counts, strict=True)]
 
     def trainer_inputs(self) -> dict[str, Any]:
-        """verl's ``multi_modal_inputs`` entry of a sample: ``pixel_values`` and
-        ``image_grid_thw`` (empty without images)."""
+        """verl's ``multi_modal_inputs`` entry of a sample (empty without images):
+        ``pixel_values``, ``image_grid_thw`` and ``images_seqlens`` (patches per frame, as
+        verl 0.9.1's worker adds it)."""
         if not self:
             return {}
-        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+        import torch
+
+        grid = self.image_grid_thw
+        return {"pixel_values": self.pixel_values, "image_grid_thw": grid,
+                "images_seqlens": torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])}
 
 
 @dataclass
