@@ -119,9 +119,9 @@ async def serve_messages(host: ProxyHost, request: web.Request, session: Session
             else _messages.parse_messages(data))
     features = check_fields(data, MESSAGES_FIELDS, host.enforces)
     if large:  # translating many blocks would block the loop
-        chat, extra = await asyncio.to_thread(_messages.to_chat, spec)
+        chat, extra = await asyncio.to_thread(_messages.to_chat, spec, session.translated)
     else:
-        chat, extra = _messages.to_chat(spec)
+        chat, extra = _messages.to_chat(spec, session.translated)
     if extra and host.config.strict_fields:
         raise FinalError(f"{extra[0]}: the proxy cannot act on this hint, and strict_fields "
                          "refuses what it would ignore", param=extra[0],

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -52,6 +52,7 @@ from pipeline.proxy._wire import ChatCompletionRequest, invalid, value_repr
 BILLING_HEADER = "x-anthropic-billing-header"
 """The system block Claude Code prefixes with a per-request hash (dropped, listed)."""
 _MAX_STOPS = 4  # chat's limit: each stop string is searched in every reply
+_JSON = json.JSONEncoder(ensure_ascii=False)  # json.dumps with options builds one per call
 
 
 class MessagesRequest(BaseModel):
@@ -85,9 +86,22 @@ def parse_messages(data: Any) -> MessagesRequest:
         raise invalid(exc, data) from None
 
 
-def to_chat(request: MessagesRequest) -> tuple[ChatCompletionRequest, tuple[str, ...]]:
+class Translated(NamedTuple):
+    """One Messages API message and the chat messages it became (kept per session)."""
+
+    raw: Any
+    chat: list[dict[str, Any]]
+    ignored: frozenset[str]
+
+
+def to_chat(request: MessagesRequest, memo: list[Translated] | None = None,
+            ) -> tuple[ChatCompletionRequest, tuple[str, ...]]:
     """The chat request ``request`` stands for, and the paths of what it sent that has no
     effect (``cache_control``, ``tool_result.is_error``, Claude Code's billing header).
+
+    ``memo``: the session's translations of its last request, reused for every message the
+    agent sends again unchanged (one dict comparison instead of a translation each; an agent
+    sends its whole history every turn), and updated with this request's.
 
     Raises:
         ProxyRequestError: a block, tool or field the proxy cannot translate (``param``
@@ -96,8 +110,18 @@ def to_chat(request: MessagesRequest) -> tuple[ChatCompletionRequest, tuple[str,
     """
     ignored: set[str] = set()
     messages = _system(request.system, ignored)
+    previous = list(memo or ())  # a copy: two requests of a session may run at once
+    done: list[Translated] = []
     for i, message in enumerate(request.messages):
-        messages += _message(message, f"messages.{i}", ignored)
+        if i < len(previous) and previous[i].raw == message:
+            done.append(previous[i])
+        else:
+            paths: set[str] = set()
+            done.append(Translated(message, _message(message, f"messages.{i}", paths),
+                                   frozenset(paths)))
+            previous = []  # the rest is a new conversation's
+        messages += done[-1].chat
+        ignored |= done[-1].ignored
     stops = request.stop_sequences or []
     if len(stops) > _MAX_STOPS or any(not s for s in stops):
         raise ProxyRequestError(f"stop_sequences: up to {_MAX_STOPS} non-empty strings are "
@@ -113,6 +137,8 @@ def to_chat(request: MessagesRequest) -> tuple[ChatCompletionRequest, tuple[str,
         chat = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise ProxyRequestError(describe_validation_error(exc), code="invalid_value") from None
+    if memo is not None:
+        memo[:] = done
     return chat, tuple(sorted(ignored))
 
 
@@ -234,9 +260,10 @@ def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
     arguments = block.get("input", {})
     if not isinstance(arguments, dict):
         raise _bad(f"{where}.input", f"must be an object, got {value_repr(arguments)}")
+    # the arguments stay an object: they are compared as parsed JSON, and written as JSON
+    # text only where the message is rendered (never, once it matched the recorded reply)
     return {"id": _string(block, "id", where), "type": "function",
-            "function": {"name": _string(block, "name", where),
-                         "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": _string(block, "name", where), "arguments": arguments}}
 
 
 def _tools(tools: list[Any] | None, ignored: set[str]) -> list[dict[str, Any]] | None:
@@ -354,7 +381,7 @@ def stream_events(final: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             first = {**block, "input": {}}
             delta = {"type": "input_json_delta",
-                     "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+                     "partial_json": _JSON.encode(block["input"])}
         events += [{"type": "content_block_start", "index": index, "content_block": first},
                    {"type": "content_block_delta", "index": index, "delta": delta}]
         if kind == "thinking":

@@ -30,6 +30,7 @@ from pipeline._data.models import AgentMessage
 from pipeline._text.tokenizer import Tokenizer
 from pipeline.proxy._errors import ProxyLimitError, ProxyRequestError, SessionNotFound
 from pipeline.proxy._history import History
+from pipeline.proxy._messages import Translated
 from pipeline.proxy._responses import ResponseLink
 
 _logger = structlog.get_logger("pipeline.proxy")
@@ -114,6 +115,9 @@ class Session:
         self.held = held
         self.ended: str | None = None
         self.responses: dict[str, ResponseLink] = {}
+        self.translated: list[Translated] = []
+        """The Messages API messages of the last request, translated (``_messages.to_chat``
+        reuses them for the ones an agent sends again, as it does every turn)."""
         self.integrity: list[dict[str, Any]] = []
         """Failed token-integrity checks: ``{"reason", "turn", "detail"}`` each."""
 
