@@ -36,6 +36,11 @@ from pipeline._exceptions import ConfigError, EngineError
 from pipeline.engines._base import RECENT_ABORTS, Generation
 from pipeline.engines._consistency import TokenizerProbe
 from pipeline.engines._outputs import finish_reason, full_length_experts
+from pipeline.engines._structured import (
+    FORMAT_CONSTRAINTS,
+    TOOL_CONSTRAINTS,
+    structured_outputs,
+)
 from pipeline.engines._vllm_compat import (
     SPAWN_VARIABLE,
     Features,
@@ -105,6 +110,11 @@ class VLLMEngine:
         policy_version: version of the weights loaded now.
         request_seeds: pass each request's seed to vLLM (see above).
     """
+
+    enforces = FORMAT_CONSTRAINTS | TOOL_CONSTRAINTS
+    """Decoding constraints :meth:`generate` enforces (``constraints=``) with vLLM's structured
+    outputs (``_structured``): the proxy serves ``response_format``, ``tool_choice`` required or
+    named and ``parallel_tool_calls: false`` on this engine."""
 
     def __init__(self, llm: Any, *, model: str | Path = "", ignore_eos: bool = False,
                  policy_version: int = 0, request_seeds: bool = True) -> None:
@@ -230,9 +240,11 @@ class VLLMEngine:
         return prompt
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       request_id: str, *, multi_modal: Any = None) -> Generation:
+                       request_id: str, *, multi_modal: Any = None,
+                       constraints: Any = None) -> Generation:
         """Generate one continuation of ``prompt_ids`` (see the class doc); ``multi_modal``:
-        the images of a vision-language prompt (see :meth:`prompt`).
+        the images of a vision-language prompt (see :meth:`prompt`); ``constraints``: a
+        ``pipeline.proxy.Constraints`` of :attr:`enforces`, as vLLM's structured outputs.
 
         Raises:
             EngineError: the engine is closed or failed, or returned no logprobs.
@@ -242,6 +254,9 @@ class VLLMEngine:
             raise EngineError(f"request {request_id}: the engine is closed")
         prompt = self.prompt(prompt_ids, multi_modal)
         params = self.sampling_params(sampling)
+        if constraints is not None:
+            params.structured_outputs = self._vllm.sampling_params.StructuredOutputsParams(
+                **structured_outputs(constraints))
         final: Any = None
         self._versions[request_id] = None if self._paused else self.policy_version
         try:
