@@ -104,6 +104,7 @@ class _Connection:
         self._ready: asyncio.Future[None] | None = None
         self._stderr: IO[str] | None = None
         self.dead = False
+        self.error_type: type[Exception] = Exception
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -122,7 +123,9 @@ class _Connection:
             async with contextlib.AsyncExitStack() as stack:
                 streams = await stack.enter_async_context(self._transport())
                 from mcp import ClientSession
+                from mcp.shared.exceptions import MCPError
 
+                self.error_type = MCPError  # imported once per connection, not per call
                 session = await stack.enter_async_context(ClientSession(streams[0], streams[1]))
                 await session.initialize()
                 self.session = session
@@ -169,14 +172,12 @@ class _Connection:
     async def call(self, name: str, arguments: Mapping[str, Any], timeout_s: float) -> Any:
         if self.dead or self.session is None:
             raise MCPServerError(f"MCP server {self.server.name!r} is not running")
-        from mcp.shared.exceptions import MCPError
-
         try:
             # The SDK's own timeout a second later: the caller's (CallTools') ends the call
             # first and reports it as a timeout; this one only frees the request.
             result = await self.session.call_tool(name, dict(arguments),
                                                   read_timeout_seconds=timeout_s + 1.0)
-        except MCPError as exc:
+        except self.error_type as exc:
             if self._task is None or self._task.done() or "closed" in str(exc).lower():
                 self.dead = True
                 raise MCPServerError(f"MCP server {self.server.name!r} died during the call "
