@@ -241,6 +241,58 @@ class NoSync:
         return None
 
 
+async def test_openai_engine_update_with_a_kept_request_preempts_it_on_the_server():
+    """A request kept across an update (pause keep) holds the old weights' KV on the server:
+    the update asks vLLM's dev endpoint to preempt running requests (they prefill again)."""
+    from aiohttp import web
+
+    from pipeline.engines import OpenAIEngine
+
+    calls: list[str] = []
+    release = asyncio.Event()
+
+    async def complete(request: web.Request) -> web.Response:
+        body = await request.json()
+        await release.wait()
+        return web.json_response({"choices": [{
+            "token_ids": [5, 6], "prompt_token_ids": body["prompt"], "finish_reason": "length",
+            "stop_reason": None, "logprobs": {"token_logprobs": [-0.5, -0.5]}}]})
+
+    async def control(request: web.Request) -> web.Response:
+        calls.append(request.path_qs)
+        return web.json_response({"success": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    for path in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache",
+                 "/update_weight_version"):
+        app.router.add_post(path, control)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    engine = OpenAIEngine(f"http://127.0.0.1:{port}", model="tiny")
+    try:
+        kept = asyncio.create_task(engine.generate([1, 2], SamplingParams(max_tokens=2), "k-0-0"))
+        for _ in range(1000):
+            if engine._gate.in_flight:
+                break
+            await asyncio.sleep(0.005)
+        await engine.pause("keep")
+        assert await engine.update_weights(path="/ckpt") == 1
+        await engine.resume()
+        release.set()
+        gen = await asyncio.wait_for(kept, 10)
+    finally:
+        await engine.aclose()
+        await runner.cleanup()
+    assert "/reset_prefix_cache?reset_running_requests=true" in calls
+    assert calls.index("/reset_prefix_cache?reset_running_requests=true") < calls.index(
+        "/resume")
+    assert gen.policy_version == 0 and gen.token_ids == [5, 6]  # admitted under version 0
+
+
 # ----- the real tiny model: a partial rollout's logprobs, token by token ---------------------
 
 TOLERANCE = 1e-4  # tests/test_transformers_engine.py's rescore tolerance (float32)

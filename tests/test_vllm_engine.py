@@ -314,3 +314,47 @@ async def test_aclose_stops_the_output_handler_before_the_engine_core():
     engine = VLLMEngine(FakeLLM())
     await engine.aclose()
     assert seen == {"handler_done_at_shutdown": True}
+
+
+async def test_partial_rollout_keeps_its_tokens_and_samples_the_rest_from_the_new_weights(
+        engine, tiny_tokenizer, tiny_model_dir, reference_model):
+    """pause("keep") + update: the request's first tokens' logprobs match the old weights'
+    forward pass, the later ones the new weights' (recomputed, not the old weights' KV), and
+    each token reports its version (issue 37)."""
+    from transformers import AutoModelForCausalLM
+
+    generator = torch.Generator().manual_seed(6)
+    trained = {name: value + 0.05 * torch.randn(value.shape, generator=generator)
+               for name, value in reference_model.state_dict().items()}
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    trainer.load_state_dict(trained)
+    ids = tiny_tokenizer.encode("Tell me a long story about the sea.")
+    old = engine.policy_version
+    engine.ignore_eos = True  # a fixed length, so the update falls inside the request
+    try:
+        request = asyncio.create_task(engine.generate(
+            ids, SamplingParams(max_tokens=1500, seed=4), "partial"))
+        await asyncio.sleep(0.3)
+        await engine.pause("keep")
+        new = await engine.update_weights(state_dict=trained)
+        await engine.resume()
+        gen = await asyncio.wait_for(request, 120)
+    finally:
+        engine.ignore_eos = False
+    split = gen.token_versions.count(old)
+    assert gen.token_versions == [old] * split + [new] * (1500 - split) and 0 < split < 1500
+    assert gen.policy_version == old
+
+    def rescore(model: Any) -> Any:
+        seq = ids + gen.token_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq])).logits[0, len(ids) - 1:-1].float()
+        return torch.log_softmax(logits, -1).gather(
+            1, torch.tensor(gen.token_ids)[:, None])[:, 0]
+
+    got, before, after = torch.tensor(gen.logprobs), rescore(reference_model), rescore(trainer)
+    assert (got[:split] - before[:split]).abs().max() <= RESCORE_TOLERANCE
+    assert (got[split:] - after[split:]).abs().max() <= RESCORE_TOLERANCE
+    assert (got[split:] - before[split:]).abs().max() > 10 * RESCORE_TOLERANCE
+    assert (got[:split] - after[:split]).abs().max() > 10 * RESCORE_TOLERANCE
+    await engine.update_weights(path=tiny_model_dir)

