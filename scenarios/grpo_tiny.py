@@ -1,4 +1,5 @@
 """python -m scenarios.grpo_tiny [--engine auto|vllm|transformers] [--seed S] [--minutes M]
+                              [--async --max-staleness ETA]
 
 A closed GRPO loop on a laptop CPU: rollouts -> batch -> update -> better rollouts.
 
@@ -23,6 +24,14 @@ example for trainer authors to copy, not a trainer product. Each iteration:
 5. sync: ``engine.pause() -> engine.update_weights(state_dict=...) -> engine.resume()``;
    the next rollouts carry the new ``policy_version``.
 
+Asynchronous (``--async --max-staleness 1``): the same problems and seeds, but rollouts run
+through :class:`pipeline.AsyncRollout`: groups keep generating while the trainer trains, each
+iteration takes the next ``prompts`` finished groups (their tokens at most ``max_staleness``
+versions old) and pushes the weights without stopping the stream (a partial rollout for
+what is in flight). The PPO ratio is then taken against the engine's own logprobs
+(``rollout_log_probs``, the policy that sampled each token, version by version) instead of
+the trainer's forward pass, since the batch may come from older weights.
+
 Before the first and after the last iteration the policy is measured on held-out problems
 (``HELDOUT_SEED``, never drawn for training), with a 95% interval. Training stops after
 ``iterations`` or when the time budget (``--minutes``, counted from the start: model load,
@@ -44,10 +53,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +67,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline import (
+    AsyncRollout,
     BatchProgress,
     Pipeline,
     RolloutSample,
@@ -94,11 +106,19 @@ class Config:
     dump_every: int = 5
     threads: int = 2
     out: Path = Path("runs/grpo_tiny")
+    async_rl: bool = False
+    max_staleness: int = 1
 
 
 def training_rows(cfg: Config, iteration: int) -> list[dict[str, Any]]:
     """This iteration's problems: a seed stream that never meets ``HELDOUT_SEED``."""
     return arith_tools.rows(cfg.prompts, seed=1_000_000 * (1 + cfg.seed) + iteration)
+
+
+def all_training_rows(cfg: Config) -> Iterator[dict[str, Any]]:
+    """Every iteration's problems in order, read lazily (the asynchronous loop's rows)."""
+    for it in itertools.count(1):
+        yield from training_rows(cfg, it)
 
 
 def sampling(cfg: Config) -> dict[str, Any]:
@@ -293,16 +313,29 @@ async def run(cfg: Config) -> dict[str, Any]:
         eval_s = time.perf_counter() - started - start_s
         print(f"held-out before: {mean_with_interval(before)['mean']:.3f} "
               f"({engine_name}, started in {start_s:.0f}s, evaluated in {eval_s:.0f}s)")
-        for it in range(1, cfg.iterations + 1):
-            # keep time for the final evaluation and the engine's shutdown
-            if time.perf_counter() - started + eval_s + 30 > cfg.minutes * 60:
-                print(f"time budget: stopping before iteration {it}")
-                break
-            dump = it == 1 or it % cfg.dump_every == 0
-            record = await iteration(it, cfg, rollouts, engine, model, optimizer, tokenizer,
-                                     board, writer if dump else None)
-            record["elapsed_s"] = round(time.perf_counter() - started, 1)
-            history.append(record)
+        stream = (AsyncRollout(rollouts, all_training_rows(cfg), n=cfg.n,
+                               batch_groups=cfg.prompts, max_inflight=2 * cfg.prompts,
+                               max_staleness=cfg.max_staleness) if cfg.async_rl else None)
+        if stream is not None:
+            stream.start()
+        try:
+            for it in range(1, cfg.iterations + 1):
+                # keep time for the final evaluation and the engine's shutdown
+                if time.perf_counter() - started + eval_s + 30 > cfg.minutes * 60:
+                    print(f"time budget: stopping before iteration {it}")
+                    break
+                dump = it == 1 or it % cfg.dump_every == 0
+                if stream is None:
+                    record = await iteration(it, cfg, rollouts, engine, model, optimizer,
+                                             tokenizer, board, writer if dump else None)
+                else:
+                    record = await async_iteration(it, cfg, stream, model, optimizer,
+                                                   tokenizer, board)
+                record["elapsed_s"] = round(time.perf_counter() - started, 1)
+                history.append(record)
+        finally:
+            if stream is not None:
+                await stream.aclose()
         train_s = time.perf_counter() - started
         after = await evaluate(heldout, cfg, "held-out after")
     finally:
@@ -318,6 +351,7 @@ async def run(cfg: Config) -> dict[str, Any]:
         "gain": mean_with_interval(gain), "iterations": len(history),
         "engine_start_s": round(start_s, 1), "train_end_s": round(train_s, 1),
         "wall_s": round(wall_s, 1), "history": history,
+        "async": None if stream is None else stream.report.as_dict(),
     }
     summary["plot"] = write_curve_png(cfg.out / "reward_curve.png",
                                       [h["reward"] for h in history],
@@ -346,16 +380,41 @@ async def iteration(it: int, cfg: Config, rollouts: Pipeline, engine: Any, model
         writer.end_batch(result)
     rollout_s = time.perf_counter() - tick
     samples = result.samples
+    record = learn(it, cfg, samples, model, optimizer, tokenizer, behaviour=False)
+    if record["trained_samples"]:
+        await sync_weights(engine, model)
+    log_batch_metrics(result, [board], step=it)
+    return report(it, record, board, rollout_s, tick)
 
+
+async def async_iteration(it: int, cfg: Config, stream: AsyncRollout, model: Any,
+                          optimizer: Any, tokenizer: Any, board: TensorBoardSink
+                          ) -> dict[str, Any]:
+    """One asynchronous iteration: the next finished groups, update, weights pushed while the
+    stream goes on."""
+    tick = time.perf_counter()
+    groups = await stream.next_batch()
+    rollout_s = time.perf_counter() - tick
+    samples = [sample for group in groups for sample in group.samples]
+    record = learn(it, cfg, samples, model, optimizer, tokenizer, behaviour=True)
+    if record["trained_samples"]:
+        await stream.update_weights(state_dict=model.state_dict())
+    record["staleness"] = {str(k): v for k, v in sorted(stream.report.delivered.items())}
+    return report(it, record, board, rollout_s, tick)
+
+
+def learn(it: int, cfg: Config, samples: list[RolloutSample], model: Any, optimizer: Any,
+          tokenizer: Any, *, behaviour: bool) -> dict[str, Any]:
+    """Batch, logprob gap and update on ``samples``; the iteration's figures. ``behaviour``:
+    the PPO ratio is taken against the engine's logprobs (samples of older weights)."""
     batch, advantages, _ = training_batch(samples, tokenizer.pad_token_id)
     stats: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0}
     gap: dict[str, float] = {"max": 0.0, "mean": 0.0, "tokens": 0}
     if len(advantages):
         old = token_logprobs(model, batch, cfg.temperature)
         gap = logprob_gap(batch["rollout_log_probs"], old, batch["response_mask"])
-        stats = grpo_update(model, optimizer, batch, advantages, old, cfg)
-        await sync_weights(engine, model)
-
+        reference = batch["rollout_log_probs"] if behaviour else old
+        stats = grpo_update(model, optimizer, batch, advantages, reference, cfg)
     rewards = [s.reward or 0.0 for s in samples]
     record = {
         "iteration": it, "reward": sum(rewards) / len(rewards),
@@ -363,16 +422,22 @@ async def iteration(it: int, cfg: Config, rollouts: Pipeline, engine: Any, model
         "finish_reasons": dict(Counter(s.finish_reason.value for s in samples)),
         "trained_samples": len(advantages), "policy_version": samples[0].policy_version,
         "gap_max": gap["max"], "gap_mean": gap["mean"], **stats,
-        "rollout_s": round(rollout_s, 2), "s": round(time.perf_counter() - tick, 2),
     }
-    log_batch_metrics(result, [board], step=it)
+    return record
+
+
+def report(it: int, record: dict[str, Any], board: TensorBoardSink, rollout_s: float,
+           tick: float) -> dict[str, Any]:
+    """Log and print one iteration's figures."""
+    record["rollout_s"] = round(rollout_s, 2)
+    record["s"] = round(time.perf_counter() - tick, 2)
     board.log({f"train/{k}": float(record[k]) for k in
                ("reward", "tool_call_rate", "trained_samples", "gap_max", "gap_mean", "loss",
                 "clip_frac")}, step=it)
     finish = " ".join(f"{k}={v}" for k, v in sorted(record["finish_reasons"].items()))
     print(f"iter {it:3d}  reward {record['reward']:.3f}  tool calls {record['tool_call_rate']:.2f}"
           f"  finish {finish}  trained {record['trained_samples']:3d}  gap max "
-          f"{gap['max']:.1e} mean {gap['mean']:.1e}  loss {stats['loss']:+.4f}  "
+          f"{record['gap_max']:.1e} mean {record['gap_mean']:.1e}  loss {record['loss']:+.4f}  "
           f"v{record['policy_version']}  {record['s']:.1f}s", flush=True)
     return record
 
@@ -387,9 +452,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="time budget, engine start and evaluations included")
     parser.add_argument("--out", type=Path, default=Config.out)
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    parser.add_argument("--async", dest="async_rl", action="store_true",
+                        help="rollouts through AsyncRollout, across weight updates")
+    parser.add_argument("--max-staleness", type=int, default=Config.max_staleness,
+                        help="with --async: versions a trained token may lag (eta)")
     args = parser.parse_args(argv)
     fields: dict[str, Any] = {"engine": args.engine, "seed": args.seed,
-                              "minutes": args.minutes, "out": args.out}
+                              "minutes": args.minutes, "out": args.out,
+                              "async_rl": args.async_rl, "max_staleness": args.max_staleness}
     for item in args.set:
         key, _, value = item.partition("=")
         fields[key] = type(getattr(Config(), key))(value)
