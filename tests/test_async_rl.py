@@ -341,3 +341,40 @@ async def test_transformers_partial_rollout_logprobs_follow_the_weights_of_each_
     assert (got[:split] - new[:split]).abs().max() > 10 * TOLERANCE
     assert (got[split:] - old[split:]).abs().max() > 10 * TOLERANCE
 
+
+
+async def test_the_driver_over_the_transformers_engine_pushes_real_weights(
+        tiny_model_dir: Path, tiny_tokenizer: Any, reference_model: Any):
+    torch = pytest.importorskip("torch")
+    from pipeline.engines import WeightSyncedEngine
+    from pipeline.engines.transformers import TransformersEngine
+
+    inner = await asyncio.to_thread(TransformersEngine.from_pretrained, tiny_model_dir,
+                                    max_model_len=1024)
+    engine = WeightSyncedEngine(inner)
+    pipe = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tiny_tokenizer,
+                    sampling=SamplingParams(max_tokens=16, seed=2))
+    questions = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"}]}
+                 for i in range(12)]
+    state = {name: value + 0.01 for name, value in reference_model.state_dict().items()}
+    try:
+        async with AsyncRollout(pipe, questions, n=2, batch_groups=2, max_inflight=4,
+                                max_staleness=1) as rollout:
+            batches = []
+            for _ in range(3):
+                batches.append((rollout.version, await rollout.next_batch()))
+                await rollout.update_weights(state_dict=state)
+    finally:
+        await engine.aclose()
+    assert rollout.version == 3 and engine.policy_version == 3
+    for version, groups in batches:
+        assert len(groups) == 2
+        for sample in (s for g in groups for s in g.samples):
+            assert sample.status is Status.COMPLETED
+            assert len(sample.token_versions) == len(sample.response_ids)
+            assert version - sample.policy_version <= 1  # within max_staleness
+    assert any(v >= 1 for _, groups in batches for g in groups for s in g.samples
+               for v in s.token_versions)  # sampled by pushed weights
+    with torch.no_grad():
+        assert torch.equal(inner.model.model.embed_tokens.weight,
+                           state["model.embed_tokens.weight"])
