@@ -6,7 +6,7 @@ and async environments work like skyrl-gym's dicts."""
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 from typing import ClassVar
 
 import pytest
@@ -22,6 +22,8 @@ class Counter:
     """A three-step environment: reward 1 per step, done at the third; records closes."""
 
     closed: ClassVar[list[int]] = []
+    release: ClassVar[threading.Event] = threading.Event()
+    unblocked: ClassVar[list[bool]] = []
 
     def __init__(self, behaviour: str = "ok") -> None:
         self.behaviour, self.steps = behaviour, 0
@@ -34,7 +36,8 @@ class Counter:
         if self.behaviour == "raises" and self.steps == 2:
             raise KeyError("board state lost")
         if self.behaviour == "hangs" and self.steps == 2:
-            time.sleep(1.5)  # a plain method blocking its worker thread
+            # A plain method blocking its worker thread until the test lets it go.
+            Counter.unblocked.append(Counter.release.wait(30))
         return {"observations": [{"role": "user", "content": f"step {self.steps} seen"}],
                 "reward": 1.0, "done": self.steps >= 3, "metadata": {"steps": self.steps}}
 
@@ -77,7 +80,10 @@ def pipeline_for(env: GymEnvironment, **options) -> Pipeline:
 
 @pytest.fixture(autouse=True)
 def _fresh_ledger():
-    Counter.closed = []
+    Counter.closed, Counter.unblocked = [], []
+    Counter.release = threading.Event()
+    yield
+    Counter.release.set()
 
 
 async def test_completed_episode_sums_step_rewards_and_closes_once():
@@ -102,9 +108,9 @@ async def test_step_that_raises_fails_the_sample_readably_and_close_runs():
 
 async def test_step_that_hangs_ends_at_the_step_timeout_and_close_runs():
     env = GymEnvironment(lambda item: Counter("hangs"), step_timeout_s=0.3)
-    started = time.monotonic()
     result = await pipeline_for(env).run_batch(ROWS, n=2)
-    assert time.monotonic() - started < 1.4  # not waiting for the blocked thread
+    assert Counter.unblocked == []  # the batch ended while the steps were still blocked
+    Counter.release.set()  # before the test's loop closes, which waits for its threads
     assert [s.status for s in result.samples] == [Status.FAILED] * 2
     assert all("did not return within 0.3s" in str(item.error) for item in result.items)
     assert sorted(Counter.closed) == [2, 2]
@@ -113,6 +119,7 @@ async def test_step_that_hangs_ends_at_the_step_timeout_and_close_runs():
 async def test_sample_deadline_during_a_hung_step_times_out_and_close_runs():
     env = GymEnvironment(lambda item: Counter("hangs"), step_timeout_s=30)
     result = await pipeline_for(env, sample_timeout_s=0.4).run_batch(ROWS, n=2)
+    Counter.release.set()
     assert [s.status for s in result.samples] == [Status.TIMEOUT] * 2
     assert sorted(Counter.closed) == [2, 2]
 

@@ -145,20 +145,22 @@ def alive(pid: int) -> bool:
     return True
 
 
-async def hang_if_asked(item, ctx):
-    if item.data.extra.get("hang"):
-        await asyncio.sleep(3600)
+async def fail_if_asked(item, ctx):
+    if item.data.extra.get("fail"):
+        raise RuntimeError("the judge broke")
 
 
 async def test_a_server_per_trajectory_is_started_per_sample_and_stopped_on_every_outcome():
+    """A failing sample's server stops like a completed one's (the exit stack that stops it
+    also runs on timeouts: tests/test_tool_lifecycle.py)."""
     async with stdio_server(scope="trajectory") as server:
         stages = [calling(("pid", {}), ("add", {"a": 1, "b": 2})), CallTools(offload=False),
-                  hang_if_asked]
+                  fail_if_asked]
         rollout = Pipeline(stages, tokenizer=ByteTokenizer(), tools=server.tools,
-                           sample_timeout_s=6)
-        rows = [{"prompt": "finish"}, {"prompt": "time out", "extra": {"hang": True}}]
+                           sample_timeout_s=60)
+        rows = [{"prompt": "finish"}, {"prompt": "fail", "extra": {"fail": True}}]
         result = await rollout.run_batch(rows, n=1)
-        assert [s.status for s in result.samples] == ["completed", "timeout"]
+        assert [s.status for s in result.samples] == ["completed", "failed"]
         pids = [int(replies(it)[0].content) for it in result.items]
         assert len(set(pids)) == 2 and os.getpid() not in pids  # a process per sample
         assert [replies(it)[1].content for it in result.items] == ["3"] * 2
