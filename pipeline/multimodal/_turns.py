@@ -9,7 +9,6 @@ response with ``response_mask = 0``, the pixel inputs are appended to the sample
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,8 +50,8 @@ async def expand_observation(artifacts: Mapping[str, Any], history: Sequence[Age
     if not isinstance(state, SampleImages):
         raise ImageError("a turn returned an image, but the pipeline has no vision processor "
                          "(BuildPrompt(processor=...))", field="tool")
-    return await asyncio.to_thread(_expand, state, list(history), list(new_messages), tools,
-                                   last_token, options)
+    return await state.processor.submit(_expand, state, list(history), list(new_messages),
+                                        tools, last_token, options)
 
 
 def _expand(state: SampleImages, history: list[AgentMessage], new: list[AgentMessage],

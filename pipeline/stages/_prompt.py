@@ -104,8 +104,8 @@ class BuildPrompt:
         entry = self._vision.get(item.group_id)
         if entry is None or entry[0] is not item.data:
             processor, row, options = self.processor, item.data, template_options(item, ctx)
-            future = asyncio.get_running_loop().run_in_executor(
-                None, _render_vision, processor, row.messages, row.tools, options)
+            future = processor.submit(_render_vision, processor, row.messages, row.tools,
+                                      options)
             entry = self._vision[item.group_id] = (item.data, future)
             while len(self._vision) > self.vision_groups:
                 self._vision.popitem(last=False)
