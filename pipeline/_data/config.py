@@ -127,16 +127,19 @@ def check_template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
 
 class AdaptiveConcurrency(_RaisesConfigError):
     """Opt-in adaptive concurrency: the number of samples admitted follows the engine's own
-    load (KV-cache use, preemptions, its waiting queue) between ``min_concurrency`` and
+    load (its waiting queue, preemptions, KV-cache use) between ``min_concurrency`` and
     ``max_concurrency``, starting from the pipeline's ``max_concurrency``. The rule is in
     :mod:`pipeline._runner.flow`; an engine without load signals keeps the fixed limit.
 
     Attributes:
         min_concurrency: the limit never goes below this.
         max_concurrency: the limit never goes above this.
-        kv_low: grow while the KV cache is used less than this (0..1) and the engine queues
-            nothing.
-        kv_high: shrink when the KV cache is used more than this, or on any preemption.
+        kv_high: grow only while the KV cache is used less than this (0..1].
+        queue_target: once the engine is full, the limit steers to this many queued
+            sequences per running one (a short queue keeps the engine full as sequences
+            finish and samples come back from tools; a long one only adds waiting).
+        preempt_high: shrink when the engine preempted more than this many sequences per
+            running sequence since the last reading (its KV cache thrashes).
         interval_s: how often the engine's load is read.
     """
 
@@ -144,17 +147,10 @@ class AdaptiveConcurrency(_RaisesConfigError):
 
     min_concurrency: int = Field(4, gt=0)
     max_concurrency: int = Field(8192, gt=0)
-    kv_low: float = Field(0.8, gt=0.0, lt=1.0)
     kv_high: float = Field(0.95, gt=0.0, le=1.0)
+    queue_target: float = Field(0.5, gt=0.0)
+    preempt_high: float = Field(0.1, gt=0.0)
     interval_s: float = Field(0.1, gt=0)
-
-    @field_validator("kv_high")
-    @classmethod
-    def _band(cls, value: float, info: ValidationInfo) -> float:
-        low = info.data.get("kv_low")
-        if low is not None and value <= low:
-            raise ValueError(f"must be above kv_low ({low})")
-        return value
 
     @field_validator("max_concurrency")
     @classmethod

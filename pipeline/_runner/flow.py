@@ -2,21 +2,26 @@
 following the engine's load) and the circuit breaker that stops admitting after a run of
 engine errors.
 
-The adaptive rule (``PipelineConfig.adaptive_concurrency``), read every ``interval_s`` from
-``engine.load()`` (:class:`~pipeline.engines.EngineLoad`):
+The adaptive rule (``PipelineConfig.adaptive_concurrency``), applied to each reading of
+``engine.load()`` (:class:`~pipeline.engines.EngineLoad`, every ``interval_s``):
 
-- *shrink* by :data:`SHRINK` when the engine preempted a sequence since the last read or its
-  KV cache is fuller than ``kv_high``; at most once per half a turnover (the running mean of
-  a sample's running time), since KV use falls only as admitted samples finish;
-- *grow* by :data:`GROW` per turnover (continuously, pro rata) while the limit is in use (no
-  free slot), the KV cache is below ``kv_low`` and the engine queues nothing: more samples
-  could run, and the engine has room for them;
-- *hold* otherwise (the dead band keeps the limit still once the KV cache is in it).
+- *shrink* by :data:`SHRINK` when the engine thrashes: it preempted more than
+  ``preempt_high`` sequences per running one since the last reading (at most once per half a
+  turnover, the running mean of a sample's running time: the engine's state changes only as
+  admitted samples finish);
+- *grow* while the engine has room (its KV cache below ``kv_high``, fewer running sequences
+  than its cap) and the limit is in use (no free slot): by :data:`SLOW_START` per turnover
+  until the engine is first full, by :data:`GROW` per turnover after that;
+- once full, *steer* to a short queue: the limit moves by :data:`GAIN` times the gap
+  between ``queue_target`` x running and the engine's waiting queue (both averaged over
+  half a turnover) per turnover, so it settles where the engine is just full, without a
+  sawtooth.
 
-A sample waiting on a tool holds no KV, so the KV signal does not count it: with tool waits
-the limit grows until the engine, not the number of samples, is the bottleneck. An engine
-without ``load()``, or whose load has neither KV use nor a running cap (the simulated
-engine's latency model, a server without metrics), keeps the fixed ``max_concurrency``.
+A sample waiting on a tool holds no KV and no engine slot, so the signals do not count it:
+with tool waits the limit grows until the engine, not the number of samples, is the
+bottleneck. An engine without ``load()``, or whose load has neither KV use nor a running
+cap (the simulated engine's latency model, a server without metrics), keeps the fixed
+``max_concurrency``.
 """
 
 from __future__ import annotations
@@ -40,10 +45,14 @@ from pipeline._exceptions import EngineCircuitOpen, EngineError
 
 _logger = structlog.get_logger("pipeline")
 
-GROW = 1.25
-"""Growth of the limit per turnover while the engine has room (prime-rl's step)."""
+SLOW_START = 2.0
+"""Growth of the limit per turnover until the engine is first full."""
+GROW = 1.1
+"""Growth of the limit per turnover once it has been (gentle: it stays near the edge)."""
 SHRINK = 0.9
-"""Factor applied on a preemption or a KV cache above ``kv_high``."""
+"""Factor applied when the engine thrashes (preempts)."""
+GAIN = 0.5
+"""Share of the gap to the queue target closed per turnover once the engine is full."""
 LAST_ERRORS = 5
 """Errors the circuit breaker keeps to show (the newest)."""
 
@@ -145,6 +154,8 @@ class ConcurrencyController:
         self.turnover_s: float | None = None
         self._last_read: float | None = None
         self._last_shrink = -math.inf
+        self._pushed_back = False
+        self._avg: tuple[float, float] | None = None
         self.history: list[tuple[float, int]] = [(time.monotonic(), int(self.limit))]
 
     def sample_ran(self, seconds: float) -> None:
@@ -155,7 +166,7 @@ class ConcurrencyController:
             self.turnover_s += 0.05 * (seconds - self.turnover_s)
 
     def update(self, load: Any, now: float) -> None:
-        """Apply the rule to one reading of the engine's load."""
+        """Apply the rule (module doc) to one reading of the engine's load."""
         dt = 0.0 if self._last_read is None else now - self._last_read
         self._last_read = now
         kv = getattr(load, "kv_usage", None)
@@ -163,6 +174,7 @@ class ConcurrencyController:
             self.decision = "fixed"
             return
         self.kv_usage, self.waiting = kv, int(getattr(load, "waiting", 0) or 0)
+        running = int(getattr(load, "running", 0) or 0)
         total = getattr(load, "preemptions", None)
         preempted = (0 if total is None or self._preemptions is None
                      else max(0, total - self._preemptions))
@@ -171,17 +183,38 @@ class ConcurrencyController:
             self.preemptions += preempted
         turnover = self.turnover_s or 10 * self.options.interval_s
         options = self.options
-        if preempted or (kv is not None and kv > options.kv_high):
+        # Averages over about half a turnover: one reading between two scheduler steps (a
+        # sequence just finished, its successor not admitted yet) is not a trend.
+        weight = 1.0 if self._avg is None else min(1.0, dt / (turnover / 2))
+        now_values = (float(self.waiting), float(running))
+        self._avg = now_values if self._avg is None else (
+            self._avg[0] + weight * (now_values[0] - self._avg[0]),
+            self._avg[1] + weight * (now_values[1] - self._avg[1]))
+        waiting_avg, running_avg = self._avg
+        cap = getattr(load, "max_running", None)
+        # Full: no room for one more sequence now, so what it queues waits on capacity.
+        full = ((kv is not None and kv >= options.kv_high)
+                or (cap is not None and running >= cap))
+        step = min(dt, 2 * options.interval_s) / turnover  # a late reading counts as two
+        if preempted > options.preempt_high * max(1, running):
             if now - self._last_shrink < turnover / 2:
                 self.decision = "hold"
                 return
             self._last_shrink = now
+            self._pushed_back = True
             self.decision = "shrink"
             self._set(self.limit * SHRINK)
-        elif (self.slots.free <= 0 and self.waiting == 0
-              and (kv is None or kv < options.kv_low)):
+        elif full or (self._pushed_back and waiting_avg > 0):
+            self._pushed_back = True
+            gap = options.queue_target * max(1.0, running_avg) - waiting_avg
+            if gap > 0 and self.slots.free > 0:
+                self.decision = "hold"  # room to spare already: the demand is the limit
+                return
+            self.decision = "steer"
+            self._set(self.limit + GAIN * gap * step)
+        elif self.slots.free <= 0:
             self.decision = "grow"
-            self._set(self.limit * GROW ** (dt / turnover))
+            self._set(self.limit * (GROW if self._pushed_back else SLOW_START) ** step)
         else:
             self.decision = "hold"
 

@@ -34,6 +34,10 @@
                                                     summed over loop turns)
 ``rollout/stuck/<stage>``                           samples with one run of that stage longer
                                                     than ``stuck_stage_s`` (stages that ran)
+``rollout/flow/<key>``                              only with ``flow=pipeline.flow_state()``:
+                                                    the concurrency limit, samples admitted,
+                                                    engine KV use and queue, preemptions,
+                                                    ``breaker/open`` and ``errors_in_a_row``
 ==================================================  ==========================================
 
 Counters come from artifacts (see ``records.COUNTER_KEYS``): ``tool_calls``, ``tool_errors``
@@ -87,7 +91,8 @@ class MetricsSink(Protocol):
 
 
 def batch_metrics(result: ProduceBatchResult, *, limiters: Any = None,
-                  stuck_stage_s: float | None = 300.0) -> dict[str, float]:
+                  stuck_stage_s: float | None = 300.0,
+                  flow: Mapping[str, Any] | None = None) -> dict[str, float]:
     """Flat metrics of one batch (keys in the module docstring).
 
     Args:
@@ -97,6 +102,8 @@ def batch_metrics(result: ProduceBatchResult, *, limiters: Any = None,
             figures go under ``rollout/limiter/<name>/``.
         stuck_stage_s: a stage run longer than this counts its sample under
             ``rollout/stuck/<stage>`` (pass the pipeline config's; None: no such keys).
+        flow: the pipeline's flow control (``Pipeline.flow_state()``): its numbers go under
+            ``rollout/flow/``.
 
     Returns:
         Metric name -> value; conditional keys are left out rather than set to NaN.
@@ -147,6 +154,8 @@ def batch_metrics(result: ProduceBatchResult, *, limiters: Any = None,
     _spread(out, "limiter_wait_s", waits, ("mean", "max", "total"))
     if limiters is not None:
         out.update(limiter_metrics(limiters))
+    if flow is not None:
+        _flatten(out, "flow", flow)
     per_stage: dict[str, list[float]] = defaultdict(list)
     stuck: Counter[str] = Counter()
     for it in items:
@@ -180,13 +189,14 @@ def limiter_metrics(limiters: Any) -> dict[str, float]:
 
 def log_batch_metrics(result: ProduceBatchResult, sinks: Iterable[MetricsSink], step: int, *,
                       limiters: Any = None, stuck_stage_s: float | None = 300.0,
-                      ) -> dict[str, float]:
+                      flow: Mapping[str, Any] | None = None) -> dict[str, float]:
     """Compute :func:`batch_metrics` and hand them to every sink.
 
     Returns:
         The metrics logged.
     """
-    metrics = batch_metrics(result, limiters=limiters, stuck_stage_s=stuck_stage_s)
+    metrics = batch_metrics(result, limiters=limiters, stuck_stage_s=stuck_stage_s,
+                            flow=flow)
     for sink in sinks:
         sink.log(metrics, step)
     return metrics
@@ -233,6 +243,14 @@ def _spread(out: dict[str, float], name: str, values: list[float] | list[int],
         else:
             value = float(arr.sum())
         out[f"{PREFIX}{name}/{stat}"] = value
+
+
+def _flatten(out: dict[str, float], name: str, values: Mapping[str, Any]) -> None:
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            _flatten(out, f"{name}/{key}", value)
+        elif isinstance(value, int | float):  # bools too: an open breaker is 1.0
+            out[f"{PREFIX}{name}/{key}"] = float(value)
 
 
 def _total(items: Iterable[Any], key: str) -> float:
