@@ -6,7 +6,8 @@ here by its attributes, so that engines need not import the proxy): ``features``
 ``pipeline.proxy.ENFORCEABLE``), ``response_format`` in chat's shape, ``tool_choice``,
 ``tools`` and ``call_format`` (the model's tool-call format, the proxy's tool parser).
 
-- ``json_object`` / ``json_schema``: vLLM's ``json_object`` / ``json`` (the schema);
+- ``json_object`` / ``json_schema``: a JSON object / JSON held to the schema (as a structural
+  tag, which bounds whitespace runs: :data:`MAX_WHITESPACE`);
 - ``tool_choice_required``, ``tool_choice_function``, ``single_tool_call``: the model's own
   call format, built by xgrammar (vLLM's structured-output backend) as a structural tag:
   ``hermes`` is xgrammar's ``qwen_3`` format (``<tool_call>\\n{"name": ..., "arguments": ...}
@@ -27,6 +28,10 @@ FORMAT_CONSTRAINTS = frozenset({"json_object", "json_schema"})
 TOOL_CONSTRAINTS = frozenset({"tool_choice_required", "tool_choice_function",
                               "single_tool_call"})
 """Constraints enforced in the model's call format (:data:`CALL_FORMATS`)."""
+MAX_WHITESPACE = 32
+"""Longest run of whitespace allowed inside constrained JSON: room for indented output, and a
+bound on a model that would pad with whitespace until its token limit (a JSON grammar allows
+any amount between tokens)."""
 CALL_FORMATS = {"hermes": "qwen_3"}
 """Tool-call formats (the proxy's tool parser names) -> xgrammar's model format key."""
 
@@ -45,15 +50,22 @@ def structured_outputs(constraints: Any) -> dict[str, Any]:
         raise EngineError(f"cannot enforce {sorted(features)} together: a JSON reply and a "
                           "tool call are two different outputs")
     if "json_schema" in features:
-        return {"json": (fmt.get("json_schema") or {}).get("schema", {})}
+        return _json_tag((fmt.get("json_schema") or {}).get("schema", {}))
     if "json_object" in features:
-        return {"json_object": True}
+        return _json_tag({"type": "object"})
     call_format = getattr(constraints, "call_format", "hermes")
     key = CALL_FORMATS.get(call_format)
     if key is None:
         raise EngineError(f"no structural tag for the tool-call format {call_format!r} "
                           f"(known: {sorted(CALL_FORMATS)})")
     return {"structural_tag": json.dumps(_tool_tag(constraints, key, tools))}
+
+
+def _json_tag(schema: Any) -> dict[str, Any]:
+    """A JSON reply held to ``schema``, as a structural tag (vLLM's ``json`` option has no
+    bound on whitespace runs; this one has :data:`MAX_WHITESPACE`)."""
+    return {"structural_tag": json.dumps({"type": "structural_tag", "format": {
+        "type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}})}
 
 
 def _tool_tag(constraints: Any, key: str, tools: frozenset[str]) -> dict[str, Any]:
@@ -71,11 +83,33 @@ def _tool_tag(constraints: Any, key: str, tools: frozenset[str]) -> dict[str, An
         choice = "required"
     reasoning: Literal["auto", "disabled"] = (
         "auto" if getattr(constraints, "reasoning", False) else "disabled")
+    single = "single_tool_call" in tools or "tool_choice_function" in tools
     tag = get_model_structural_tag(key, tools=[_schema_tool(t) for t in offered],
                                    tool_choice=choice, reasoning=reasoning,
-                                   parallel_tool_calls="single_tool_call" not in tools
-                                   and "tool_choice_function" not in tools)
+                                   parallel_tool_calls=not single,
+                                   max_whitespace_cnt=MAX_WHITESPACE)
+    if choice == "required":  # calls only: xgrammar's "required" lets text follow the calls
+        tag.format = _calls_only(tag.format, single)
     return dict(tag.model_dump(mode="json"))
+
+
+def _calls_only(fmt: Any, single: bool) -> Any:
+    """``fmt`` with its triggered tool-call tags (text, then calls) made one or more calls
+    with nothing around them (one newline between two, as hermes writes them); a sequence
+    (a reasoning block first) keeps its other parts."""
+    from xgrammar.structural_tag import (
+        SequenceFormat,
+        TagsWithSeparatorFormat,
+        TriggeredTagsFormat,
+    )
+
+    if isinstance(fmt, SequenceFormat):
+        return SequenceFormat(elements=[*fmt.elements[:-1],
+                                        _calls_only(fmt.elements[-1], single)])
+    if isinstance(fmt, TriggeredTagsFormat):
+        return TagsWithSeparatorFormat(tags=fmt.tags, separator="\n", at_least_one=True,
+                                       stop_after_first=single)
+    return fmt
 
 
 def _schema_tool(tool: dict[str, Any]) -> dict[str, Any]:

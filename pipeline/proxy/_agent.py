@@ -39,6 +39,8 @@ Token integrity: when a live check failed in the session (see the record's
 :class:`~pipeline.TokenIntegrityError` naming the reason, the turn and the session, and
 ``artifacts.TOKEN_INTEGRITY`` set to the reason (counted in ``BatchStats.token_integrity``).
 
+Constraints: ``extra_fields["constraints"]`` lists the decoding constraints the engine enforced
+on the session's replies (``json_schema``, ``tool_choice_required``, ...; empty: none).
 Hints: ``extra_fields["ignored_fields"]`` lists the request hints the proxy accepted without
 acting on them in any turn of the session (``metadata``, ``text.verbosity``, ...; the record's
 ``ignored_fields`` counts the turns per hint).
@@ -314,6 +316,7 @@ class RemoteAgent:
         extra["proxy_splits"] = record.num_splits
         extra["proxy_split_reasons"] = dict(record.splits)
         extra["ignored_fields"] = sorted(record.ignored_fields)
+        extra["constraints"] = sorted(record.constraints)  # what shaped the replies
         extra[A.TEMPLATE_DRIFT] = main.drift
 
 

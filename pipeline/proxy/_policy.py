@@ -45,6 +45,11 @@ TOOL_NAMED = "tool_choice_function"
 SINGLE_CALL = "single_tool_call"
 """At most one tool call per reply (``parallel_tool_calls: false`` with tools)."""
 ENFORCEABLE = (JSON_OBJECT, JSON_SCHEMA, SINGLE_CALL, TOOL_NAMED, TOOL_REQUIRED)
+TOOL_CONSTRAINTS = frozenset({SINGLE_CALL, TOOL_NAMED, TOOL_REQUIRED})
+"""The constraints on tool calls (enforced in the model's call format)."""
+CALL_FORMATS = ("hermes",)
+"""Tool-call formats engines build tool constraints for (``pipeline.engines._structured``);
+on a proxy whose model writes another format, tool constraints are refused."""
 """The constraint names an engine may list in its ``enforces`` attribute."""
 
 Policy = Literal["supported", "no effect", "enforced", "refused"]
@@ -62,12 +67,17 @@ class Constraints:
             ``text.format`` is converted to it).
         tool_choice: ``"required"`` or ``{"type": "function", "function": {"name": ...}}``.
         tools: the tool schemas offered (chat's shape).
+        call_format: see below; reasoning: see below.
     """
 
     features: frozenset[str]
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = field(default=None)
+    call_format: str = "hermes"
+    """The model's tool-call format (the proxy's tool parser): tool constraints follow it."""
+    reasoning: bool = False
+    """The model may open with a reasoning block (the proxy reads one with its parser)."""
 
 
 def engine_enforces(engine: Any) -> frozenset[str]:

@@ -42,6 +42,8 @@ class TurnRecord(BaseModel):
             ``render_s``, ``engine_s`` and ``total_s``.
         ignored_fields: the request's hints the proxy did not act on, by path
             (``metadata``, ``text.verbosity``, ...; see ``_policy.read_hints``).
+        constraints: the decoding constraints the engine enforced on the reply
+            (``json_schema``, ``tool_choice_required``, ...; ``pipeline.proxy.ENFORCEABLE``).
     """
 
     index: int
@@ -67,6 +69,7 @@ class TurnRecord(BaseModel):
     reply: dict[str, Any]
     timings: dict[str, float]
     ignored_fields: list[str] = Field(default_factory=list)
+    constraints: list[str] = Field(default_factory=list)
 
 
 class SegmentRecord(BaseModel):
@@ -126,6 +129,7 @@ class SessionRecord(BaseModel):
             empty when every turn passed (or the checks are off).
         ignored_fields: the hints the proxy did not act on, by path, and how many turns
             sent each (see ``_policy.read_hints``).
+        constraints: the decoding constraints enforced, and on how many turns each.
     """
 
     id: str
@@ -141,6 +145,7 @@ class SessionRecord(BaseModel):
     conversations: int = 1
     token_integrity: list[dict[str, Any]] = Field(default_factory=list)
     ignored_fields: dict[str, int] = Field(default_factory=dict)
+    constraints: dict[str, int] = Field(default_factory=dict)
 
 
 _MESSAGE_TOKENS = {"__all__": set(_TOKEN_FIELDS)}
@@ -198,7 +203,8 @@ def session_record(session: Session, *, with_turns: bool = True,
                 drift=list(turn.drift), stop_string=turn.stop_string, request=turn.request,
                 sampling=turn.sampling, policy_version=turn.policy_version,
                 reply=_wire(turn.reply, tokens=False), timings=dict(turn.timings),
-                ignored_fields=list(turn.ignored_fields)))
+                ignored_fields=list(turn.ignored_fields),
+                constraints=list(turn.constraints)))
     return SessionRecord(
         id=session.id, state=session.state, created_at=session.created_at,
         metadata=dict(session.metadata), turns=turns, segments=segments,
@@ -207,7 +213,8 @@ def session_record(session: Session, *, with_turns: bool = True,
         conversations=1 + max((s.conversation for s in history.segments), default=0),
         token_integrity=[dict(f) for f in session.integrity],
         ignored_fields=dict(Counter(path for turn in session.turns
-                                    for path in turn.ignored_fields)))
+                                    for path in turn.ignored_fields)),
+        constraints=dict(Counter(name for turn in session.turns for name in turn.constraints)))
 
 
 def segment_record(seg: Segment) -> SegmentRecord:

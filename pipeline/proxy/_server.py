@@ -28,7 +28,12 @@ from pipeline._text.tokenizer import Tokenizer
 from pipeline.engines import Engine
 from pipeline.proxy._app import build_app
 from pipeline.proxy._config import ProxyConfig
-from pipeline.proxy._policy import engine_enforces, template_hints
+from pipeline.proxy._policy import (
+    CALL_FORMATS,
+    TOOL_CONSTRAINTS,
+    engine_enforces,
+    template_hints,
+)
 from pipeline.proxy._records import SessionRecord, session_record
 from pipeline.proxy._sessions import Session, SessionStore
 from pipeline.proxy._turns import TurnRunner
@@ -99,7 +104,11 @@ class ProxyServer:
                                 abort_timeout_s=cfg.abort_timeout_s,
                                 check_integrity=cfg.token_integrity_checks)
         self.enforces = engine_enforces(engine)
-        """Decoding constraints the engine declared it enforces (``_policy``)."""
+        """Decoding constraints the engine declared it enforces (``_policy``), less the tool
+        constraints where the model's call format is not one they are built for."""
+        call_format = getattr(self.turns.parser, "tool_parser_name", None) or "hermes"
+        if call_format not in CALL_FORMATS:
+            self.enforces -= TOOL_CONSTRAINTS
         self.template_hints = template_hints(tokenizer)
         """Chat-template options request hints may set (``reasoning_effort`` where the
         template reads it: ``_policy.read_hints``)."""

@@ -71,6 +71,8 @@ class Turn:
     timings: dict[str, float] = field(default_factory=dict)
     ignored_fields: tuple[str, ...] = ()
     """Hints of the request the proxy did not act on (``_policy.read_hints``)."""
+    constraints: tuple[str, ...] = ()
+    """Decoding constraints the engine enforced on the reply (``_policy.ENFORCEABLE``)."""
 
 
 class Session:

@@ -134,12 +134,19 @@ class TurnRunner:
             if sampling is None:
                 self._end_on_budget(session, plan)
             request_id = f"{session.id}-{session.requests}"
+            if constraints is not None:  # the model's call format, as the parser reads it
+                constraints = dataclasses.replace(
+                    constraints,
+                    call_format=getattr(self.parser, "tool_parser_name", None) or "hermes",
+                    reasoning=getattr(self.parser, "reasoning_parser_name", None) is not None)
             gen = await self._generate(session, request_id, plan.prompt_ids, sampling,
                                        constraints)
             generated = time.perf_counter()
             if self.check_integrity:
                 gen = self._check(session, plan, gen)
             outcome = self._commit(session, request, plan, gen, sampling, request_id)
+            if constraints is not None and outcome.turn is not None:
+                outcome.turn.constraints = tuple(sorted(constraints.features))
             if binding == "response_budget" and gen.finish_reason is FinishReason.LENGTH:
                 seg = session.history.segments[outcome.turn.segment] if outcome.turn else None
                 if seg is not None:
