@@ -50,6 +50,12 @@ from pipeline._exceptions import ConfigError, EngineError
 from pipeline.engines._base import RECENT_ABORTS, Generation
 from pipeline.engines._consistency import TokenizerProbe
 from pipeline.engines._outputs import finish_reason, full_length_experts
+from pipeline.engines._structured import (
+    FORMAT_CONSTRAINTS,
+    TOOL_CONSTRAINTS,
+    XGRAMMAR,
+    structured_outputs,
+)
 from pipeline.engines._weight_sync import (
     PauseGate,
     PauseMode,
@@ -111,6 +117,11 @@ class OpenAIEngine:
         sticky_capacity: most groups remembered for sticky routing (least recent dropped).
         extra_body: more fields for every completion request (e.g. ``{"min_p": 0.05}``).
     """
+
+    enforces = FORMAT_CONSTRAINTS | (TOOL_CONSTRAINTS if XGRAMMAR else frozenset())
+    """Decoding constraints :meth:`generate` enforces (``constraints=``), sent as the server's
+    ``structured_outputs`` (vLLM's): JSON always; tool calls where xgrammar, which builds
+    their structural tag, is installed here (it comes with vLLM)."""
 
     def __init__(self, base_urls: str | Sequence[str], *, model: str | None = None,
                  api_key: str | None = None, max_retries: int = 3, backoff_s: float = 0.25,
@@ -244,8 +255,10 @@ class OpenAIEngine:
         return body
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                       request_id: str, *, multi_modal: Any = None) -> Generation:
-        """One completion on the routed server (see the class doc).
+                       request_id: str, *, multi_modal: Any = None,
+                       constraints: Any = None) -> Generation:
+        """One completion on the routed server (see the class doc); ``constraints``: a
+        ``pipeline.proxy.Constraints`` of :attr:`enforces`.
 
         ``multi_modal`` (images) is refused: token-id prompts go to ``/v1/completions``,
         which takes no images; use the in-process vLLM or transformers engine for them.
@@ -263,6 +276,8 @@ class OpenAIEngine:
             version = self._gate.in_flight.get(request_id)
             server = self.route(request_id)
             body = self._body(model, prompt_ids, sampling, request_id)
+            if constraints is not None:
+                body["structured_outputs"] = structured_outputs(constraints)
             task = asyncio.ensure_future(self._call(server, "POST", "/v1/completions", body))
             self._tasks[request_id] = task
             server.in_flight += 1

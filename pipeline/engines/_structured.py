@@ -18,6 +18,7 @@ here by its attributes, so that engines need not import the proxy): ``features``
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from typing import Any, Literal
 
@@ -28,6 +29,8 @@ FORMAT_CONSTRAINTS = frozenset({"json_object", "json_schema"})
 TOOL_CONSTRAINTS = frozenset({"tool_choice_required", "tool_choice_function",
                               "single_tool_call"})
 """Constraints enforced in the model's call format (:data:`CALL_FORMATS`)."""
+XGRAMMAR = importlib.util.find_spec("xgrammar") is not None
+"""Whether xgrammar (it comes with vLLM) is here to build tool-call structural tags."""
 MAX_WHITESPACE = 32
 """Longest run of whitespace allowed inside constrained JSON: room for indented output, and a
 bound on a model that would pad with whitespace until its token limit (a JSON grammar allows
