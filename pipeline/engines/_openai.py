@@ -47,8 +47,9 @@ import structlog
 from pipeline._data.config import SamplingParams
 from pipeline._data.models import FinishReason
 from pipeline._exceptions import ConfigError, EngineError
-from pipeline.engines._base import RECENT_ABORTS, Generation
+from pipeline.engines._base import RECENT_ABORTS, EngineLoad, Generation
 from pipeline.engines._consistency import TokenizerProbe
+from pipeline.engines._health import scrape_load
 from pipeline.engines._outputs import finish_reason, full_length_experts
 from pipeline.engines._structured import (
     FORMAT_CONSTRAINTS,
@@ -322,6 +323,13 @@ class OpenAIEngine:
             experts = _decode_experts(experts, len(prompt_ids) + len(tokens))
         return Generation(tokens, logprobs, reason, raw, routed_experts=experts,
                           policy_version=version)
+
+    async def load(self) -> EngineLoad | None:
+        """The servers' load from their Prometheus ``/metrics`` (vLLM's figures: requests
+        running and waiting, KV-cache use, preemptions; summed over the servers), or None
+        when none reports them. Read by adaptive concurrency (:mod:`pipeline._runner.flow`).
+        """
+        return await scrape_load(self._get_session(), [s.url for s in self.servers])
 
     async def abort(self, request_id: str) -> None:
         """Close ``request_id``'s connection (the server aborts it); its ``generate``
