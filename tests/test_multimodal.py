@@ -359,3 +359,22 @@ def test_openai_engine_refuses_images():
 
     with pytest.raises(EngineError, match="takes no images"):
         asyncio.run(go())
+
+
+def test_vision_tool_scenario_crops_and_answers():
+    """scenarios/vision_tool.py on its scripted agent: every sample calls crop once, the
+    crop comes back as 64 image tokens at mask 0 (224x224 after the x2 enlargement), and
+    the reward reads the answer."""
+    from scenarios import vision_tool
+
+    result = asyncio.run(vision_tool.run("simulated", count=3, n=2))
+    for item, sample in zip(result.items, result.samples, strict=True):
+        assert item.status.value == "completed", item.error
+        assert sample.tool_turns == 1
+        assert [(i["width"], i["tokens"]) for i in sample.multi_modal_inputs.summary()] == \
+            [(224, 64), (224, 64)]
+        at_zero = [t for t, m in zip(sample.response_ids, sample.response_mask, strict=True)
+                   if t == IMAGE_PAD and m == 0]
+        assert len(at_zero) == 64 and IMAGE_PAD not in [
+            t for t, m in zip(sample.response_ids, sample.response_mask, strict=True) if m]
+        assert sample.reward in (0.0, 1.0)
