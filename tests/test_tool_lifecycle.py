@@ -19,11 +19,13 @@ SCHEMA = {"type": "object", "properties": {"sql": {"type": "string"}}, "required
 
 
 def ask(calls: int = 1):
-    """A stand-in for the model's turn: an assistant message calling ``db`` ``calls`` times."""
+    """A stand-in for the model's turn: an assistant message calling ``db`` ``calls`` times
+    (a row's ``extra["calls"]`` overrides the number)."""
 
     async def assistant_turn(item, ctx):
+        count = item.data.extra.get("calls", calls)
         tool_calls = [ToolCall(id=f"c{i}", function=ToolFunction(
-            name="db", arguments=json.dumps({"sql": f"select {i}"}))) for i in range(calls)]
+            name="db", arguments=json.dumps({"sql": f"select {i}"}))) for i in range(count)]
         item.artifacts[artifacts.PROMPT_IDS] = [1, 2, 3]
         item.artifacts[artifacts.MESSAGES] = [
             AgentMessage(role="user", content="query"),
@@ -90,6 +92,8 @@ async def test_one_resource_per_sample_released_once_on_every_outcome(after, sta
         extra = item.artifacts[artifacts.EXTRA_FIELDS]
         assert extra["tool_rewards"] == [0.5, 0.5, 0.5]
         assert extra["tool_resources_warm"] == 0 and extra["tool_create_wait_s"] > 0
+    totals = result.stats.tool_resources
+    assert totals["samples"] == 4 and totals["warm"] == 0 and totals["create_wait_s"] > 0
 
 
 async def test_release_that_raises_is_recorded_never_the_outcome():
@@ -108,9 +112,11 @@ async def test_tool_rewards_reach_verls_column():
     ledger = Ledger()
     rollout = Pipeline([ask(calls=2), CallTools(offload=False)], tokenizer=ByteTokenizer(),
                        tools=[tool_of(ledger)])
-    result = await rollout.run_batch([{"prompt": "a"}], n=2)
+    rows = [{"prompt": "a"}, {"prompt": "b", "extra": {"calls": 0}}]  # b calls no tool
+    result = await rollout.run_batch(rows, n=2)
     outputs = to_verl_outputs(result.samples, items=result.items, use_verl=False)
-    assert [o["extra_fields"]["tool_rewards"] for o in outputs] == [[0.5, 0.5]] * 2
+    # verl's workers always fill the column; a sample without tool rewards gets [], not None
+    assert [o["extra_fields"]["tool_rewards"] for o in outputs] == [[0.5, 0.5]] * 2 + [[]] * 2
 
 
 async def test_warm_pool_hands_out_ready_instances_and_checks_health():
@@ -164,6 +170,7 @@ async def test_pool_creation_failures_are_counted_and_the_model_sees_an_error():
             reply = item.artifacts[artifacts.MESSAGES][-1]
             assert reply.role == "tool" and "sandbox service refused" in reply.content
             assert item.artifacts[artifacts.EXTRA_FIELDS]["tool_create_failures"] == 1
+        assert result.stats.tool_resources["create_failures"] == 2
         stats = pool.stats()
         assert stats.misses == 2 and stats.create_failures >= 3  # background + 2 cold
 

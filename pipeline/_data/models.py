@@ -281,6 +281,11 @@ class BatchStats(BaseModel):
     """Samples whose agent sent request fields the proxy accepted with no effect, by field
     path (``user``, ``text.verbosity``; from ``extra_fields["ignored_fields"]``, which
     :class:`~pipeline.proxy.RemoteAgent` sets); empty outside the proxy."""
+    tool_resources: dict[str, float] = Field(default_factory=dict)
+    """Per-trajectory tool resources (``ResourceTool``, MCP servers per trajectory, warm
+    pools), summed over samples from their ``extra_fields``: ``samples`` (that held one),
+    ``warm`` (taken ready from a pool), ``create_failures``, ``create_wait_s``; empty when no
+    sample held one."""
     wall_time_s: float
     skipped_values: dict[str, int] = Field(default_factory=dict)
     """Counter artifacts left out of the sums, by key: not a number, not finite, negative

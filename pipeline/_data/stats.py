@@ -60,6 +60,7 @@ def compute_stats(
     pct = np.percentile(latencies, [50, 95, 99]).tolist() if latencies.size else [None, None, None]
     integrity: Counter[str] = Counter()
     ignored: Counter[str] = Counter()
+    resources: dict[str, float] = {}
     for item in items:
         artifacts: Any = item.artifacts
         if not isinstance(artifacts, dict):
@@ -71,6 +72,8 @@ def compute_stats(
         fields = extra.get("ignored_fields") if isinstance(extra, dict) else None
         if isinstance(fields, list):
             ignored.update({field for field in fields if isinstance(field, str)})
+        if isinstance(extra, dict) and "tool_create_wait_s" in extra:
+            _add_resources(resources, extra)
     counters = _totals(items, (A.TOOL_CALLS, A.TOOL_ERRORS, A.TEMPLATE_DRIFT, A.LIMITER_WAIT_S),
                        skipped)
     return BatchStats(
@@ -96,9 +99,24 @@ def compute_stats(
         limiter_wait_s=float(counters[3]),
         token_integrity=dict(integrity),
         ignored_fields=dict(ignored),
+        tool_resources=resources,
         wall_time_s=wall_time_s,
         skipped_values=dict(skipped),
     )
+
+
+_RESOURCE_FIELDS = {"warm": "tool_resources_warm", "create_failures": "tool_create_failures",
+                    "create_wait_s": "tool_create_wait_s"}
+"""BatchStats.tool_resources key -> the per-sample ``extra_fields`` key CallTools writes."""
+
+
+def _add_resources(totals: dict[str, float], extra: dict[str, Any]) -> None:
+    """Add one sample's per-trajectory tool resource figures to ``totals``."""
+    totals["samples"] = totals.get("samples", 0) + 1
+    for key, field in _RESOURCE_FIELDS.items():
+        value = extra.get(field)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            totals[key] = totals.get(key, 0) + value
 
 
 def safe_stats(

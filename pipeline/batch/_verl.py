@@ -141,10 +141,16 @@ def reward_extra_info(samples: Sequence[RolloutSample],
     return [{k: leaf.get(k, float("nan")) for k in names} for leaf in leaves]
 
 
+LIST_KEYS = ("turn_scores", "tool_rewards")
+"""Per-turn lists verl's workers always fill (``[]`` when a sample has none), never None."""
+
+
 def _extra_fields(samples: Sequence[RolloutSample]) -> list[dict[str, Any]]:
-    """Each sample's ``extra_fields``, all with the batch's union of keys (None if missing)."""
+    """Each sample's ``extra_fields``, all with the batch's union of keys (None if missing;
+    ``[]`` for the :data:`LIST_KEYS`, as verl's own agent loops leave them)."""
     keys = sorted({k for s in samples for k in s.extra_fields})
-    return [{k: s.extra_fields.get(k) for k in keys} for s in samples]
+    return [{k: s.extra_fields.get(k, [] if k in LIST_KEYS else None) for k in keys}
+            for s in samples]
 
 
 def to_verl_outputs(
