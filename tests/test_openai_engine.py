@@ -377,6 +377,18 @@ async def test_server_answers_that_break_the_contract_are_engine_errors():
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+async def test_proxy_constraints_are_enforced_through_the_server(server, tiny_tokenizer):
+    """tool_choice required / named, parallel_tool_calls false, json_schema, json_object sent
+    as the server's structured_outputs (issue 40, item 1): obeyed and token-exact."""
+    from _constraint_cases import check_chat_constraints
+
+    async with _closing(OpenAIEngine(server, model=MODEL)) as engine:
+        await check_chat_constraints(engine, tiny_tokenizer)
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 async def test_factory_builds_a_checked_openai_engine(server, tiny_model_dir):
     from pipeline.engines._factory import make_engine
 

