@@ -240,7 +240,10 @@ class ResourceTool:
             pool: the pool's ``destroy``).
         pool: a :class:`WarmPool` the resources come from.
         timeout_s: one call's limit (creating the resource counts towards the first call).
-        rate, burst, max_concurrency, fairness_key: as :class:`~pipeline.tools.FunctionTool`.
+        rate: sustained calls per second (None: unlimited), as ``FunctionTool``.
+        burst: calls allowed at once above ``rate``.
+        max_concurrency: calls running at once (None: unlimited).
+        fairness_key: what the limit is shared fairly across, as ``FunctionTool``.
     """
 
     name: str

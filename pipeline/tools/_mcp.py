@@ -235,8 +235,11 @@ class MCPServer:
             ``"trajectory"``: one per sample (see the module doc).
         prefix: prepended to the server's tool names in the registry (avoids clashes).
         call_timeout_s: one call's limit.
-        rate, burst: the server's shared rate limit (all its tools), key ``mcp:<name>``.
-        tool_rate, tool_burst: each tool's own rate limit, key ``tool:<name>``.
+        rate: the server's shared rate limit (calls per second, all its tools together),
+            limiter key ``mcp:<name>``.
+        burst: calls allowed at once above ``rate``.
+        tool_rate: each tool's own rate limit, limiter key ``tool:<name>``.
+        tool_burst: each tool's calls allowed at once above ``tool_rate``.
         max_concurrency: calls running at once per tool.
         fairness_key: what the limits are shared fairly across (as ``FunctionTool``).
         start_timeout_s: connecting (and, for stdio, starting the process) may take this long.
