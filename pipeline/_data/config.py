@@ -148,7 +148,7 @@ class AdaptiveConcurrency(_RaisesConfigError):
     min_concurrency: int = Field(4, gt=0)
     max_concurrency: int = Field(8192, gt=0)
     kv_high: float = Field(0.95, gt=0.0, le=1.0)
-    queue_target: float = Field(0.5, gt=0.0)
+    queue_target: float = Field(1.0, gt=0.0)
     preempt_high: float = Field(0.1, gt=0.0)
     interval_s: float = Field(0.1, gt=0)
 

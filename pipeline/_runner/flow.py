@@ -51,7 +51,7 @@ GROW = 1.1
 """Growth of the limit per turnover once it has been (gentle: it stays near the edge)."""
 SHRINK = 0.9
 """Factor applied when the engine thrashes (preempts)."""
-GAIN = 0.5
+GAIN = 1.0
 """Share of the gap to the queue target closed per turnover once the engine is full."""
 LAST_ERRORS = 5
 """Errors the circuit breaker keeps to show (the newest)."""
@@ -192,10 +192,15 @@ class ConcurrencyController:
             self._avg[1] + weight * (now_values[1] - self._avg[1]))
         waiting_avg, running_avg = self._avg
         cap = getattr(load, "max_running", None)
-        # Full: no room for one more sequence now, so what it queues waits on capacity.
+        # Full: no room for one more sequence now, or a queue longer than the target (the
+        # head of the queue does not fit the KV left: the engine is backed up all the same).
         full = ((kv is not None and kv >= options.kv_high)
-                or (cap is not None and running >= cap))
+                or (cap is not None and running >= cap)
+                or waiting_avg > options.queue_target * max(1.0, running_avg))
         step = min(dt, 2 * options.interval_s) / turnover  # a late reading counts as two
+        if running == 0 and not preempted:
+            self.decision = "hold"  # nothing runs yet: a queue now is requests in transit
+            return
         if preempted > options.preempt_high * max(1, running):
             if now - self._last_shrink < turnover / 2:
                 self.decision = "hold"
