@@ -378,3 +378,45 @@ def test_vision_tool_scenario_crops_and_answers():
         assert len(at_zero) == 64 and IMAGE_PAD not in [
             t for t, m in zip(sample.response_ids, sample.response_mask, strict=True) if m]
         assert sample.reward in (0.0, 1.0)
+
+
+def test_verl_batch_reproduces_the_rollout_logprobs(vl):
+    """The trainer's forward pass over our verl batch (left-padded rows, ``[B, 4, T]`` mrope
+    positions transposed as verl's actor does, every sample's pixels concatenated) gives
+    the logprobs the engine sampled with: the batch is what the model saw."""
+    import types
+
+    import transformers
+
+    from pipeline.batch import collate, to_verl_batch
+    from pipeline.engines.transformers import TransformersEngine
+
+    processor = vl["processor"]
+    processor.config = vl["model"].config  # as verl's hf_processor binds it
+    processor.get_rope_index = types.MethodType(transformers.Qwen2_5_VLModel.get_rope_index,
+                                                processor)
+    processor.get_vision_position_ids = types.MethodType(
+        transformers.Qwen2_5_VLModel.get_vision_position_ids, processor)
+    engine = TransformersEngine(vl["model"], processor.tokenizer)
+    rollout = Pipeline([BuildPrompt(processor=processor), Generate()], engine=engine,
+                       tokenizer=processor.tokenizer,
+                       sampling={"max_tokens": 5, "temperature": 1.0, "seed": 3})
+    rows = [image_row(data_url(png((250, 0, 0), (84, 56)))), {"prompt": "Say a colour."},
+            image_row(data_url(png((0, 90, 250), (140, 112))), "And this one?")]
+    result = run(rollout, rows, n=2, engine=engine)
+    assert [s.status.value for s in result.samples] == ["completed"] * 6
+    batch = to_verl_batch(result.samples, pad_token_id=151643, max_prompt_len=128,
+                          max_response_len=8, use_verl=False, processor=processor)["batch"]
+    pixels = collate(result.samples, pad_token_id=151643, max_prompt_len=128,
+                     max_response_len=8)
+    with torch.no_grad():
+        logits = vl["model"](input_ids=batch["input_ids"],
+                             attention_mask=batch["attention_mask"],
+                             position_ids=batch["position_ids"].transpose(0, 1),
+                             pixel_values=pixels["pixel_values"],
+                             image_grid_thw=pixels["image_grid_thw"]).logits
+    width = batch["responses"].shape[1]
+    scores = torch.log_softmax(logits[:, -width - 1:-1].float(), dim=-1)
+    recomputed = scores.gather(-1, batch["responses"][..., None])[..., 0]
+    mask = batch["response_mask"].bool()
+    assert torch.allclose(recomputed[mask], batch["rollout_log_probs"][mask], atol=1e-4)
