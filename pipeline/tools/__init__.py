@@ -18,6 +18,7 @@ from pipeline.tools._parsers import (
 )
 from pipeline.tools._registry import FunctionTool, Tool, make_registry, tool_schema
 from pipeline.tools._schema import validate_arguments
+from pipeline.tools._verl_tool import VerlTool
 from pipeline.tools._vllm_parsers import (
     VLLMToolParser,
     load_vllm_parsers,
@@ -42,6 +43,7 @@ __all__ = [
     "ToolResult",
     "TrajectoryTool",
     "VLLMToolParser",
+    "VerlTool",
     "WarmPool",
     "calculator_tool",
     "evaluate_arithmetic",
