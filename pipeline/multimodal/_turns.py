@@ -16,7 +16,12 @@ from typing import Any
 from pipeline._data.models import AgentMessage
 from pipeline._text.render import TurnDelta, render_turn_delta
 from pipeline.multimodal._images import ImageError, has_images
-from pipeline.multimodal._inputs import MULTI_MODAL, MultiModalInputs, SampleImages
+from pipeline.multimodal._inputs import (
+    MULTI_MODAL,
+    MultiModalInputs,
+    SampleImages,
+    VisionProcessor,
+)
 
 
 def multi_modal_inputs(artifacts: Mapping[str, Any]) -> MultiModalInputs | None:
@@ -47,18 +52,17 @@ async def expand_observation(artifacts: Mapping[str, Any], history: Sequence[Age
     if not has_images(new_messages):
         return None
     state = artifacts.get(MULTI_MODAL)
-    if not isinstance(state, SampleImages):
+    if not isinstance(state, SampleImages) or state.processor is None:
         raise ImageError("a turn returned an image, but the pipeline has no vision processor "
                          "(BuildPrompt(processor=...))", field="tool")
-    return await state.processor.submit(_expand, state, list(history), list(new_messages),
-                                        tools, last_token, options)
+    return await state.processor.submit(_expand, state.processor, list(history),
+                                        list(new_messages), tools, last_token, options)
 
 
-def _expand(state: SampleImages, history: list[AgentMessage], new: list[AgentMessage],
+def _expand(processor: VisionProcessor, history: list[AgentMessage], new: list[AgentMessage],
             tools: Sequence[dict[str, Any]] | None, last_token: int,
             options: Mapping[str, Any] | None
             ) -> tuple[list[AgentMessage], TurnDelta, MultiModalInputs]:
-    processor = state.processor
     dumped = [m.model_dump(exclude_none=True) for m in new]
     kept_dicts, images = processor.load_messages(dumped, where="tool")
     kept = [AgentMessage.model_validate(m) for m in kept_dicts]

@@ -54,14 +54,13 @@ async def append_observation(item: AgentRolloutItem, ctx: Context,
             template_options(item, ctx))
     # images (a tool's screenshot): placeholders expanded by the processor, in a thread
     vision = await expand_observation(art, *args[1:])
-    if vision is not None:
+    if vision is not None:  # the messages keep each image's hash and size, not the image
         new_messages, delta, images = vision
-        messages.extend(new_messages)
     else:
-        messages.extend(new_messages)
         size = sum(len(str(m.content or "")) for m in (history[-1], *new_messages))
         delta = (await asyncio.to_thread(render_turn_delta, *args)
                  if offload and size > offload_chars else render_turn_delta(*args))
+    messages.extend(new_messages)
     drift = 1 if delta.drift else 0
     art[A.TEMPLATE_DRIFT] = art.get(A.TEMPLATE_DRIFT, 0) + drift
     art.setdefault(A.EXTRA_FIELDS, {})[A.TEMPLATE_DRIFT] = art[A.TEMPLATE_DRIFT]
