@@ -9,9 +9,10 @@ perturbed by 1% noise each time, pushed with ``update_weights``):
 
 - ``sync``: the requests in 6 waves; between waves ``pause("wait")``, update, ``resume``
   (the engine idles while the wave's last request finishes and while the weights load);
-- ``async``: every request submitted at once, one stream; 5 times, evenly over the sync
-  run's duration, ``pause("keep")``, update, ``resume``: requests in flight keep their tokens
-  and go on under the new weights (vLLM preempts and recomputes them).
+- ``async``: every request submitted at once, one stream; 5 times, evenly over the duration
+  of the same stream without updates (measured first), ``pause("keep")``, update,
+  ``resume``: requests in flight keep their tokens and go on under the new weights (vLLM
+  preempts and recomputes them).
 
 Figures: tokens/s for each, the speedup, each update's stall (``pause`` to ``resume``
 returning), and in the async run how many tokens each weight version sampled (from
@@ -98,11 +99,11 @@ async def run_sync(engine: Any, trainer: Trainer, prompts: list[list[int]],
 
 
 async def run_async(engine: Any, trainer: Trainer, prompts: list[list[int]],
-                    sampling: list[Any], every_s: float) -> dict[str, Any]:
+                    sampling: list[Any], every_s: float | None) -> dict[str, Any]:
     start = time.perf_counter()
     stream = asyncio.ensure_future(generate_all(engine, prompts, sampling, "async"))
     stalls = []
-    for _ in range(UPDATES):
+    for _ in range(UPDATES if every_s is not None else 0):
         done, _ = await asyncio.wait([stream], timeout=every_s)
         if done:
             break  # the stream ended first: fewer updates (said in the figures)
@@ -113,7 +114,8 @@ async def run_async(engine: Any, trainer: Trainer, prompts: list[list[int]],
     by_version: Counter[int] = Counter()
     for g in gens:
         by_version.update(g.token_versions or [g.policy_version] * len(g.token_ids))
-    return {"mode": "async", "wall_s": round(wall, 3), "tokens": tokens,
+    mode = "stream, no update" if every_s is None else "async"
+    return {"mode": mode, "wall_s": round(wall, 3), "tokens": tokens,
             "tokens_per_s": round(tokens / wall, 1), "updates": len(stalls),
             "update_stall_s": [round(s, 3) for s in stalls],
             "tokens_by_version": {str(k): v for k, v in sorted(by_version.items())},
@@ -137,10 +139,13 @@ async def main(args: argparse.Namespace) -> None:
                                     dtype="float32" if device() == "cpu" else "auto")
     try:
         await generate_all(engine, prompts[:8], sampling[:8], "warmup")
+        plain = await run_async(engine, trainer, prompts, sampling, None)
+        print(plain, flush=True)
         sync = await run_sync(engine, trainer, prompts, sampling)
         print(sync, flush=True)
+        # the updates fall evenly over the stream's own duration
         async_ = await run_async(engine, trainer, prompts, sampling,
-                                 sync["wall_s"] / (UPDATES + 1))
+                                 plain["wall_s"] / (UPDATES + 1))
         print(async_, flush=True)
     finally:
         await engine.aclose()
@@ -149,8 +154,9 @@ async def main(args: argparse.Namespace) -> None:
         "engine": "vllm", "vllm_version": vllm.__version__, "device": device(), "card": card(),
         "model": args.config, "requests": args.requests, "output_len": args.output_len,
         "kv_cache_gib": args.kv_cache_gib, "loadavg": os.getloadavg(),
-        "runs": [sync, async_],
+        "runs": [plain, sync, async_],
         "speedup": round(async_["tokens_per_s"] / sync["tokens_per_s"], 2),
+        "async_vs_no_update": round(async_["tokens_per_s"] / plain["tokens_per_s"], 2),
         "update_stall_s_median": round(statistics.median(all_stalls), 3) if all_stalls else None,
     }
     print(figures["speedup"], figures["update_stall_s_median"])
