@@ -61,7 +61,8 @@ def calls(message: Any) -> list[tuple[str, dict[str, Any]]]:
 
 
 async def check_chat_constraints(engine: Any, tokenizer: Any) -> None:
-    """Each chat constraint on ``engine`` through the proxy: obeyed, recorded, token-exact."""
+    """Each chat constraint on ``engine`` through the proxy, and the Responses API's
+    ``text.format`` json_schema: obeyed, recorded, token-exact."""
     from openai import AsyncOpenAI
 
     logged = LoggedEngine(engine)
@@ -87,7 +88,14 @@ async def check_chat_constraints(engine: Any, tokenizer: Any) -> None:
                     model="tiny", messages=QUESTION, **{k: v for k, v in body.items()
                                                         if v is not None})
             replies.append(reply.choices[0])
+        session = proxy.create_session()  # the Responses API: text.format json_schema
+        sessions.append(session)
+        async with AsyncOpenAI(base_url=proxy.session_url(session), api_key=session.api_key,
+                               max_retries=0) as sdk:
+            response = await sdk.responses.create(model="tiny", input="Yes or no?", text={
+                "format": {"type": "json_schema", "name": "answer", "schema": ANSWER}})
         records = [proxy.record(s.id) for s in sessions]
+    assert validate_arguments(ANSWER, json.loads(response.output_text)) == []
     required, named, single, schema, obj = replies
     for choice in (required, named, single):
         assert choice.finish_reason == "tool_calls", choice
@@ -100,7 +108,7 @@ async def check_chat_constraints(engine: Any, tokenizer: Any) -> None:
     assert isinstance(json.loads(obj.message.content), dict)
     expected = [["tool_choice_required"], ["tool_choice_function"],
                 ["single_tool_call", "tool_choice_required"], ["json_schema"],
-                ["json_object"]]
+                ["json_object"], ["json_schema"]]
     for record, features, session in zip(records, expected, sessions, strict=True):
         (turn,) = record.turns
         assert turn.constraints == features and record.constraints == dict.fromkeys(features, 1)
