@@ -14,7 +14,7 @@ so all three APIs record the same segments, merge by the same rules and yield th
 - a user message's ``tool_result`` blocks become tool messages (in block order), its text
   blocks one user message after them (one block: a string; several: text parts);
 - an assistant message's text blocks become its content, its ``tool_use`` blocks its tool calls
-  (``input`` as JSON arguments, compared with the recorded call as parsed JSON), its
+  (``input`` kept as an object, compared with the recorded call as parsed JSON), its
   ``thinking`` blocks its ``reasoning_content`` (never compared: the recorded tokens stand for
   the reply); ``redacted_thinking`` is skipped;
 - ``tools`` (client tools: ``name``, ``description``, ``input_schema``) become function tools;
