@@ -21,9 +21,9 @@ from pipeline._concurrency.cancel import cancel_requested, run_owned
 from pipeline._concurrency.slots import FifoSlots
 from pipeline._data.models import TOOL_CALL_ERRORS, AgentMessage, AgentRolloutItem, ToolCall
 from pipeline._runner.context import Context
+from pipeline.multimodal import image_result_parts, is_image_result
 from pipeline.stages._generate import check_positive_int
 from pipeline.stages._observe import append_observation
-from pipeline.multimodal import image_result_parts, is_image_result
 from pipeline.tools import Tool, ToolResult, TrajectoryTool, validate_arguments
 
 TOOL_CALLS = A.TOOL_CALLS
