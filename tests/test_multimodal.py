@@ -425,3 +425,53 @@ def test_verl_batch_reproduces_the_rollout_logprobs(vl):
     recomputed = scores.gather(-1, batch["responses"][..., None])[..., 0]
     mask = batch["response_mask"].bool()
     assert torch.allclose(recomputed[mask], batch["rollout_log_probs"][mask], atol=1e-4)
+
+
+def test_bad_tool_image_fails_its_sample_and_images_render_off_the_loop(vl, tmp_path):
+    """A tool that returns broken image bytes fails that sample with an error naming the
+    part; images are processed on the processor's worker thread, not the event loop's; the
+    trajectory dump keeps each image's hash and size, never its bytes."""
+    import threading
+
+    from pipeline.observability import TrajectoryWriter, read_trajectories
+    from pipeline.testing import SimulatedEngine
+
+    threads: list[str] = []
+
+    class Recording(VisionProcessor):
+        def expand(self, text, images):  # type: ignore[no-untyped-def]
+            threads.append(threading.current_thread().name)
+            return super().expand(text, images)
+
+    vision = Recording(vl["processor"])
+    tokenizer = vision.tokenizer
+    call = [*tokenizer.encode(CALL, add_special_tokens=False),
+            tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+    def responder(prompt_ids, rng):  # type: ignore[no-untyped-def]
+        text = tokenizer.decode(prompt_ids)  # only the row with the tool's schema calls it
+        return call if '"zoom"' in text and "<tool_response>" not in text else [call[-1]]
+
+    async def zoom(factor: int) -> Any:  # a screenshot that was cut off
+        return [{"type": "image_url", "image_url": {"url": data_url(png((9, 9, 9))[:40])}}]
+
+    tool = FunctionTool(name="zoom", description="Zoom.", fn=zoom,
+                        parameters=ZOOM["function"]["parameters"])
+    rollout = Pipeline([BuildPrompt(processor=vision), Loop([Generate(), CallTools()],
+                                                            max_turns=2)],
+                       engine=SimulatedEngine(responder=responder, latency_s=0.0),
+                       tokenizer=tokenizer, tools=[tool], sampling={"max_tokens": 40})
+    good = image_row(data_url(png((1, 200, 1))))
+    result = run(rollout, [{**good, "tools": [tool_schema(tool)]}, good])
+    broken, fine = result.items
+    assert broken.status.value == "failed"
+    assert "ImageError: tool.0.content.0: not an image" in str(broken.error)
+    assert fine.status.value == "completed", fine.error
+    assert threads and all(name.startswith("vision") for name in threads)
+    assert threading.main_thread().name not in threads
+    path = tmp_path / "dump.jsonl"
+    with TrajectoryWriter(path) as writer:
+        writer.write_batch(result)
+    text = path.read_text()
+    assert "base64" not in text and "sha256" in text
+    assert len(read_trajectories(path).samples) == 2

@@ -23,6 +23,7 @@ from pipeline.multimodal._images import (
     image_ref,
     is_image_part,
     load_image,
+    without_image_bytes,
 )
 from pipeline.multimodal._inputs import (
     MULTI_MODAL,
@@ -72,4 +73,5 @@ __all__ = [
     "multi_modal_inputs",
     "tiny_vl_processor",
     "vl_chat_template",
+    "without_image_bytes",
 ]

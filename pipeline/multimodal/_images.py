@@ -215,3 +215,26 @@ def _checked(image: Any, digest: str | None, limits: ImageLimits,
         digest = hashlib.sha256(rgb.tobytes()).hexdigest()
         digest = hashlib.sha256(f"{width}x{height}:{digest}".encode()).hexdigest()
     return LoadedImage(rgb, digest, width, height)
+
+
+def without_image_bytes(message: Mapping[str, Any]) -> dict[str, Any]:
+    """``message`` with each image part that carries an image replaced by a description of
+    it without its bytes (records of samples whose images were never rendered: a data URL's
+    size, a path, a PIL image's size); references (:func:`image_ref`) stay as they are."""
+    content = message.get("content")
+    parts = list(iter_image_parts(content))
+    if not parts:
+        return dict(message)
+    described = list(content or ())
+    for index, part in parts:
+        source = part_source(part)
+        if source is None:
+            continue
+        if isinstance(source, str) and source.startswith("data:"):
+            described[index] = {"type": "image", "data_url_chars": len(source)}
+        elif isinstance(source, str):
+            described[index] = {"type": "image", "path": source}
+        else:
+            size = getattr(source, "size", None)
+            described[index] = {"type": "image", "size": list(size) if size else None}
+    return {**message, "content": described}

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from pipeline import artifacts as A
 from pipeline._data.models import AgentRolloutItem, RolloutSample, StageRecord
 from pipeline._text.tokenizer import Tokenizer
+from pipeline.multimodal import has_images, without_image_bytes
 
 COUNTER_KEYS = ("tool_calls", "tool_errors", "template_drift", "limiter_wait_s")
 """Artifact keys read as per-sample counters (dumped under ``counters``, summed in metrics).
@@ -50,6 +51,10 @@ def trajectory_record(item: AgentRolloutItem, sample: RolloutSample, *,
     """
     prompt = [dict(m) for m in item.data.messages]
     conversation = [_message(m, include_token_ids) for m in item.artifacts.get(A.MESSAGES) or ()]
+    if has_images(prompt):  # a record keeps an image's hash and size, never its bytes
+        rendered = conversation[:len(prompt)]  # BuildPrompt put references in their place
+        prompt = (rendered if len(rendered) == len(prompt)
+                  else [without_image_bytes(m) for m in prompt])
     offset = len(prompt) if _starts_with(conversation, prompt) else 0
     line: dict[str, Any] = {
         "type": "sample", "batch_id": batch_id, "step": step,
