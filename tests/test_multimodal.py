@@ -148,6 +148,10 @@ def test_image_sources_agree_and_web_urls_are_refused(tmp_path):
         load_image("https://example.com/cat.png", field="messages.0.content.0")
     with pytest.raises(ImageError, match="file paths are not read"):
         load_image(str(path), limits=ImageLimits(allow_files=False))
+    bomb = io.BytesIO()  # 12 kB of PNG, 100 megapixels: refused before decoding, no warning
+    Image.new("1", (10000, 10000)).save(bomb, format="PNG")
+    with pytest.raises(ImageError, match="10000x10000 pixels, over the limit of 36000000"):
+        load_image(data_url(bomb.getvalue()), field="messages.0.content.0")
 
 
 def test_bad_images_fail_their_sample_only(vl):

@@ -20,6 +20,7 @@ import base64
 import binascii
 import hashlib
 import io
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,7 +190,9 @@ def _decode(data: bytes, limits: ImageLimits, field: str | None) -> LoadedImage:
         raise ImageError(f"the image is {len(data)} bytes, over the limit of "
                          f"{limits.max_bytes}", field=field)
     try:
-        image = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():  # ImageLimits.max_pixels decides, below PIL's bound
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         raise ImageError(f"not an image (PIL cannot identify {len(data)} bytes starting "
                          f"{data[:8]!r})", field=field) from None
