@@ -197,7 +197,10 @@ class ConcurrencyController:
         full = ((kv is not None and kv >= options.kv_high)
                 or (cap is not None and running >= cap)
                 or waiting_avg > options.queue_target * max(1.0, running_avg))
-        step = min(dt, 2 * options.interval_s) / turnover  # a late reading counts as two
+        # The share of a turnover since the last reading, at most half: a late reading (a
+        # stalled loop) or a short first estimate of the turnover cannot move the limit by
+        # more than half a turnover's worth at once.
+        step = min(dt / turnover, 0.5)
         if running == 0 and not preempted:
             self.decision = "hold"  # nothing runs yet: a queue now is requests in transit
             return
