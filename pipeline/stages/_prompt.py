@@ -57,6 +57,8 @@ class BuildPrompt:
     name = "build_prompt"
     requires: frozenset[str] = frozenset()
     provides = frozenset({A.RAW_PROMPT, A.PROMPT_IDS, A.MESSAGES})
+    vision_groups = 64
+    """How many groups' image renderings are kept (pixel inputs are large)."""
 
     def __init__(self, *, offload: bool = True, offload_chars: int = 32768,
                  processor: Any = None) -> None:
@@ -114,9 +116,6 @@ class BuildPrompt:
         item.artifacts[A.PROMPT_IDS] = list(rendered.ids)
         item.artifacts[A.MESSAGES] = [AgentMessage.model_validate(m) for m in messages]
         item.artifacts[MULTI_MODAL] = SampleImages(self.processor, rendered.inputs)
-
-    vision_groups = 64
-    """How many groups' image renderings are kept (pixel inputs are large)."""
 
     async def _encode(self, tokenizer: Any, text: str) -> list[int]:
         encoder = batch_encoder(tokenizer) if self.offload else None
