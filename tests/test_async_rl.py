@@ -171,6 +171,29 @@ async def test_an_update_while_a_sample_is_in_tools_versions_each_turn_by_its_we
     assert record["uid"]["version"] == 0
 
 
+class ToolTokens:
+    """Appends a tool's output tokens (mask 0), as CallTools does, and ends there."""
+
+    name = "tool_tokens"
+
+    async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
+        art = item.artifacts
+        art[artifacts.RESPONSE_IDS].extend(TOOL_TOKENS)
+        art[artifacts.RESPONSE_MASK].extend([0] * len(TOOL_TOKENS))
+        art[artifacts.LOGPROBS].extend([0.0] * len(TOOL_TOKENS))
+
+
+async def test_a_sample_ending_on_tool_tokens_keeps_its_versions_aligned():
+    """Tokens after the last model turn get NOT_SAMPLED (-1); the sample is not failed for a
+    short version list (a sample cut short in its tool call ends the same way)."""
+    pipe = pipeline_for(engine(length=5), ToolTokens())
+    result = await pipe.run_batch(rows(1), n=1)
+    sample = result.samples[0]
+    assert sample.status is Status.COMPLETED, sample.error
+    assert sample.token_versions == [0] * 5 + [-1] * 3
+    await pipe.resources.engine.aclose()
+
+
 async def test_cancelling_an_update_resumes_the_engine_and_the_stream_goes_on():
     eng = engine()
     pipe = pipeline_for(eng)

@@ -16,6 +16,7 @@ from pipeline import artifacts as A
 from pipeline._concurrency.callables import plain_result
 from pipeline._data.construct import construct
 from pipeline._data.models import (
+    NOT_SAMPLED,
     AgentRolloutItem,
     ExitReason,
     FinishReason,
@@ -64,6 +65,10 @@ def fill_sample(item: AgentRolloutItem, ctx: Context) -> RolloutSample:
         )
     versions_raw = art.get(A.TOKEN_VERSIONS)
     versions: list[int] | None = None if versions_raw is None else _as_list(versions_raw)
+    if versions is not None and len(versions) < len(response_ids):
+        # Tokens appended after the last model turn (a tool's output, the sample ended or
+        # was cut short before the next turn) were sampled by no policy.
+        versions = [*versions, *[NOT_SAMPLED] * (len(response_ids) - len(versions))]
     if versions is not None and len(versions) != len(response_ids):
         raise ContractError(
             f"sample {item.uid}: token_versions has {len(versions)} entries for "
