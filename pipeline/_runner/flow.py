@@ -53,6 +53,8 @@ SHRINK = 0.9
 """Factor applied when the engine thrashes (preempts)."""
 GAIN = 1.0
 """Share of the gap to the queue target closed per turnover once the engine is full."""
+HISTORY = 4096
+"""Limit changes the controller remembers (a long run steers every few readings)."""
 LAST_ERRORS = 5
 """Errors the circuit breaker keeps to show (the newest)."""
 
@@ -136,9 +138,11 @@ class ConcurrencyController:
 
     Attributes:
         limit: the limit now (the slots' size).
-        decision: what the last read decided: ``grow``, ``shrink``, ``hold`` or ``fixed``
-            (the engine gives no load signal; the limit stays ``max_concurrency``).
-        history: ``(monotonic time, limit)`` at each change, for benchmarks and tests.
+        decision: what the last reading decided: ``grow``, ``steer``, ``shrink``, ``hold``
+            or ``fixed`` (the engine gives no load signal; the limit stays
+            ``max_concurrency``).
+        history: ``(monotonic time, limit)`` at each change, the last :data:`HISTORY` of
+            them, for benchmarks and tests.
     """
 
     def __init__(self, slots: FifoSlots, options: AdaptiveConcurrency, initial: int) -> None:
@@ -156,7 +160,8 @@ class ConcurrencyController:
         self._last_shrink = -math.inf
         self._pushed_back = False
         self._avg: tuple[float, float] | None = None
-        self.history: list[tuple[float, int]] = [(time.monotonic(), int(self.limit))]
+        self.history: collections.deque[tuple[float, int]] = collections.deque(
+            [(time.monotonic(), int(self.limit))], maxlen=HISTORY)
 
     def sample_ran(self, seconds: float) -> None:
         """A sample ran ``seconds`` (the turnover is their running mean)."""
