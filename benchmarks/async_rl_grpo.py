@@ -5,7 +5,7 @@ held-out evaluations included): the synchronous loop, then ``--async --max-stale
 Printed and written to ``benchmarks/results/async_rl_grpo.json``: per run the iterations
 done, iterations per training minute, held-out reward before and after (256 problems x 2
 samples, 95% interval), the gain, and for the asynchronous runs the groups delivered and set
-aside by version lag.
+aside by version lag, and the finish reasons of the samples the trainer was handed.
 
     python benchmarks/async_rl_grpo.py --seeds 1 2 --minutes 10
     python benchmarks/async_rl_grpo.py --quick          # one seed, 4 minutes a run
@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ def run(seed: int, minutes: float, engine: str, eta: int | None, out: Path) -> d
         "gain": summary["gain"], "wall_s": summary["wall_s"],
         "train_reward_last5": round(sum(h["reward"] for h in history[-5:])
                                     / max(1, len(history[-5:])), 3),
+        "finish_reasons_trained": dict(sum((Counter(h["finish_reasons"]) for h in history),
+                                           Counter())),
         "async": summary.get("async"),
     }
 
