@@ -25,6 +25,10 @@ from it.
 ``adv``, ``update_actor``, ``update_weights``, ``step``) and the generated tokens of each step
 (``response_length/mean`` x samples), and compares the generate phase per generated token,
 median over steps 2..N (step 1 warms up). One JSON file: ``benchmarks/results/verl_gpu_e2e.json``.
+verl's V1 trainer measures ``gen`` around a replay-buffer wait that polls every 2 s, so each
+step's figure is quantised to about 2 s (``gen_timer_resolution_s``); with a reward loop
+worker (the default) the reward is computed inside the rollout and there is no
+``timing_s/reward``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ QWEN_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 
 
 LOOPS = {"pipeline": "arith_pipeline", "verl": "tool_agent"}
 """``--loop`` -> the agent loop verl's workers run (``default_agent_loop``)."""
+
+GEN_POLL_S = 2.0
+"""verl 0.9.1's ``ReplayBuffer.poll_interval``: the resolution of ``timing_s/gen`` on V1."""
 
 TIMINGS = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "step")
 
@@ -133,7 +140,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
         # (verl defaults to flash_attention_2 and remove-padding; vLLM has its own kernels).
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.use_remove_padding=False",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         "actor_rollout_ref.actor.optim.lr=1e-6",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
@@ -248,7 +255,7 @@ def report(args: argparse.Namespace) -> None:
         figures["loops"][loop] = {
             "ran": True, "returncode": run["returncode"], "wall_s": round(run["wall_s"], 1),
             "steps": [{"step": s["step"],
-                       **{k: s.get(f"timing_s/{k}") for k in TIMINGS},
+                       **{f"{k}_s": s.get(f"timing_s/{k}") for k in TIMINGS},
                        "response_length_mean": s.get("response_length/mean"),
                        "num_turns_mean": s.get("num_turns/mean"),
                        "score_mean": s.get("critic/score/mean"),
@@ -258,6 +265,10 @@ def report(args: argparse.Namespace) -> None:
     ours = figures["loops"].get("pipeline", {}).get("gen_s_per_token_median_after_step_1")
     theirs = figures["loops"].get("verl", {}).get("gen_s_per_token_median_after_step_1")
     figures["pipeline_over_verl_gen_per_token"] = ours / theirs if ours and theirs else None
+    # verl's V1 trainer times "gen" around a replay-buffer wait that polls every 2 s
+    # (ReplayBuffer.poll_interval): each step's figure is a whole number of polls after the
+    # rollout ends, so two loops closer than that cannot be told apart by it.
+    figures["gen_timer_resolution_s"] = GEN_POLL_S
     figures["card"] = args.card
     path = write_result(args.name, figures)
     print(json.dumps(figures, indent=1))

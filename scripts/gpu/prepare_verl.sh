@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Pack verl 0.9.1 and what its PPO trainer needs (Ray, hydra, datasets, pyarrow, pandas, ...)
-# for a GPU machine that cannot download anything, together with vLLM 0.24.0 (the shared
-# recipe's parts), as one bundle split into parts carried one per device call.
+# Pack verl 0.9.1 and what its PPO trainer needs that the GPU image lacks (Ray, hydra,
+# datasets, TransferQueue, ...) for a GPU machine that cannot download anything, together with
+# vLLM 0.24.0 (the shared recipe's parts), as one bundle split into parts carried one per
+# device call.
 #
 # Usage (project root, a machine that reaches PyPI; no GPU):
 #   bash ../shared/tools/prepare_gpu_vllm.sh .gpu          # vLLM 0.24.0 parts (GPU_VLLM.md)
@@ -46,8 +47,12 @@ PYTAGS=(--python-version 3.12 --implementation cp --only-binary=:all: "${PLAT[@]
 
 # verl 0.9.1's trainer path (main_ppo, FSDP workers, agent loops, RLHFDataset) and the
 # versions tests use locally (scripts/install_verl.sh); TransferQueue for the V1 trainer (the
-# default, trainer.use_v1). Not carried: wandb/tensorboard (loggers we do not use), ray's
-# dashboard extras.
+# default, trainer.use_v1); orjson (verl.utils.tracking imports it; the first GPU run stopped
+# there). Not carried: what the GPU image already has (its package list in
+# the device notes, checked there with pip list: pandas, pyarrow, peft, grpcio, msgpack,
+# click, cloudpickle, fsspec, xxhash, protobuf, psutil, ...; under the .pth they would lose to
+# the image's copies anyway), what vLLM's parts carry (dill, pyzmq, msgspec, fastapi,
+# uvicorn), wandb (a logger we do not use) and Ray's dashboard extras.
 cat > "$WORK/deps.txt" <<'DEPS'
 verl==0.9.1
 tensordict==0.10.0
@@ -58,18 +63,9 @@ hydra-core==1.3.8
 codetiming==1.4.0
 datasets==5.2.0
 multiprocess==0.70.19
-xxhash==4.1.0
-fsspec==2026.9.0
-pyarrow==26.0.1
-pandas==3.1.1
-python-dateutil==2.9.0.post0
-six==1.17.0
-peft==0.21.2
 torchdata==0.11.0
-msgpack==1.2.4
-click==8.5.1
-cloudpickle==3.1.3
 TransferQueue==0.1.11
+orjson==3.13.0
 DEPS
 # Published as source only: built here (pure Python).
 SDISTS=(antlr4-python3-runtime==4.9.3 pylatexenc==2.11)
@@ -93,10 +89,6 @@ sed -i '/\.dist-info\/direct_url\.json,/d' "$SITE"/*.dist-info/RECORD
 rm -rf "$SITE/ray/jars"                              # 33 MB, Ray's Java workers
 rm -rf "$SITE/ray/dashboard/client/build"            # 10 MB, the dashboard's web page
 rm -rf "$SITE/ray/rllib"                             # 8 MB
-rm -f  "$SITE"/pyarrow/libarrow_flight.so* "$SITE"/pyarrow/libarrow_python_flight.so* \
-       "$SITE"/pyarrow/_flight.cpython-* "$SITE"/pyarrow/libarrow_s3.so* \
-       "$SITE"/pyarrow/_s3fs.cpython-*               # 50 MB, Arrow Flight RPC and S3
-rm -rf "$SITE/pyarrow/include" "$SITE/pyarrow/tests" "$SITE/pandas/tests"
 du -sh "$SITE"
 
 echo "== pack verl (xz)"

@@ -28,6 +28,7 @@ PY
     ;;
   train)
     loop=$1; shift
+    ray stop --force >/dev/null 2>&1  # a Ray cluster left by an earlier, stopped run
     python3 benchmarks/verl_gpu_e2e.py train --work "$E2E" --loop "$loop" "$@"
     code=$?
     if [ -n "${OUT:-}" ]; then
