@@ -171,6 +171,8 @@ if __name__ == "__main__":
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--sweep", nargs="+", type=int, default=None)
+    parser.add_argument("--out", default="flow_control",
+                        help="results file name (benchmarks/results/<out>.json)")
     args = parser.parse_args()
     if args.samples is None:
         args.samples = 400 if args.quick else 3000
@@ -179,4 +181,4 @@ if __name__ == "__main__":
     figures = asyncio.run(main(args))
     figures["parameters"] = {"samples": args.samples, "sweep": args.sweep}
     if not args.quick:
-        print("wrote", write_result("flow_control", figures))
+        print("wrote", write_result(args.out, figures))
