@@ -29,6 +29,7 @@ from pipeline import (
     Generate,
     Loop,
     Pipeline,
+    SimulatedEngine,
     Status,
     artifacts,
     parse_row,
@@ -550,3 +551,21 @@ async def test_the_tiny_policy_calls_the_tool_unforced():
         assert [m for m, _, _ in runs(sample.response_mask)] == [1, 0, 1]
         predicted = arith_tools.extract_number(messages[-1].content or "")
         assert sample.reward == float(predicted == float(item.data.ground_truth))
+
+
+async def test_rows_without_tools_get_the_registrys_schemas_in_the_prompt(tiny_tokenizer):
+    """As verl's tool agent loop gives every prompt its configured tools: a row with no
+    ``tools`` key is rendered with the pipeline registry's schemas, ``tools: []`` with none,
+    and a row's own list wins."""
+    other = {"type": "function", "function": {"name": "lookup", "description": "Look up.",
+                                              "parameters": {"type": "object"}}}
+    rows = [{"messages": [{"role": "user", "content": f"Q{i}"}], **extra}
+            for i, extra in enumerate([{}, {"tools": []}, {"tools": [other]}])]
+    pipe = Pipeline([BuildPrompt()], engine=SimulatedEngine(), tokenizer=tiny_tokenizer,
+                    tools=[CALC])
+    result = await pipe.run_batch(rows)
+    texts = [tiny_tokenizer.decode(s.prompt_ids) for s in result.samples]
+    prompts = {re.search(r"Q(\d)", text).group(1): text for text in texts}  # type: ignore[union-attr]
+    assert '"name": "calculator"' in prompts["0"]
+    assert "<tools>" not in prompts["1"] and "calculator" not in prompts["1"]
+    assert '"name": "lookup"' in prompts["2"] and "calculator" not in prompts["2"]

@@ -21,14 +21,18 @@ from pipeline.multimodal import (
     VisionProcessor,
     has_images,
 )
+from pipeline.tools import tool_schema
 
 
 class BuildPrompt:
     """Writes ``raw_prompt``, ``prompt_ids`` and the prompt ``messages``.
 
-    The row's ``tools`` (OpenAI schemas) are rendered into the prompt by the chat template,
-    with the template options of :func:`template_options` (``chat_template_kwargs`` of the
-    pipeline and the row, e.g. ``enable_thinking``).
+    The row's ``tools`` (OpenAI schemas) are rendered into the prompt by the chat template;
+    a row without a ``tools`` key gets the schemas of the pipeline's tool registry
+    (``Pipeline(tools=...)``), as verl's tool agent loop gives every prompt its configured
+    tools (``tools: []`` renders none). With the template options of
+    :func:`template_options` (``chat_template_kwargs`` of the pipeline and the row, e.g.
+    ``enable_thinking``).
     The ``n`` samples of a prompt (one group) share one rendering. A prompt
     of more than ``offload_chars`` characters is rendered and tokenized in a worker thread,
     so a long prompt never stalls the event loop that serves every other sample. A short one
@@ -67,6 +71,7 @@ class BuildPrompt:
         self.processor = (processor if processor is None or isinstance(processor, VisionProcessor)
                           else VisionProcessor(processor))
         self._rendered = _RenderCache()
+        self._registry: tuple[Mapping[str, Any], list[dict[str, Any]] | None] | None = None
         self._vision: OrderedDict[str, tuple[Any, asyncio.Future[_Vision]]] = OrderedDict()
 
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
@@ -84,12 +89,12 @@ class BuildPrompt:
         if cached is not None:
             text = cached
         else:
-            options = template_options(item, ctx)
-            if self.offload and prompt_size(row.messages, row.tools) > self.offload_chars:
+            options, tools = template_options(item, ctx), self._tools(row.tools, ctx)
+            if self.offload and prompt_size(row.messages, tools) > self.offload_chars:
                 text, ids = await asyncio.to_thread(render_prompt, tokenizer, row.messages,
-                                                    row.tools, options)
+                                                    tools, options)
             else:
-                text = render(tokenizer, row.messages, row.tools, add_generation_prompt=True,
+                text = render(tokenizer, row.messages, tools, add_generation_prompt=True,
                               options=options)
             self._rendered.put(item.group_id, row, tokenizer, text, ids)
         if ids is None:
@@ -106,8 +111,8 @@ class BuildPrompt:
         entry = self._vision.get(item.group_id)
         if entry is None or entry[0] is not item.data:
             processor, row, options = self.processor, item.data, template_options(item, ctx)
-            future = processor.submit(_render_vision, processor, row.messages, row.tools,
-                                      options)
+            future = processor.submit(_render_vision, processor, row.messages,
+                                      self._tools(row.tools, ctx), options)
             entry = self._vision[item.group_id] = (item.data, future)
             while len(self._vision) > self.vision_groups:
                 self._vision.popitem(last=False)
@@ -116,6 +121,17 @@ class BuildPrompt:
         item.artifacts[A.PROMPT_IDS] = list(rendered.ids)
         item.artifacts[A.MESSAGES] = [AgentMessage.model_validate(m) for m in messages]
         item.artifacts[MULTI_MODAL] = SampleImages(self.processor, rendered.inputs)
+
+    def _tools(self, row_tools: list[dict[str, Any]] | None, ctx: Context
+               ) -> list[dict[str, Any]] | None:
+        """The row's tool schemas, else the registry's (built once per registry)."""
+        if row_tools is not None:
+            return row_tools
+        registry = ctx.resources.tools
+        if self._registry is None or self._registry[0] is not registry:
+            schemas = [tool_schema(tool) for tool in registry.values()] or None
+            self._registry = (registry, schemas)
+        return self._registry[1]
 
     async def _encode(self, tokenizer: Any, text: str) -> list[int]:
         encoder = batch_encoder(tokenizer) if self.offload else None
