@@ -28,17 +28,18 @@ undelivered, each counted in :class:`AsyncReport` by lag; its samples keep their
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline._concurrency.cancel import wait_through_cancellation
 from pipeline._data.config import check_count
-from pipeline._data.models import RolloutSample
+from pipeline._data.models import AgentRolloutItem, RolloutSample
 from pipeline._exceptions import ConfigError
 from pipeline._runner.dynamic import GroupResult
 from pipeline._runner.producer import SampleRun
@@ -50,6 +51,132 @@ if TYPE_CHECKING:
 WeightLoader = Callable[[], Awaitable[int | None]]
 """Loads new weights into the paused engine by the caller's own means (an NCCL broadcast) and
 returns the new version, or None to let the driver read ``engine.policy_version``."""
+
+WEIGHT_SYNC_HOOKS = ("pause", "resume", "update_weights")
+
+
+class GroupRunner(Protocol):
+    """Where an :class:`AsyncRollout` runs its groups: one process's pipeline, or a pool of
+    workers (``RayRolloutPool.group_runner()``). The driver keeps admission, staleness and the
+    report; a runner only starts groups, hands back the finished ones and updates weights."""
+
+    @property
+    def version(self) -> int:
+        """The policy version of the runner's engines now."""
+        ...
+
+    def row_source(self, rows: Iterable[Any], n: int | None) -> RowSource:
+        """``rows`` drawn lazily as groups (checked as the runner checks rows)."""
+        ...
+
+    def scope(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """Held while the driver generates."""
+        ...
+
+    def start(self, items: list[AgentRolloutItem]) -> None:
+        """Start one group's samples."""
+        ...
+
+    async def next_groups(self) -> list[GroupResult]:
+        """Wait for at least one started group to finish; every finished group once."""
+        ...
+
+    async def cancel(self) -> list[GroupResult]:
+        """End every group still running (cleanups run) and return them, samples ended."""
+        ...
+
+    async def update_weights(self, mode: str, state_dict: Mapping[str, Any] | None,
+                             path: str | Path | None, version: int | None,
+                             load: Callable[..., Any] | None) -> tuple[int, dict[str, float]]:
+        """Pause, load, resume every engine; the new version and each engine's stall."""
+        ...
+
+
+async def update_paused(engine: Any, mode: str, state_dict: Mapping[str, Any] | None,
+                        path: str | Path | None, version: int | None,
+                        load: Callable[[], Awaitable[int | None]] | None) -> tuple[int, float]:
+    """Pause ``engine`` (``mode``), load the weights (``load()``, else
+    ``engine.update_weights``), resume it however the load ends (an error, a cancellation).
+
+    Returns:
+        The new version and the seconds the engine was held paused.
+    """
+    began = time.monotonic()
+    await engine.pause(mode)
+    try:
+        if load is not None:
+            loaded = await load()
+            new = int(loaded if loaded is not None else engine.policy_version or 0)
+        else:
+            new = int(await engine.update_weights(state_dict, path, version=version))
+    finally:
+        resume = asyncio.ensure_future(engine.resume())
+        cancelled = await wait_through_cancellation([resume])
+        if cancelled:
+            raise asyncio.CancelledError
+        resume.result()  # its error, if any
+    return new, time.monotonic() - began
+
+
+class _LocalRunner:
+    """Groups on this process's pipeline and its engine."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        engine = pipeline.resources.engine
+        for hook in WEIGHT_SYNC_HOOKS:
+            if not callable(getattr(engine, hook, None)):
+                raise ConfigError(f"AsyncRollout needs an engine with weight sync hooks; "
+                                  f"{type(engine).__name__} has no {hook}()", field="engine")
+        self.pipeline = pipeline
+        self.engine: Any = engine
+        self._producer = pipeline.producer(None, None)
+        self._groups: dict[str, list[SampleRun]] = {}
+        self._left: dict[str, int] = {}  # samples of each group not finished yet
+
+    @property
+    def version(self) -> int:
+        return int(getattr(self.engine, "policy_version", None) or 0)
+
+    def row_source(self, rows: Iterable[Any], n: int | None) -> RowSource:
+        return RowSource(rows, n, self.pipeline)
+
+    def scope(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        return self.pipeline.batch_scope(None)
+
+    def start(self, items: list[AgentRolloutItem]) -> None:
+        runs = self._producer.start(items)
+        self._groups[items[0].group_id] = runs
+        self._left[items[0].group_id] = len(runs)
+
+    async def next_groups(self) -> list[GroupResult]:
+        while True:
+            run = await self._producer.next_finished()
+            gid = run.item.group_id
+            if gid not in self._left:
+                continue
+            self._left[gid] -= 1
+            if self._left[gid] == 0:
+                return [self._result(gid)]
+
+    def _result(self, gid: str) -> GroupResult:
+        self._left.pop(gid, None)
+        runs = sorted(self._groups.pop(gid), key=lambda r: r.item.sample_index)
+        return GroupResult(gid, [self.pipeline.sample_of(r) for r in runs],
+                           [r.item for r in runs])
+
+    async def cancel(self) -> list[GroupResult]:
+        try:
+            if self._producer.unfinished:
+                await self._producer.cancel()  # re-raises a cancellation of ours
+        finally:
+            cut = [self._result(gid) for gid in list(self._groups)]
+        return cut
+
+    async def update_weights(self, mode: str, state_dict: Mapping[str, Any] | None,
+                             path: str | Path | None, version: int | None,
+                             load: Callable[..., Any] | None) -> tuple[int, dict[str, float]]:
+        new, stall = await update_paused(self.engine, mode, state_dict, path, version, load)
+        return new, {"local": stall}
 
 
 @dataclass
@@ -69,7 +196,10 @@ class AsyncReport:
             in flight at two updates is counted twice).
         undelivered: groups started and not handed over when the driver closed (finished
             or cut short; their samples end ``aborted`` if cut short).
-        update_stall_s: seconds each update held the engine paused.
+        update_stall_s: seconds each update held the trainer (pause to resume; over a pool,
+            until every worker had resumed).
+        worker_stall_s: per update, each engine's seconds paused by worker id (``"local"``
+            for the pipeline's own engine).
         by_status: samples by status, of every group that finished.
         set_aside_groups: the groups set aside, samples included.
         wall_time_s: from start to close.
@@ -83,6 +213,7 @@ class AsyncReport:
     interrupted: dict[int, int] = field(default_factory=dict)
     undelivered: int = 0
     update_stall_s: list[float] = field(default_factory=list)
+    worker_stall_s: list[dict[str, float]] = field(default_factory=list)
     by_status: dict[str, int] = field(default_factory=dict)
     set_aside_groups: list[GroupResult] = field(default_factory=list)
     wall_time_s: float = 0.0
@@ -99,6 +230,8 @@ class AsyncReport:
                 "delivered": _keyed(self.delivered), "set_aside": _keyed(self.set_aside),
                 "interrupted": _keyed(self.interrupted), "undelivered": self.undelivered,
                 "update_stall_s": [round(s, 4) for s in self.update_stall_s],
+                "worker_stall_s": [{k: round(v, 4) for k, v in w.items()}
+                                   for w in self.worker_stall_s],
                 "by_status": dict(self.by_status), "wall_time_s": round(self.wall_time_s, 3)}
 
 
@@ -112,10 +245,8 @@ def _bump(counts: dict[int, int], lag: int) -> None:
 
 @dataclass
 class _Group:
-    runs: list[SampleRun]
     version: int
     """The trainer's version when the group started."""
-    left: int
 
 
 def group_lag(group: GroupResult, version: int, started: int) -> int:
@@ -135,8 +266,14 @@ class AsyncRollout:
     sync hooks (:class:`~pipeline.engines.WeightSync`; every built-in engine does, the
     transformers engine through :class:`~pipeline.engines.WeightSyncedEngine`).
 
+    A started :class:`~pipeline.distributed.RayRolloutPool` may stand in for the pipeline:
+    groups then run on its workers (each group on one), admission and staleness stay here,
+    and :meth:`update_weights` updates every worker's engine (``pool.update_weights``).
+
     Args:
-        pipeline: the pipeline whose samples are generated.
+        pipeline: the pipeline whose samples are generated, or a started
+            ``RayRolloutPool`` (anything with a ``group_runner()`` giving a
+            :class:`GroupRunner`).
         rows: any iterable of rows, read lazily as groups start.
         n: samples per row (None: each row's ``sampling.n``).
         batch_groups: groups per trainer batch (:meth:`next_batch`).
@@ -152,7 +289,7 @@ class AsyncRollout:
             weight sync hooks; naming the field.
     """
 
-    def __init__(self, pipeline: Pipeline, rows: Iterable[Any], *, n: int | None = None,
+    def __init__(self, pipeline: Pipeline | Any, rows: Iterable[Any], *, n: int | None = None,
                  batch_groups: int, max_inflight: int | None = None,
                  max_staleness: int | None = None, pause_mode: str = "keep") -> None:
         check_count(batch_groups, "batch_groups", 1)
@@ -161,20 +298,21 @@ class AsyncRollout:
         if pause_mode not in ("keep", "wait"):
             raise ConfigError(f"pause_mode must be 'keep' or 'wait', got {pause_mode!r}",
                               field="pause_mode")
-        engine = pipeline.resources.engine
-        for hook in ("pause", "resume", "update_weights"):
-            if not callable(getattr(engine, hook, None)):
-                raise ConfigError(f"AsyncRollout needs an engine with weight sync hooks; "
-                                  f"{type(engine).__name__} has no {hook}()", field="engine")
+        make_runner = getattr(pipeline, "group_runner", None)
+        if callable(make_runner):  # a pool of workers
+            self.runner: GroupRunner = make_runner()
+        elif hasattr(pipeline, "resources"):
+            self.runner = _LocalRunner(pipeline)
+        else:
+            raise ConfigError(f"AsyncRollout runs a Pipeline or a RayRolloutPool, got "
+                              f"{type(pipeline).__name__}", field="pipeline")
         self.pipeline = pipeline
-        self.engine: Any = engine
         self.batch_groups = batch_groups
         self.max_inflight = max_inflight if max_inflight is not None else 2 * batch_groups
         self.max_staleness = max_staleness
         self.pause_mode = pause_mode
-        self.report = AsyncReport(version=int(getattr(engine, "policy_version", None) or 0))
-        self._source = RowSource(rows, n, pipeline)
-        self._producer = pipeline.producer(None, None)
+        self.report = AsyncReport(version=self.runner.version)
+        self._source = self.runner.row_source(rows, n)
         self._groups: dict[str, _Group] = {}
         self._ready: deque[tuple[GroupResult, int]] = deque()
         self._useful = 0  # groups started and not set aside
@@ -210,7 +348,7 @@ class AsyncRollout:
         """Start generating (``async with`` calls it); idempotent."""
         if self._feeder is None and not self._closed:
             self._started_at = time.monotonic()
-            self._scope = self.pipeline.batch_scope(None)
+            self._scope = self.runner.scope()
             self._feeder = asyncio.get_running_loop().create_task(
                 self._feed(), name="async-rollout-feeder")
 
@@ -229,32 +367,28 @@ class AsyncRollout:
             items = self._source.next_group()
             if items is None:
                 return
-            runs = self._producer.start(items)
-            self._groups[items[0].group_id] = _Group(runs, self.report.version, len(runs))
+            self.runner.start(items)
+            self._groups[items[0].group_id] = _Group(self.report.version)
             self.report.groups_started += 1
             self._useful += 1
 
     async def _feed(self) -> None:
-        """Owned by the driver: turns finished samples into groups and refills."""
-        producer = self._producer
+        """Owned by the driver: takes finished groups from the runner and refills."""
         assert self._scope is not None
         async with self._scope:
             try:
                 while True:
                     self._wake.clear()
                     self._fill()
-                    if not producer.unfinished:
+                    if not self._groups:
                         if self._source.stopped is not None:
                             return  # every row started and finished
                         await self._wake.wait()
                         continue
-                    run = await producer.next_finished()
-                    group = self._groups.get(run.item.group_id)
-                    if group is None:
-                        continue
-                    group.left -= 1
-                    if group.left == 0:
-                        self._finish_group(run.item.group_id, group)
+                    for result in await self.runner.next_groups():
+                        group = self._groups.pop(result.group_id, None)
+                        if group is not None:
+                            self._finish_group(result, group)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bad row drawn late: the trainer sees it
@@ -263,11 +397,7 @@ class AsyncRollout:
                 self._feeding = False  # before the scope's own exit, which may take steps
                 self._changed.set()
 
-    def _finish_group(self, gid: str, group: _Group) -> None:
-        del self._groups[gid]
-        runs = sorted(group.runs, key=lambda r: r.item.sample_index)
-        result = GroupResult(gid, [self.pipeline.sample_of(r) for r in runs],
-                             [r.item for r in runs])
+    def _finish_group(self, result: GroupResult, group: _Group) -> None:
         for sample in result.samples:
             self.report.count(sample)
         self._ready.append((result, group.version))
@@ -334,34 +464,28 @@ class AsyncRollout:
 
     async def update_weights(self, state_dict: Mapping[str, Any] | None = None,
                              path: str | Path | None = None, *, version: int | None = None,
-                             load: WeightLoader | None = None) -> int:
+                             load: Callable[..., Awaitable[int | None]] | None = None) -> int:
         """Push new weights without stopping the stream: pause the engine (``pause_mode``),
         load, resume; return the new version.
 
         ``state_dict``/``path``/``version`` go to ``engine.update_weights``; or pass ``load``
-        to load them by other means while the engine is paused. The engine is resumed
-        however the load ends (an error, a cancellation); a failed load changes no version.
+        to load them by other means while the engine is paused (a :data:`WeightLoader`; over
+        a pool, a callable picklable by value that each worker calls with its engine). The
+        engine is resumed however the load ends (an error, a cancellation); a failed load
+        changes no version. Over a pool every worker's engine is updated to the same version.
 
         Raises:
             EngineError, ConfigError: what the engine's hooks raise.
+            WeightUpdateFailed: over a pool, a worker's update failed (naming it).
         """
         async with self._updating:
-            engine = self.engine
             began = time.monotonic()
-            await engine.pause(self.pause_mode)
             try:
-                if load is not None:
-                    loaded = await load()
-                    new = int(loaded if loaded is not None else engine.policy_version or 0)
-                else:
-                    new = int(await engine.update_weights(state_dict, path, version=version))
+                new, stalls = await self.runner.update_weights(self.pause_mode, state_dict,
+                                                               path, version, load)
             finally:
-                resume = asyncio.ensure_future(engine.resume())
-                cancelled = await wait_through_cancellation([resume])
                 self.report.update_stall_s.append(time.monotonic() - began)
-                if cancelled:
-                    raise asyncio.CancelledError
-                resume.result()  # its error, if any
+            self.report.worker_stall_s.append(stalls)
             self.report.version = new
             self.report.updates += 1
             for group in self._groups.values():
@@ -384,15 +508,16 @@ class AsyncRollout:
                 feeder.cancel()
                 cancelled = await wait_through_cancellation([feeder])
         finally:
+            cut: list[GroupResult] = []
             try:
-                if self._producer.unfinished:
-                    await self._producer.cancel()  # re-raises a cancellation of ours
+                cut = await self.runner.cancel()  # re-raises a cancellation of ours
             finally:
                 self.report.undelivered = len(self._ready) + len(self._groups)
-                for gid, group in list(self._groups.items()):
-                    for run in group.runs:
-                        self.report.count(self.pipeline.sample_of(run))
-                    del self._groups[gid]
+                for result in cut:
+                    if self._groups.pop(result.group_id, None) is not None:
+                        for sample in result.samples:
+                            self.report.count(sample)
+                self._groups.clear()
                 self._ready.clear()
                 self.report.wall_time_s = time.monotonic() - self._started_at
         if cancelled:
