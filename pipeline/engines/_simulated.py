@@ -196,13 +196,19 @@ class SimulatedEngine:
         rng = self._rng(prompt_ids, sampling, request_id)
         latency = self._latency(rng)
         fault = rng.random()
-        tokens, reason = self._complete(
-            self._reply(list(prompt_ids), rng, sampling.max_tokens), sampling)
-        logprobs = [-rng.expovariate(2.0) for _ in tokens]
+        hang = fault < self.hang_rate
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        reason = FinishReason.STOP
+        if not hang and (fault >= self.hang_rate + self.error_rate or self.scheduler is not None):
+            # A reply is drawn only for a request that returns one (or, in capacity mode,
+            # decodes before it fails): a random reply costs up to a millisecond.
+            tokens, reason = self._complete(
+                self._reply(list(prompt_ids), rng, sampling.max_tokens), sampling)
+            logprobs = [-rng.expovariate(2.0) for _ in tokens]
         # Everything is drawn before the wait: a live generator (2.5 KB of Mersenne Twister
         # state) held by every request in flight would weigh more than its reply does.
         del rng
-        hang = fault < self.hang_rate
         if self.scheduler is not None and not hang:
             versions, aborted = await self._decode(request_id, len(prompt_ids), tokens)
         else:

@@ -227,7 +227,9 @@ class Generate:
         if update:
             sampling = sampling.model_copy(update=update)
         try:
-            ids = [*art[A.PROMPT_IDS], *response]
+            # A first turn sends the prompt's list itself (engines never change it): a copy
+            # per sample would be held for the whole engine call.
+            ids = [*art[A.PROMPT_IDS], *response] if response else art[A.PROMPT_IDS]
             images = multi_modal_inputs(art)  # only engines that take images get the keyword
             engine: Any = ctx.engine  # ``multi_modal`` is an optional keyword of engines
             gen = await (engine.generate(ids, sampling, request_id) if images is None else
