@@ -14,6 +14,7 @@ from typing import Any
 from pipeline.engines._base import Engine, EngineLoad, Generation
 from pipeline.engines._consistency import ConsistencyError, ConsistencyReport, check_consistency
 from pipeline.engines._factory import ENGINE_NAMES, make_engine, resolve_engine_name
+from pipeline.engines._health import ServerHealth
 from pipeline.engines._openai import OpenAIEngine, ServerError
 from pipeline.engines._simulated import Responder, SimulatedEngine
 from pipeline.engines._weight_sync import (
@@ -38,6 +39,7 @@ __all__ = [
     "Responder",
     "RouterCapture",
     "ServerError",
+    "ServerHealth",
     "SimulatedEngine",
     "TransformersEngine",
     "VLLMEngine",

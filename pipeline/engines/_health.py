@@ -1,5 +1,6 @@
-"""What OpenAI-compatible vLLM servers say about their load: their Prometheus ``/metrics``
-read into one :class:`~pipeline.engines.EngineLoad` for flow control.
+"""What OpenAI-compatible vLLM servers say about their load and health: their Prometheus
+``/metrics`` read into one :class:`~pipeline.engines.EngineLoad` for flow control, and
+:class:`ServerHealth`, which servers are up (probed on ``/health``) for routing.
 
 vLLM's metric names (V1 engine, vllm 0.24 to 0.32): ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (a 0..1 fraction despite the
@@ -12,17 +13,23 @@ one that preempts first).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
+import structlog
 
-from pipeline._exceptions import EngineError
+from pipeline._exceptions import ConfigError, EngineError
 from pipeline.engines._base import EngineLoad
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions"
+
+_logger = structlog.get_logger("pipeline.engines._health")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -73,3 +80,133 @@ async def scrape_load(session: aiohttp.ClientSession, urls: Sequence[str], *,
         waiting=int(sum(page.get(WAITING, 0.0) for page in pages)),
         kv_usage=max(kv) if kv else None,
         preemptions=int(sum(preemptions)) if preemptions else None)
+
+
+@dataclass
+class _ServerState:
+    healthy: bool = True
+    error: str | None = None
+    down_since: float | None = None
+    downs: int = 0
+
+
+class ServerHealth:
+    """Which servers of an :class:`~pipeline.engines.OpenAIEngine` are up: the one owner of
+    that fact, asked by routing (``is_healthy``) and kept current by a watch task.
+
+    The watch probes every server's ``GET /health`` every ``interval_s`` with a limit of
+    ``timeout_s``. vLLM answers it 200 while its engine core is alive and 503 once the core
+    died (``EngineDeadError``), without scheduling anything: a probe costs the server no
+    generation slot, unlike a one-token completion, which would also queue behind a full
+    batch and read a loaded server as dead. A hung-but-alive core is left to the request
+    timeouts. A server is marked down by a failed probe (any answer but 200, a connection
+    error, the timeout) or by the engine when a real request hit a connection error or a
+    timeout there; it is re-admitted when a probe answers 200 again (or a request it still
+    got succeeds). Servers start healthy: the first request does not wait for a probe.
+
+    The probes use a small connection pool of their own, so a request pool saturated by a
+    large batch cannot delay them into a false "down".
+
+    Args:
+        urls: the servers' base URLs.
+        interval_s: seconds between rounds of probes.
+        timeout_s: limit of one probe.
+        path: the probe's path.
+    """
+
+    def __init__(self, urls: Sequence[str], *, interval_s: float = 5.0,
+                 timeout_s: float = 2.0, path: str = "/health") -> None:
+        if interval_s <= 0:
+            raise ConfigError(f"health_interval_s must be > 0, got {interval_s!r}",
+                              field="health_interval_s")
+        if timeout_s <= 0:
+            raise ConfigError(f"health_timeout_s must be > 0, got {timeout_s!r}",
+                              field="health_timeout_s")
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.path = path
+        self.probes = 0
+        """Probes sent so far."""
+        self._states = {url: _ServerState() for url in urls}
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def is_healthy(self, url: str) -> bool:
+        """Whether ``url`` (a base URL as the engine holds it) is up; unknown URLs are not."""
+        state = self._states.get(url)
+        return state is not None and state.healthy
+
+    def healthy(self) -> list[str]:
+        """The URLs that are up, in the engine's order."""
+        return [url for url, state in self._states.items() if state.healthy]
+
+    def mark_down(self, url: str, reason: str) -> None:
+        """Take ``url`` out of routing until a probe answers again."""
+        state = self._states[url]
+        state.error = reason
+        if state.healthy:
+            state.healthy = False
+            state.down_since = time.time()
+            state.downs += 1
+            _logger.warning("engine server down", url=url, reason=reason)
+
+    def mark_up(self, url: str) -> None:
+        """Route to ``url`` again."""
+        state = self._states[url]
+        if not state.healthy:
+            _logger.info("engine server back", url=url,
+                         down_s=round(time.time() - (state.down_since or time.time()), 3))
+            state.healthy = True
+            state.down_since = None
+
+    def state(self) -> dict[str, dict[str, Any]]:
+        """Per URL: ``healthy``, the last ``error``, ``down_since`` (wall clock) and
+        ``downs`` (times it went down); a plain dict for logs, dumps and metrics."""
+        return {url: {"healthy": s.healthy, "error": s.error, "down_since": s.down_since,
+                      "downs": s.downs} for url, s in self._states.items()}
+
+    async def probe(self, url: str) -> bool:
+        """Probe ``url`` once and record the outcome; True when it answered 200."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=max(4, len(self._states))))
+        self.probes += 1
+        try:
+            async with asyncio.timeout(self.timeout_s), \
+                    self._session.get(url + self.path) as resp:
+                if resp.status == 200:
+                    self.mark_up(url)
+                    return True
+                reason = f"GET {url}{self.path} answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            reason = f"GET {url}{self.path} failed: {type(exc).__name__}: {exc}"
+        self.mark_down(url, reason)
+        return False
+
+    def start(self) -> None:
+        """Start the watch (idempotent; needs a running event loop). :meth:`aclose` ends it."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._watch(), name="pipeline-engine-health")
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            # Each probe is bounded by timeout_s and records its own outcome; none raises.
+            await asyncio.gather(*(self.probe(url) for url in self._states))
+
+    async def aclose(self) -> None:
+        """Stop the watch and close the probes' session (idempotent); the cleanup runs to
+        its end even when the caller is cancelled meanwhile."""
+        task, self._task = self._task, None
+        session, self._session = self._session, None
+        await asyncio.shield(_stop(task, session))
+
+
+async def _stop(task: asyncio.Task[None] | None,
+                session: aiohttp.ClientSession | None) -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    if session is not None:
+        await session.close()

