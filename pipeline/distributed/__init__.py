@@ -8,6 +8,10 @@
   finds one that dies while idle), one dump for the fleet (``rollout dump <driver pid>``),
   one rate limit per tool for the fleet. :class:`PoolClosed` / :class:`PoolNotStarted`: a
   call on a pool that is closed or was never started.
+- ``RayRolloutPool.update_weights``: new weights for every worker's engine while their
+  samples keep going (:class:`WeightUpdate`, or :class:`WeightUpdateFailed` naming the
+  workers that failed); a started pool may stand in for the pipeline of
+  :class:`~pipeline.AsyncRollout`.
 - :class:`LimiterActor` (started by :func:`start_limiter`), :class:`FleetLimiterRegistry`,
   :class:`LeasedBucket`: the fleet limiter (token batches leased to workers; unused ones
   handed back).
@@ -15,7 +19,8 @@
   samples any more (its pipeline loop ended).
 """
 
-from pipeline.distributed._errors import PoolClosed, PoolNotStarted
+from pipeline.distributed._async import WeightUpdate
+from pipeline.distributed._errors import PoolClosed, PoolNotStarted, WeightUpdateFailed
 from pipeline.distributed._fleet import WorkerInfo
 from pipeline.distributed._leases import FleetLimiterRegistry, LeasedBucket
 from pipeline.distributed._limiter import LimiterActor, start_limiter
@@ -31,6 +36,8 @@ __all__ = [
     "PoolNotStarted",
     "RayRolloutPool",
     "RolloutWorker",
+    "WeightUpdate",
+    "WeightUpdateFailed",
     "WorkerBroken",
     "WorkerInfo",
     "start_limiter",

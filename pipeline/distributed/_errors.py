@@ -26,6 +26,20 @@ class PoolNotStarted(PipelineError, RuntimeError):
     ``async with pool``)."""
 
 
+class WeightUpdateFailed(PipelineError, RuntimeError):
+    """A pool-wide weight update failed on some worker(s); every worker was resumed.
+
+    Attributes:
+        failed: worker id -> why its update failed.
+        updated: worker id -> the version it holds now, for the workers that did update.
+    """
+
+    def __init__(self, message: str, failed: dict[str, str], updated: dict[str, int]) -> None:
+        super().__init__(message)
+        self.failed = failed
+        self.updated = updated
+
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

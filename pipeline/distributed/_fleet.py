@@ -115,6 +115,13 @@ class Fleet:
         self.config: PipelineConfig | None = None
         """The workers' pipeline config (known once the first worker is up)."""
         self.pad_token_id = 0
+        self.policy_version = 0
+        """The workers' engines' version (the first worker's at start, then each update's)."""
+        self.weight_sync = True
+        """Whether the workers' engines have the weight sync hooks."""
+        self.last_update: Any = None
+        """The last weight update (``UpdateArgs``), replayed on a replacement worker before it
+        takes work, so no worker samples with weights older than the pool's version."""
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls = itertools.count()
@@ -149,6 +156,8 @@ class Fleet:
         worker = SlotWorker(worker_id, handle)
         try:
             info = await handle.ready.remote()
+            if self.last_update is not None:  # a replacement: the pool's weights first
+                await self.last_update.send(worker)
         except BaseException:
             _kill(handle)  # never leave an actor behind that nobody holds
             raise
@@ -157,6 +166,8 @@ class Fleet:
         if self.config is None:
             self.config = info["config"]
             self.pad_token_id = info["pad_token_id"]
+            self.policy_version = info["policy_version"]
+            self.weight_sync = info["weight_sync"]
         self._changed.set()
         self._changed = asyncio.Event()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -26,9 +27,17 @@ import structlog
 
 from pipeline._data.items import make_items
 from pipeline._data.models import AgentRolloutItem, ProduceBatchResult
+from pipeline._exceptions import ConfigError
 from pipeline._runner.dynamic import GroupResult
 from pipeline._runner.stream import RolloutStream, SampleResult, check_num_needed
 from pipeline.diagnostics import Watchdog, add_dump_section, capture_snapshot, render_text
+from pipeline.distributed._async import (
+    PoolGroups,
+    UpdateArgs,
+    WeightUpdate,
+    check_update,
+    update_fleet,
+)
 from pipeline.distributed._batch import BatchRun
 from pipeline.distributed._errors import PoolClosed, PoolNotStarted
 from pipeline.distributed._fleet import Fleet, WorkerInfo
@@ -202,11 +211,15 @@ class RayRolloutPool:
         items = self._items(rows, n, num_needed)
         return RolloutStream(self._groups(items, num_needed))
 
-    def _items(self, rows: Iterable[Any], n: int | None,
-               num_needed: int | None) -> list[AgentRolloutItem]:
+    def _check_started(self) -> None:
         self._check_open()
         if self._fleet.config is None:
             raise PoolNotStarted("start the pool first: await pool.start() or async with pool")
+
+    def _items(self, rows: Iterable[Any], n: int | None,
+               num_needed: int | None) -> list[AgentRolloutItem]:
+        self._check_started()
+        assert self._fleet.config is not None
         items = make_items(rows, n, self._fleet.config)
         check_num_needed(num_needed, len(items))
         return items
@@ -239,6 +252,62 @@ class RayRolloutPool:
                 await run.close()
         finally:
             self._runs.discard(run)
+
+    # -- weights and asynchronous RL ---------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        """The version of every worker's engine (after the last :meth:`update_weights`)."""
+        return self._fleet.policy_version
+
+    async def update_weights(self, state_dict: Mapping[str, Any] | None = None,
+                             path: str | Path | None = None, *, version: int | None = None,
+                             load: Callable[[Any], Any] | None = None,
+                             mode: str = "keep") -> WeightUpdate:
+        """Push new weights to every worker's engine while their samples keep going: each
+        worker pauses its engine (``mode``; ``"keep"``: requests in flight go on afterwards
+        with the tokens they had), loads, takes the same version and resumes. Returns once
+        every worker has updated.
+
+        ``state_dict`` is put in Ray's object store once and fetched by each worker (before
+        its pause); ``path`` is read by each engine; ``load`` (picklable by value) is called
+        in each worker with its engine while paused and returns the new version (or None:
+        the engine's). ``version`` defaults to :attr:`policy_version` + 1 (with ``load``, to
+        what the loads return, which must agree). A worker started later to replace a lost
+        one gets the last update before it takes work.
+
+        Raises:
+            WeightUpdateFailed: some worker's update failed (naming each, with its cause;
+                every worker was resumed) or the workers' versions disagree.
+            ConfigError: more than one source, or engines without weight sync hooks.
+            PoolClosed, PoolNotStarted: as :meth:`run_batch`.
+        """
+        self._check_started()
+        check_update(state_dict, path, load)
+        if not self._fleet.weight_sync:
+            raise ConfigError("the workers' engines have no weight sync hooks (pause, resume, "
+                              "update_weights)", field="engine")
+        if version is None and load is None:
+            version = self.policy_version + 1
+        args = UpdateArgs(mode, [ray.put(dict(state_dict))] if state_dict is not None else None,
+                          None if path is None else str(path), version, load)
+        result = await update_fleet(self._fleet, args)
+        self._fleet.policy_version = result.version
+        self._fleet.last_update = args
+        return result
+
+    def group_runner(self) -> PoolGroups:
+        """What :class:`~pipeline.AsyncRollout` drives when given this pool: groups started
+        one by one on the least loaded worker, handed back whole.
+
+        Raises:
+            PoolClosed, PoolNotStarted: as :meth:`run_batch`.
+        """
+        self._check_started()
+        run = BatchRun(self._fleet, None, self.max_retries)
+        self._runs.add(run)
+        return PoolGroups(self._fleet, run, self.update_weights, lambda: self.policy_version,
+                          self._runs.discard)
 
     # -- diagnostics and limits --------------------------------------------------------------
 

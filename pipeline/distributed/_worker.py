@@ -46,6 +46,7 @@ import structlog
 from pipeline._data.models import AgentRolloutItem, RolloutSample, Status
 from pipeline._exceptions import PipelineError
 from pipeline._gc import gc_tuning_enabled, rollout_gc
+from pipeline._runner.async_driver import WEIGHT_SYNC_HOOKS, update_paused
 from pipeline._runner.context import Context
 from pipeline._runner.fill import fill_sample, minimal_sample
 from pipeline._runner.outcome import force_end
@@ -177,9 +178,13 @@ class RolloutWorker:
                 self._started.set_exception(exc)
                 return
             self._pipeline = pipeline
-            self._started.set_result({"worker": self.worker_id, "pid": os.getpid(),
-                                      "config": pipeline.config,
-                                      "pad_token_id": pipeline.pad_token_id})
+            engine = pipeline.resources.engine
+            self._started.set_result({
+                "worker": self.worker_id, "pid": os.getpid(), "config": pipeline.config,
+                "pad_token_id": pipeline.pad_token_id,
+                "policy_version": int(getattr(engine, "policy_version", None) or 0),
+                "weight_sync": all(callable(getattr(engine, hook, None))
+                                   for hook in WEIGHT_SYNC_HOOKS)})
             _logger.info("worker_started", pid=os.getpid())
             try:
                 await self._stop.wait()
@@ -359,6 +364,48 @@ class RolloutWorker:
             producer.batch.abort_rest()
         else:  # its run_items has not started it yet
             self._aborted.append(batch_id)
+
+    async def update_weights(self, mode: str, state: list[Any] | None, path: str | None,
+                             version: int | None, load: Callable[[Any], Any] | None
+                             ) -> dict[str, Any]:
+        """Pause this worker's engine (``mode``), load new weights, resume it however the
+        load ends (the batches it runs go on across the update).
+
+        Args:
+            mode: the engine's pause mode (``"keep"``: requests in flight go on afterwards).
+            state: ``[ref]`` of a state dict in Ray's object store, fetched here before the
+                pause (so the pause covers the load only), or None.
+            path: a checkpoint path for ``engine.update_weights``.
+            version: the version to set (the same on every worker).
+            load: called with the engine while it is paused instead of
+                ``engine.update_weights`` (may be async); returns the new version or None.
+
+        Returns:
+            ``{"worker", "version", "stall_s"}``: the new version and the seconds paused.
+        """
+        await self.ready()
+        loop, pipeline = self._loop, self._pipeline
+        if self._broken is not None or loop is None or pipeline is None:
+            raise WorkerBroken(f"worker {self.worker_id} cannot update weights: {self._broken}")
+        state_dict = await state[0] if state else None
+        engine = pipeline.resources.engine
+
+        async def by_load() -> int | None:
+            assert load is not None
+            loaded = load(engine)
+            new: int | None = await loaded if inspect.isawaitable(loaded) else loaded
+            return new
+
+        update = update_paused(engine, mode, state_dict, path, version,
+                               by_load if load is not None else None)
+        try:
+            future = asyncio.run_coroutine_threadsafe(update, loop)
+        except RuntimeError as exc:  # the loop closed meanwhile
+            update.close()
+            raise WorkerBroken(f"worker {self.worker_id} cannot update weights: {exc}") from None
+        new, stall = await asyncio.wrap_future(future)
+        _logger.info("worker_weights_updated", version=new, stall_s=round(stall, 4))
+        return {"worker": self.worker_id, "version": new, "stall_s": stall}
 
     async def snapshot(self, reason: str) -> dict[str, Any]:
         """This worker's diagnostics snapshot, rendered: served even while the pipeline's
