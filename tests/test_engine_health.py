@@ -10,9 +10,10 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from aiohttp import web
 
-from pipeline import Pipeline, SamplingParams
+from pipeline import EngineError, Pipeline, SamplingParams
 from pipeline.engines import OpenAIEngine
 from pipeline.stages import BuildPrompt, Generate
 from pipeline.testing import ByteTokenizer
@@ -38,10 +39,15 @@ class VllmLike:
         self.release = asyncio.Event()
         self.release.set()
         self.seen: list[tuple[str, list[int]]] = []
+        self.metrics_reads = 0
         self.runner: web.AppRunner | None = None
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.metrics_reads += 1
+        return web.Response(text="vllm:num_requests_running 3\nvllm:num_requests_waiting 1\n")
 
     async def complete(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -56,6 +62,7 @@ class VllmLike:
     async def start(self) -> VllmLike:
         app = web.Application()
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.complete)
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.05)
         await self.runner.setup()
@@ -134,6 +141,9 @@ async def test_a_failed_probe_routes_around_a_server_until_it_answers_again():
         for k in range(6):
             await engine.generate([k], SamplingParams(), f"g{k}-0-0")
         assert len(a.seen) == before  # nothing routed to the dead server
+        load = await engine.load()  # flow control reads the servers that are up
+        assert load is not None and (load.running, load.waiting) == (3, 1)
+        assert a.metrics_reads == 0 and b.metrics_reads == 1
         a.health_status = 200
         await until(lambda: engine.health.is_healthy(a.url))
     finally:
@@ -143,6 +153,9 @@ async def test_a_failed_probe_routes_around_a_server_until_it_answers_again():
     # The watch is owned by the engine: closed with it, no task left behind.
     assert not [t for t in asyncio.all_tasks() if t.get_name() == "pipeline-engine-health"]
     assert engine.health.probes > 0
+    with pytest.raises(EngineError, match="closed"):  # and none started after it
+        await engine.generate([1], SamplingParams(), "late-0-0")
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "pipeline-engine-health"]
 
 
 async def test_with_no_healthy_server_left_samples_fail_naming_the_servers():

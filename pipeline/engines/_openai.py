@@ -307,6 +307,8 @@ class OpenAIEngine:
         model = await self.model_name()
         async with self._gate.admit(request_id, self.policy_version):
             version = self._gate.in_flight.get(request_id)
+            if self._closed:  # no watch started after aclose
+                raise EngineError("the engine is closed")
             self.health.start()
             body = self._body(model, prompt_ids, sampling, request_id)
             if constraints is not None:
@@ -388,8 +390,11 @@ class OpenAIEngine:
         """The servers' load from their Prometheus ``/metrics`` (vLLM's figures: requests
         running and waiting, KV-cache use, preemptions; summed over the servers), or None
         when none reports them. Read by adaptive concurrency (:mod:`pipeline._runner.flow`).
+        Servers that are down are not asked (a hung one would hold the reading for the
+        scrape's timeout); with none up, there is no reading.
         """
-        return await scrape_load(self._get_session(), [s.url for s in self.servers])
+        urls = self.health.healthy()
+        return await scrape_load(self._get_session(), urls) if urls else None
 
     async def abort(self, request_id: str) -> None:
         """Close ``request_id``'s connection (the server aborts it); its ``generate``
