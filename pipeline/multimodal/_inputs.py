@@ -68,6 +68,18 @@ class MultiModalInputs:
             torch.cat([self.image_grid_thw, other.image_grid_thw]),
             self.image_token_counts + other.image_token_counts)
 
+    def first(self, count: int) -> MultiModalInputs:
+        """The inputs of the first ``count`` images (a prompt that keeps a prefix of a
+        sequence's tokens keeps the images whose tokens are in it)."""
+        if count >= len(self.images):
+            return self
+        if count <= 0:
+            return MultiModalInputs()
+        grid = self.image_grid_thw[:count]
+        patches = int(grid.prod(dim=1).sum())  # pixel_values rows: one per patch
+        return MultiModalInputs(self.images[:count], self.pixel_values[:patches], grid,
+                                self.image_token_counts[:count])
+
     def pil_images(self) -> list[Any]:
         """The PIL images, as vLLM's ``multi_modal_data["image"]`` takes them."""
         return [image.image for image in self.images]
@@ -157,11 +169,12 @@ class VisionProcessor:
             self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="vision")
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def load_messages(self, messages: Sequence[Mapping[str, Any]], *, where: str = "messages"
-                      ) -> tuple[list[dict[str, Any]], list[LoadedImage]]:
+    def load_messages(self, messages: Sequence[Mapping[str, Any]], *, where: str = "messages",
+                      first: int = 0) -> tuple[list[dict[str, Any]], list[LoadedImage]]:
         """Messages with each image part replaced by its reference (``image_ref``), and the
         loaded images in order. A part that already is a reference without an image (a
-        message read back from a record) is refused: the image is gone.
+        message read back from a record) is refused: the image is gone. ``first``: the
+        index of ``messages[0]`` in the request (for the field names of errors).
 
         Raises:
             ImageError: a part that cannot be used (names ``where.<i>.content.<j>``).
@@ -177,7 +190,7 @@ class VisionProcessor:
             new_content = list(content or ())
             for j, part in parts:
                 source = part_source(part)
-                spot = f"{where}.{i}.content.{j}"
+                spot = f"{where}.{first + i}.content.{j}"
                 if source is None:
                     raise ImageError("an image part without an image (a reference read back "
                                      "from a record cannot be rendered again)", field=spot)

@@ -63,6 +63,7 @@ from pipeline import artifacts as A
 from pipeline._data.models import AgentMessage, AgentRolloutItem, ExitReason, FinishReason
 from pipeline._exceptions import TokenIntegrityError
 from pipeline._runner.context import Context
+from pipeline.multimodal import SampleImages
 from pipeline.proxy._errors import RemoteAgentError
 from pipeline.proxy._history import content_text
 from pipeline.proxy._records import SessionRecord, session_record
@@ -304,6 +305,8 @@ class RemoteAgent:
             art[A.POLICY_VERSION] = main.policy_version
         if current.routed_experts is not None:
             art[A.ROUTED_EXPERTS] = current.routed_experts
+        if current.images:  # the sample's multi_modal_inputs (the engine's, for the trainer)
+            art[A.MULTI_MODAL] = SampleImages(None, current.images)
         item.finish_reason, item.raw_finish_reason = main.finish_reason, current.raw_finish_reason
         if session.ended == "max_turns":
             art[A.EXIT_REASON] = ExitReason.MAX_TURNS.value

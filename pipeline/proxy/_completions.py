@@ -84,10 +84,11 @@ async def serve_responses(host: ProxyHost, request: web.Request, session: Sessio
     features = check_fields(data, RESPONSES_FIELDS, host.enforces)
     prior = conversation_of(session.responses, spec.previous_response_id,
                             host.config.max_turns)
+    images = host.turns.processor is not None
     if large:  # validating many messages would block the loop
-        chat, added = await asyncio.to_thread(to_chat, spec, prior)
+        chat, added = await asyncio.to_thread(to_chat, spec, prior, images=images)
     else:
-        chat, added = to_chat(spec, prior)
+        chat, added = to_chat(spec, prior, images=images)
     chat, ignored = _with_hints(host, data, RESPONSES_FIELDS, chat)
     constraints = _responses_constraints(spec, chat, features) if features else None
     outcome = await host.turns.run(session, chat, offload=large, constraints=constraints)

@@ -17,6 +17,14 @@ runs a sub-agent in the same session, e.g. openai-agents' agent-as-tool, whose i
 differ) starts a segment of a new ``conversation`` (reason ``conversation``, not a split);
 every segment is labelled with the conversation it belongs to, so both trajectories are kept.
 
+Images (a proxy with a vision processor): a new message's image parts (data URLs only) are
+decoded and checked, replaced by their reference (hash and size: the record never holds the
+bytes), rendered as the template's placeholders and expanded by the processor, exactly as
+``BuildPrompt(processor=...)`` does; the segment keeps the pixel inputs of every image in its
+sequence, in order, and hands them to the engine with each turn. An image part is compared by
+a digest of its URL, so the history sent back matches the recorded turn and its image tokens
+are reused, never rendered again.
+
 Messages are compared in a normalised form (``developer`` = ``system``, ``None`` content = ``""``,
 assistant text stripped, tool-call arguments compared as parsed JSON, call ids ignored), and
 once a message matched, the agent's own dict for it is kept so the next request compares with
@@ -25,15 +33,17 @@ one dict equality.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline._data.models import AgentMessage, FinishReason
-from pipeline._text.render import chat_form, render_prompt, render_turn_delta
+from pipeline._text.render import chat_form, render, render_prompt, render_turn_delta
 from pipeline._text.tokenizer import Tokenizer
-from pipeline.proxy._errors import ProxyRequestError
+from pipeline.multimodal import ImageError, MultiModalInputs, VisionProcessor
+from pipeline.proxy._errors import FinalError, ProxyRequestError
 from pipeline.proxy._wire import WireMessage, parse_message
 
 SPLIT_START = "start"
@@ -113,6 +123,8 @@ class Segment:
     conversation: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     """The chat-template options its prompt and deltas were rendered with."""
+    images: MultiModalInputs | None = None
+    """The pixel inputs of the images in its sequence, in order (a vision processor's)."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -148,7 +160,7 @@ class Match:
         for message, _ in self.new:
             content = message.content
             total += len(content) if isinstance(content, str) else sum(
-                len(p.text) for p in content or ())
+                len(getattr(p, "text", "")) for p in content or ())
         return total
 
 
@@ -168,6 +180,20 @@ class TurnPlan:
     raw_prompt: str | None
     drift: tuple[str, ...]
     new_entries: list[Entry]
+    inputs: MultiModalInputs | None = None
+    """The images of the whole prompt, for the engine (None: no image)."""
+    new_images: MultiModalInputs | None = None
+    """This turn's own images (those its template tokens hold)."""
+
+    def has_new_images(self) -> bool:
+        """Whether the turn's new messages hold images."""
+        return bool(self.new_images)
+
+
+def new_images(match: Match) -> bool:
+    """Whether ``match``'s new messages hold image parts (render them with the processor,
+    off the event loop)."""
+    return any(w.image_parts() for w, _ in match.new)
 
 
 class History:
@@ -267,21 +293,27 @@ class History:
 
     # ----- rendering (template work; may run in a worker thread) ---------------------------
 
-    def render(self, match: Match) -> TurnPlan:
+    def render(self, match: Match, vision: VisionProcessor | None = None) -> TurnPlan:
         """Render what ``match`` needs: the delta for a merge, the prompt for a new segment.
+        New messages' images are loaded and expanded by ``vision`` (CPU work: with images,
+        call this in the processor's worker thread, see :func:`new_images`).
 
         Raises:
+            FinalError: an image part without a vision processor, or one that is refused
+                (not a data URL, not an image, over ``ImageLimits``), naming the part.
             ProxyRequestError: the chat template could not render the messages.
         """
         new_entries = [Entry(w.to_agent_message(), message_key(w), raw) for w, raw in match.new]
+        images = self._load_images(match, new_entries, vision)
         new_messages = [e.message for e in new_entries]
         try:
             if match.segment is not None:
                 seg = match.segment
-                ids, drift = self._delta(seg.entries, seg.anchor, new_messages, match,
-                                         seg.response_ids[-1:] or seg.prompt_ids[-1:])
+                ids, drift, added = self._delta(seg.entries, seg.anchor, new_messages, match,
+                                                seg.response_ids[-1:] or seg.prompt_ids[-1:],
+                                                images, vision)
                 return TurnPlan(match, ids, seg.sequence() + ids, len(seg), None, drift,
-                                new_entries)
+                                new_entries, _joined(seg.images, added), added)
             if match.base is not None:
                 kept = match.base.entries[:match.keep]
                 end = kept[-1].end
@@ -289,38 +321,78 @@ class History:
                 prefix = match.base.sequence()[:end]
                 anchor = next((e.message for e in reversed(kept) if e.message.role == "user"),
                               None)
-                ids, drift = self._delta(kept, anchor, new_messages, match, prefix[-1:])
+                ids, drift, added = self._delta(kept, anchor, new_messages, match, prefix[-1:],
+                                                images, vision)
                 reused = [Entry(e.message, e.key, e.echo, e.end, e.closed) for e in kept]
+                before = _images_in(match.base.images, prefix, vision)
                 return TurnPlan(match, ids, prefix + ids, end, None, drift,
-                                reused + new_entries)
+                                reused + new_entries, _joined(before, added), added)
+            if images:
+                assert vision is not None
+                text = render(self.tokenizer, [chat_form(m) for m in new_messages],
+                              match.tools, add_generation_prompt=True, options=match.options)
+                expanded = vision.expand(text, images)
+                return TurnPlan(match, expanded.ids, expanded.ids, 0, text, (), new_entries,
+                                expanded.inputs, expanded.inputs)
             text, ids = render_prompt(self.tokenizer, [chat_form(m) for m in new_messages],
                                       match.tools, match.options)
             return TurnPlan(match, ids, ids, 0, text, (), new_entries)
         except ProxyRequestError:
             raise
+        except ImageError as exc:  # the processor found the placeholders wrong
+            raise FinalError(str(exc), param=exc.field or "messages",
+                             code="invalid_image") from None
         except Exception as exc:  # a template that cannot render these messages
             raise ProxyRequestError(f"the chat template could not render the messages: "
                                     f"{type(exc).__name__}: {exc}", param="messages",
                                     code="template_error") from exc
 
     def _delta(self, entries: Sequence[Entry], anchor: AgentMessage | None,
-               new_messages: list[AgentMessage], match: Match,
-               last: list[int]) -> tuple[list[int], tuple[str, ...]]:
-        """Template tokens after the model turn ``entries[-1]`` up to the next generation."""
+               new_messages: list[AgentMessage], match: Match, last: list[int],
+               images: list[Any], vision: VisionProcessor | None
+               ) -> tuple[list[int], tuple[str, ...], MultiModalInputs | None]:
+        """Template tokens after the model turn ``entries[-1]`` up to the next generation,
+        and the inputs of the images among them (placeholders expanded by ``vision``)."""
         reply = entries[-1]
         context = [anchor, reply.message] if anchor is not None else [reply.message]
         tools, options = match.tools, match.options
-        if reply.closed and last:
-            delta = render_turn_delta(self.tokenizer, context, new_messages, tools, last[0],
-                                      options)
-            return delta.ids, delta.drift
-        if self.eos_token_id is None:  # no end-of-turn token known: the delta as it comes
-            delta = render_turn_delta(self.tokenizer, context, new_messages, tools, -1,
-                                      options)
-            return delta.ids, delta.drift
-        delta = render_turn_delta(self.tokenizer, context, new_messages, tools,
-                                  self.eos_token_id, options)
-        return [self.eos_token_id, *delta.ids], delta.drift
+        closed = reply.closed and bool(last)
+        if closed or self.eos_token_id is None:  # else the eos is added before the delta
+            after = last[0] if closed else -1
+        else:
+            after = self.eos_token_id
+        delta = render_turn_delta(self.tokenizer, context, new_messages, tools, after, options)
+        ids, added = delta.ids, None
+        if images:
+            assert vision is not None
+            expanded = vision.expand(delta.text, images)
+            ids, added = expanded.ids, expanded.inputs
+        return ([*ids] if closed or self.eos_token_id is None
+                else [self.eos_token_id, *ids]), delta.drift, added
+
+    @staticmethod
+    def _load_images(match: Match, entries: list[Entry],
+                     vision: VisionProcessor | None) -> list[Any]:
+        """Decode and check the new messages' images, and put each one's reference (hash and
+        size) in its entry's message in place of the image."""
+        if not new_images(match):
+            return []
+        first = len(match.messages) - len(match.new)
+        if vision is None:
+            where = next(f"messages.{first + i}.content.{j}"
+                         for i, (w, _) in enumerate(match.new) for j, _ in w.image_parts())
+            raise FinalError(f"{where}: image parts are not served: this proxy has no vision "
+                             "processor (ProxyServer(processor=...))", param=f"{where}.type",
+                             code="unsupported_parameter")
+        dumped = [e.message.model_dump(exclude_none=True) for e in entries]
+        try:
+            kept, images = vision.load_messages(dumped, first=first)
+        except ImageError as exc:
+            raise FinalError(str(exc), param=exc.field, code="invalid_image") from None
+        for entry, message, (wire, _) in zip(entries, kept, match.new, strict=True):
+            if wire.image_parts():
+                entry.message = entry.message.model_copy(update={"content": message["content"]})
+        return images
 
     # ----- committing (after the engine answered) ----------------------------------------
 
@@ -338,6 +410,7 @@ class History:
                           raw_prompt=plan.raw_prompt, entries=list(plan.new_entries),
                           conversation=match.conversation, options=match.options)
             self.segments.append(seg)
+            seg.images = plan.inputs
             if seg.reason in SPLIT_REASONS:
                 self.splits[seg.reason] = self.splits.get(seg.reason, 0) + 1
             anchors = plan.new_entries
@@ -347,6 +420,7 @@ class History:
             seg.response_mask.extend([0] * len(ids))
             seg.logprobs.extend([0.0] * len(ids))
             seg.entries.extend(plan.new_entries)
+            seg.images = plan.inputs
             if any(e.message.role == "tool" for e in plan.new_entries):
                 seg.tool_turns += 1
             anchors = plan.new_entries
@@ -372,13 +446,44 @@ def message_key(message: WireMessage | AgentMessage) -> tuple[Any, ...]:
     """The normalised form two messages are compared in (see the module doc)."""
     role = "system" if message.role == "developer" else message.role
     text = content_text(message.content)
+    images = tuple(_digest(p.url) for _, p in message.image_parts()) if isinstance(
+        message, WireMessage) else ()
     calls: tuple[tuple[str, str], ...] = ()
     if message.tool_calls:
         calls = tuple((c.function.name, _canonical_arguments(c.function.arguments))
                       for c in message.tool_calls)
     if role == "assistant":
         return (role, text.strip(), calls)
-    return (role, text, calls, message.tool_call_id, message.name)
+    return (role, text, calls, message.tool_call_id, message.name, images)
+
+
+def _digest(url: str) -> str:
+    """What an image part is compared by: the digest of its URL (the key never holds the
+    image)."""
+    return hashlib.sha256(url.encode()).hexdigest()
+
+
+def _joined(before: MultiModalInputs | None,
+            added: MultiModalInputs | None) -> MultiModalInputs | None:
+    """The images of a prompt: those of the reused sequence, then the turn's own."""
+    if not added:
+        return before or None
+    return before.plus(added) if before else added
+
+
+def _images_in(images: MultiModalInputs | None, prefix: list[int],
+               vision: VisionProcessor | None) -> MultiModalInputs | None:
+    """The images whose tokens lie in ``prefix`` (a reused head of a segment's sequence; it
+    ends on a model reply, so it never cuts an image's tokens)."""
+    if not images or vision is None:
+        return None
+    present = sum(1 for t in prefix if t == vision.image_token_id)
+    count, total = 0, 0
+    for tokens in images.image_token_counts:
+        if total + tokens > present:
+            break
+        count, total = count + 1, total + tokens
+    return images.first(count) or None
 
 
 def content_text(content: Any) -> str:

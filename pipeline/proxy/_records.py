@@ -44,6 +44,9 @@ class TurnRecord(BaseModel):
             (``metadata``, ``text.verbosity``, ...; see ``_policy.read_hints``).
         constraints: the decoding constraints the engine enforced on the reply
             (``json_schema``, ``tool_choice_required``, ...; ``pipeline.proxy.ENFORCEABLE``).
+        images: the images of the turn's new messages, in order: ``sha256`` (of the encoded
+            image), ``width``, ``height`` and ``tokens`` (its image tokens in the prompt);
+            never the image itself (a vision processor's proxy, ``ProxyServer(processor=)``).
     """
 
     index: int
@@ -70,6 +73,7 @@ class TurnRecord(BaseModel):
     timings: dict[str, float]
     ignored_fields: list[str] = Field(default_factory=list)
     constraints: list[str] = Field(default_factory=list)
+    images: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class SegmentRecord(BaseModel):
@@ -77,7 +81,10 @@ class SegmentRecord(BaseModel):
 
     ``response_mask`` is 1 on model tokens and 0 on template/tool tokens; ``logprobs`` is
     aligned with ``response_ids`` (0.0 where the mask is 0). ``conversation`` tells apart the
-    conversations of one session (0: the first; see ``_history``).
+    conversations of one session (0: the first; see ``_history``). ``images``: every image
+    whose tokens are in the sequence, in order (``sha256``, ``width``, ``height``,
+    ``tokens``); the pixel inputs stay on the session (``Segment.images``), the sample
+    :class:`~pipeline.proxy.RemoteAgent` builds carries them.
     """
 
     index: int
@@ -98,6 +105,7 @@ class SegmentRecord(BaseModel):
     policy_version: int | None
     conversation: int = 0
     raw_finish_reason: str | None = None
+    images: list[dict[str, Any]] = Field(default_factory=list)
 
     def agent_messages(self) -> list[AgentMessage]:
         """The conversation as :class:`AgentMessage` objects (model turns carry token ids)."""
@@ -204,7 +212,7 @@ def session_record(session: Session, *, with_turns: bool = True,
                 sampling=turn.sampling, policy_version=turn.policy_version,
                 reply=_wire(turn.reply, tokens=False), timings=dict(turn.timings),
                 ignored_fields=list(turn.ignored_fields),
-                constraints=list(turn.constraints)))
+                constraints=list(turn.constraints), images=[dict(i) for i in turn.images]))
     return SessionRecord(
         id=session.id, state=session.state, created_at=session.created_at,
         metadata=dict(session.metadata), turns=turns, segments=segments,
@@ -227,7 +235,8 @@ def segment_record(seg: Segment) -> SegmentRecord:
         tools=seg.tools, tool_turns=seg.tool_turns, drift=seg.drift,
         reused_tokens=seg.reused_tokens, raw_prompt=seg.raw_prompt,
         finish_reason=seg.finish_reason, policy_version=seg.policy_version,
-        conversation=seg.conversation, raw_finish_reason=seg.raw_finish_reason)
+        conversation=seg.conversation, raw_finish_reason=seg.raw_finish_reason,
+        images=seg.images.summary() if seg.images else [])
 
 
 def _wire(message: AgentMessage, *, tokens: bool) -> dict[str, Any]:

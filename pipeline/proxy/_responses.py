@@ -10,7 +10,9 @@ segments, merge by the same rules and yield the same sample:
 - input items become chat messages: a ``message`` item (``input_text``/``output_text`` parts),
   an assistant ``message`` followed by ``function_call`` items becomes one assistant message
   with tool calls (consecutive calls: one message, as the model wrote them), a
-  ``function_call_output`` becomes a tool message;
+  ``function_call_output`` becomes a tool message; a user message's ``input_image`` parts
+  (``image_url`` a data URL) become chat's ``image_url`` parts, on a proxy with a vision
+  processor (else, and for ``file_id`` or a web URL, a final error naming the part);
 - ``previous_response_id`` (a response of the same session) prepends that response's
   conversation (its input and output, not its instructions, as OpenAI specifies);
 - function ``tools`` become chat tool schemas.
@@ -110,15 +112,17 @@ def conversation_of(links: dict[str, ResponseLink], response_id: str | None,
     return [m for part in reversed(parts) for m in part]
 
 
-def to_chat(request: ResponsesRequest,
-            prior: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
+def to_chat(request: ResponsesRequest, prior: list[dict[str, Any]], *, images: bool = False
+            ) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
     """The chat request ``request`` stands for, and the messages its own input added.
+    ``images``: the proxy serves image parts (it has a vision processor).
 
     Raises:
         ProxyRequestError: an input item or tool the proxy cannot translate (``param`` names
             it).
+        FinalError: an image part the proxy refuses (see :func:`input_messages`).
     """
-    added = input_messages(request.input)
+    added = input_messages(request.input, images=images)
     messages = ([{"role": "system", "content": request.instructions}]
                 if request.instructions is not None else [])
     messages += prior + added
@@ -161,12 +165,15 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     return choice
 
 
-def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
-    """Input items as chat messages (see the module doc).
+def input_messages(items: str | list[Any], *, images: bool = False) -> list[dict[str, Any]]:
+    """Input items as chat messages (see the module doc). ``images``: a user message's
+    ``input_image`` parts are served (as chat ``image_url`` parts).
 
     Raises:
-        ProxyRequestError: an item of a kind the proxy does not serve (images, files,
-            reasoning, item references, hosted tool calls), naming ``input.<i>``.
+        ProxyRequestError: an item of a kind the proxy does not serve (files, reasoning,
+            item references, hosted tool calls), naming ``input.<i>``.
+        FinalError: an ``input_image`` part without ``images``, or one that names no data
+            URL (a ``file_id``, a web URL, a path), naming ``input.<i>.content.<j>``.
     """
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
@@ -180,7 +187,12 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _ROLES:
                 raise _bad_item(i, f"role {role!r} is not one of {list(_ROLES)}")
-            out.append({"role": role, "content": _text(item.get("content"), f"input.{i}.content")})
+            where = f"input.{i}.content"
+            content = item.get("content")
+            if role == "user" and isinstance(content, list) and _has_image(content):
+                out.append({"role": role, "content": _with_images(content, where, images)})
+            else:
+                out.append({"role": role, "content": _text(content, where)})
             calls_open = role == "assistant"
         elif kind == "function_call":
             call = {"id": _call_id(item, i),
@@ -218,6 +230,33 @@ def _text(content: Any, where: str) -> str:
         name = "refusal" if kind == "refusal" else "text"
         texts.append(_string(part, name, f"{where}.{j}"))
     return "".join(texts)
+
+
+def _has_image(content: list[Any]) -> bool:
+    return any(isinstance(p, dict) and p.get("type") == "input_image" for p in content)
+
+
+def _with_images(content: list[Any], where: str, images: bool) -> list[dict[str, Any]]:
+    """A user message's parts with images, as chat parts (text and ``image_url``)."""
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "input_image"):
+            out.append({"type": "text", "text": _text([part], where)})
+            continue
+        spot = f"{where}.{j}"
+        if not images:
+            raise FinalError(f"{spot}: image parts are not served: this proxy has no vision "
+                             "processor (ProxyServer(processor=...))", param=f"{spot}.type",
+                             code="unsupported_parameter")
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url.startswith("data:"):
+            raise FinalError(f"{spot}: only images sent as data URLs (image_url "
+                             "'data:image/...;base64,...') are served; the proxy fetches no "
+                             f"URL, reads no file and holds no file_id (got "
+                             f"{value_repr(url if url is not None else part.get('file_id'))})",
+                             param=f"{spot}.image_url", code="invalid_image")
+        out.append({"type": "image_url", "image_url": {"url": url}})
+    return out
 
 
 def _call_id(item: dict[str, Any], index: int) -> str:

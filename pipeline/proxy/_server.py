@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -26,6 +27,7 @@ from pipeline._net import start_site
 from pipeline._runner.context import Resources
 from pipeline._text.tokenizer import Tokenizer
 from pipeline.engines import Engine
+from pipeline.multimodal import VisionProcessor
 from pipeline.proxy._app import build_app
 from pipeline.proxy._config import ProxyConfig
 from pipeline.proxy._policy import (
@@ -60,6 +62,13 @@ class ProxyServer:
             does; reasoning reaches the agent as the message's ``reasoning_content``), and
             every session stops on the family's stop ids (gpt-oss's ``<|call|>``, Llama
             3.1's ``<|eom_id|>``), which end a turn as the eos does.
+        processor: a vision-language model's processor (a Hugging Face processor or a
+            :class:`~pipeline.multimodal.VisionProcessor`; ``tokenizer`` must be its
+            tokenizer): image parts of requests are served, for data URLs only (a web URL or
+            a file path is refused: the proxy fetches nothing and reads no host file),
+            expanded to the model's image tokens as ``BuildPrompt(processor=...)`` does and
+            handed to the engine (``generate(..., multi_modal=...)``); records keep each
+            image's hash, size and token count. Without one, image parts are refused.
 
     The engine and tokenizer go through the same check as a ``Pipeline``'s
     (:func:`pipeline._runner.context.check_resources`): a :class:`~pipeline.SimulatedEngine` built
@@ -67,13 +76,14 @@ class ProxyServer:
 
     Raises:
         ConfigError: an invalid option, naming the field; an engine or tokenizer a
-            ``Pipeline`` would refuse; an unknown family, or its vLLM parsers missing.
+            ``Pipeline`` would refuse; an unknown family, or its vLLM parsers missing; a
+            ``processor`` whose tokenizer is not ``tokenizer``.
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer,
                  config: ProxyConfig | Mapping[str, Any] | None = None, *,
                  parser: ToolParser | None = None, eos_token_id: int | None = None,
-                 family: str | None = None, **options: Any) -> None:
+                 family: str | None = None, processor: Any = None, **options: Any) -> None:
         Resources(engine=engine, tokenizer=tokenizer)  # the Pipeline's check (eos pairing)
         base = (config.model_dump() if isinstance(config, ProxyConfig)
                 else dict(config or {}))
@@ -98,11 +108,14 @@ class ProxyServer:
         self.sessions = SessionStore(tokenizer, max_sessions=cfg.max_sessions,
                                      idle_timeout_s=cfg.idle_timeout_s, sampling=cfg.sampling,
                                      eos_token_id=eos_token_id, stop_token_ids=stop_token_ids)
+        self.processor = _agent_processor(processor, tokenizer)
+        """Renders image parts (None: they are refused)."""
         self.turns = TurnRunner(engine, tokenizer, parser or HermesToolParser(),
                                 max_tokens=cfg.max_tokens, max_turns=cfg.max_turns,
                                 offload_chars=cfg.offload_chars,
                                 abort_timeout_s=cfg.abort_timeout_s,
-                                check_integrity=cfg.token_integrity_checks)
+                                check_integrity=cfg.token_integrity_checks,
+                                processor=self.processor)
         self.enforces = engine_enforces(engine)
         """Decoding constraints the engine declared it enforces (``_policy``), less the tool
         constraints where the model's call format is not one they are built for."""
@@ -227,3 +240,19 @@ class ProxyServer:
                 self.sessions.expire(session.id)
                 await self._abort(session)
                 _logger.info("session_expired", session=session.id, turns=len(session.turns))
+
+
+def _agent_processor(processor: Any, tokenizer: Tokenizer) -> VisionProcessor | None:
+    """The proxy's vision processor: one that never reads a file (what an agent sends is not
+    trusted with the host's files), on the proxy's tokenizer."""
+    if processor is None:
+        return None
+    vision = processor if isinstance(processor, VisionProcessor) else VisionProcessor(processor)
+    if vision.tokenizer is not tokenizer:
+        raise ConfigError("proxy: processor: its tokenizer must be the proxy's tokenizer "
+                          "(ProxyServer(engine, processor.tokenizer, processor=processor))",
+                          field="processor")
+    if vision.limits.allow_files:
+        vision = VisionProcessor(vision.processor, threads=vision.threads,
+                                 limits=dataclasses.replace(vision.limits, allow_files=False))
+    return vision

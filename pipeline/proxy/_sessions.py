@@ -73,6 +73,8 @@ class Turn:
     """Hints of the request the proxy did not act on (``_policy.read_hints``)."""
     constraints: tuple[str, ...] = ()
     """Decoding constraints the engine enforced on the reply (``_policy.ENFORCEABLE``)."""
+    images: tuple[dict[str, Any], ...] = ()
+    """The images of the turn's new messages: sha256, width, height, tokens (no bytes)."""
 
 
 class Session:

@@ -39,8 +39,9 @@ from pipeline._text import integrity
 from pipeline._text.render import decode_text
 from pipeline._text.tokenizer import Tokenizer
 from pipeline.engines import Engine, Generation
+from pipeline.multimodal import VisionProcessor
 from pipeline.proxy._errors import FinalError, ProxyError, ProxyRequestError
-from pipeline.proxy._history import TurnPlan
+from pipeline.proxy._history import TurnPlan, new_images
 from pipeline.proxy._policy import Constraints
 from pipeline.proxy._sessions import Session, Turn
 from pipeline.proxy._wire import ChatCompletionRequest
@@ -75,12 +76,16 @@ class TurnRunner:
             :mod:`pipeline._text.integrity`); a failed one is recorded on the session
             (``Session.integrity``, the record's ``token_integrity``), never an error of the
             request: the agent goes on, and the sample built from the session is quarantined.
+        processor: renders image parts (data URLs) and their pixel inputs; None refuses
+            image parts (``_history``).
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, parser: ToolParser, *,
                  max_tokens: int | None, max_turns: int, offload_chars: int,
-                 abort_timeout_s: float, check_integrity: bool = True) -> None:
+                 abort_timeout_s: float, check_integrity: bool = True,
+                 processor: VisionProcessor | None = None) -> None:
         self.engine = engine
+        self.processor = processor
         self.check_integrity = check_integrity
         self.abort_timeout_s = abort_timeout_s
         self.tokenizer = tokenizer
@@ -125,10 +130,13 @@ class TurnRunner:
                                                 request.tool_schemas, options)
             else:
                 match = history.match(request.messages, request.tool_schemas, options)
-            if offload or match.render_chars() > self.offload_chars:
-                plan = await asyncio.to_thread(history.render, match)
+            vision = self.processor
+            if vision is not None and new_images(match):  # decoding and patching: CPU work
+                plan = await vision.submit(history.render, match, vision)
+            elif offload or match.render_chars() > self.offload_chars:
+                plan = await asyncio.to_thread(history.render, match, vision)
             else:
-                plan = history.render(match)
+                plan = history.render(match, vision)
             rendered = time.perf_counter()
             sampling, binding = self._sampling(session, request, plan)
             if sampling is None:
@@ -140,7 +148,7 @@ class TurnRunner:
                     call_format=getattr(self.parser, "tool_parser_name", None) or "hermes",
                     reasoning=getattr(self.parser, "reasoning_parser_name", None) is not None)
             gen = await self._generate(session, request_id, plan.prompt_ids, sampling,
-                                       constraints)
+                                       constraints, plan.inputs)
             generated = time.perf_counter()
             if self.check_integrity:
                 gen = self._check(session, plan, gen)
@@ -232,15 +240,18 @@ class TurnRunner:
         return base.model_copy(update=update), binding
 
     async def _generate(self, session: Session, request_id: str, prompt: list[int],
-                        sampling: SamplingParams,
-                        constraints: Constraints | None = None) -> Generation:
+                        sampling: SamplingParams, constraints: Constraints | None = None,
+                        images: Any = None) -> Generation:
         session.inflight.add(request_id)
+        # optional keywords, passed only when used: engines of one's own need neither
+        extra: dict[str, Any] = {}
+        if constraints is not None:  # an engine that declared it enforces them (``_policy``)
+            extra["constraints"] = constraints
+        if images:  # the pixel inputs of every image in the prompt, in order
+            extra["multi_modal"] = images
         try:
-            if constraints is None:
-                gen = await self.engine.generate(prompt, sampling, request_id)
-            else:  # an engine that declared it enforces them (``_policy.engine_enforces``)
-                generate: Any = self.engine.generate
-                gen = await generate(prompt, sampling, request_id, constraints=constraints)
+            generate: Any = self.engine.generate
+            gen: Generation = await generate(prompt, sampling, request_id, **extra)
         except asyncio.CancelledError:  # the client went away, or the session was deleted
             await abort_request(self.engine, request_id, self.abort_timeout_s,
                                 session=session.id)
@@ -297,7 +308,8 @@ class TurnRunner:
                      "seed": request.seed, "stop": request.stops,
                      "stream": bool(request.stream),
                      "tool_choice": request.choice},
-            sampling=sampling.model_dump(mode="json"), policy_version=gen.policy_version)
+            sampling=sampling.model_dump(mode="json"), policy_version=gen.policy_version,
+            images=tuple(plan.new_images.summary()) if plan.new_images else ())
         session.turns.append(turn)
         return TurnOutcome(reply, agent_finish, len(plan.prompt_ids), plan.reused_tokens,
                            self._logprobs(tokens, logprobs) if request.logprobs else None, turn)

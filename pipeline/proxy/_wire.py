@@ -30,10 +30,31 @@ class _Lenient(BaseModel):
 
 
 class TextPart(_Lenient):
-    """One part of a list-of-parts content; only text parts are supported."""
+    """A text part of a list-of-parts content."""
 
     type: Literal["text"]
     text: str
+
+
+class ImageURL(_Lenient):
+    """``image_url`` of an image part (``detail`` is accepted; the processor decides the
+    resolution)."""
+
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Lenient):
+    """An image part (``{"type": "image_url", "image_url": {"url": ...}}``): served by a proxy
+    with a vision processor, for data URLs only (``_history``); refused otherwise."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+    @property
+    def url(self) -> str:
+        """The image's URL as sent."""
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
 class WireFunction(_Lenient):
@@ -55,16 +76,22 @@ class WireMessage(_Lenient):
     """A request message, validated before it is rendered by the chat template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     tool_calls: list[WireToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """``(index, part)`` of each image part of the content."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
 
     def to_agent_message(self) -> AgentMessage:
         """The message in the pipeline's own model (``developer`` becomes ``system``)."""
         content: str | list[dict[str, Any]] | None = (
             self.content if not isinstance(self.content, list)
-            else [part.model_dump() for part in self.content])
+            else [part.model_dump(exclude_none=True) for part in self.content])
         calls = None
         if self.tool_calls:
             calls = [ToolCall(id=c.id, function=ToolFunction(

