@@ -16,6 +16,8 @@
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu scripts/setup.sh
 # ROLLOUT_SKIP_VLLM=1 skips vLLM (`rollout run` then falls back to torch + transformers).
 # ROLLOUT_SKIP_VERL=1 skips verl (installed --no-deps for tests/test_verl_*.py; they then skip).
+# ROLLOUT_SKIP_VERIFIERS=1 skips verifiers (its own .venv-verifiers, for tests/test_env_verifiers.py;
+# it then skips).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_install.sh  # pkg_install: uv, from the places pip is configured to use
@@ -96,6 +98,32 @@ if [ "${ROLLOUT_SKIP_VERL:-0}" != "1" ]; then
   else
     run "verl 0.9.1" "for the verl tests, --no-deps: its transformers pin is not ours" \
       install_verl
+  fi
+fi
+
+# verifiers 0.4.0 in an interpreter of its own (.venv-verifiers): it pins mcp==2.0.0 and
+# openai<3, where the project resolves mcp 2.3 and openai 3, and its import chain does not
+# survive a --no-deps install into .venv. Its environments run as RemoteAgent programs there
+# (docs/guides/environments.md). Bytecode is compiled where Python would not write it: an
+# uncompiled `import verifiers.v1` takes seconds more in every agent process.
+VF_PY=.venv-verifiers/bin/python
+VF_CHECK="from importlib.metadata import version; assert version('verifiers') == '0.4.0'"
+install_verifiers() {
+  uv_ready
+  [ -x "$VF_PY" ] || "$UV" venv -q -p "$PY" .venv-verifiers
+  local compile=()
+  if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then compile=(--compile-bytecode); fi
+  "$UV" pip install --python "$VF_PY" "${compile[@]}" "verifiers==0.4.0"
+  stamp verifiers scripts/setup.sh
+}
+if [ "${ROLLOUT_SKIP_VERIFIERS:-0}" != "1" ]; then
+  if [ "${ROLLOUT_SETUP_FORCE:-0}" != "1" ] && [ -f "$STAMPS/verifiers" ] &&
+    [ "$(cat "$STAMPS/verifiers")" = "$(sha256sum <scripts/setup.sh)" ] &&
+    "$VF_PY" -c "$VF_CHECK" 2>/dev/null; then
+    up_to_date "verifiers 0.4.0"
+  else
+    run "verifiers 0.4.0" "its own .venv-verifiers: its mcp and openai pins are not ours" \
+      install_verifiers
   fi
 fi
 
