@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pipeline import EngineError, Pipeline, SamplingParams
+from pipeline import EngineCircuitOpen, EngineError, Pipeline, SamplingParams
 from pipeline.engines import OpenAIEngine
 from pipeline.stages import BuildPrompt, Generate
 from pipeline.testing import ByteTokenizer
@@ -40,6 +40,7 @@ class VllmLike:
         self.release.set()
         self.seen: list[tuple[str, list[int]]] = []
         self.metrics_reads = 0
+        self.completion_status = 200
         self.runner: web.AppRunner | None = None
 
     async def health(self, request: web.Request) -> web.Response:
@@ -53,6 +54,8 @@ class VllmLike:
         body = await request.json()
         self.seen.append((body["request_id"], body["prompt"]))
         await self.release.wait()
+        if self.completion_status != 200:
+            return web.Response(status=self.completion_status, text="EngineDeadError")
         tokens = [5, 6, 2]
         return web.json_response({"choices": [{
             "index": 0, "text": "", "token_ids": tokens, "prompt_token_ids": body["prompt"],
@@ -171,3 +174,31 @@ async def test_with_no_healthy_server_left_samples_fail_naming_the_servers():
     assert a.url in errors[0] and b.url in errors[0] and "retried there after" in errors[0]
     assert all("no other healthy server" in e for e in errors[1:])
     assert engine.failovers == 1
+
+
+async def test_a_server_whose_engine_core_died_is_left_but_5xx_alone_is_an_engine_error():
+    a, b = await VllmLike().start(), await VllmLike().start()
+    a.release.clear()
+    # Probes only on demand: what finds the death here is the probe after a 500.
+    engine = OpenAIEngine([a.url, b.url], model="m", backoff_s=0.01, health_interval_s=60)
+    try:
+        pipe = pipeline_on(engine, max_concurrency=8, max_consecutive_engine_errors=1)
+        batch = asyncio.create_task(pipe.run_batch(ROWS, n=2))
+        await until(lambda: len(a.seen) >= 2)
+        # vLLM with a dead engine core: 500 to the requests in flight, 503 on /health.
+        a.completion_status, a.health_status = 500, 503
+        a.release.set()
+        result = await asyncio.wait_for(batch, 30)
+        assert result.stats.by_status == {"completed": 24}
+        assert engine.failovers >= 2 and not engine.health.is_healthy(a.url)
+
+        # A 500 from a server whose /health is fine is an engine error, not moved:
+        # retried there, then it fails the sample and the breaker counts it.
+        b.completion_status = 500
+        with pytest.raises(EngineCircuitOpen):
+            await pipe.run_batch(ROWS[:2])
+        assert engine.health.healthy() == [b.url]
+    finally:
+        await engine.aclose()
+        await a.stop()
+        await b.stop()

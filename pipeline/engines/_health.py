@@ -99,10 +99,12 @@ class ServerHealth:
     died (``EngineDeadError``), without scheduling anything: a probe costs the server no
     generation slot, unlike a one-token completion, which would also queue behind a full
     batch and read a loaded server as dead. A hung-but-alive core is left to the request
-    timeouts. A server is marked down by a failed probe (any answer but 200, a connection
-    error, the timeout) or by the engine when a real request hit a connection error or a
-    timeout there; it is re-admitted when a probe answers 200 again (or a request it still
-    got succeeds). Servers start healthy: the first request does not wait for a probe.
+    timeouts. A server is marked down by a failed probe (an error status other than 404 or
+    405, which a live server without the endpoint answers; a connection error; the timeout)
+    or by the engine when a real request hit a connection error or a timeout there, or a 5xx
+    answer followed by a failed probe; it is re-admitted when a probe answers again (or a
+    request it still got succeeds). Servers start healthy: the first request does not wait
+    for a probe.
 
     The probes use a small connection pool of their own, so a request pool saturated by a
     large batch cannot delay them into a false "down".
@@ -166,7 +168,7 @@ class ServerHealth:
                       "downs": s.downs} for url, s in self._states.items()}
 
     async def probe(self, url: str) -> bool:
-        """Probe ``url`` once and record the outcome; True when it answered 200."""
+        """Probe ``url`` once and record the outcome; True when it is up."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=max(4, len(self._states))))
@@ -174,7 +176,8 @@ class ServerHealth:
         try:
             async with asyncio.timeout(self.timeout_s), \
                     self._session.get(url + self.path) as resp:
-                if resp.status == 200:
+                # 404/405: a server with no health endpoint answered, so it is alive.
+                if resp.status in (200, 404, 405):
                     self.mark_up(url)
                     return True
                 reason = f"GET {url}{self.path} answered {resp.status}"

@@ -14,8 +14,9 @@ pass ``group_key`` for another scheme.
 
 Health (:class:`~pipeline.engines.ServerHealth`, ``engine.health``): a watch task, started by
 the first request and ended by ``aclose``, probes each server's ``/health``; a server whose
-probe fails, or where a request hit a connection error or a timeout, is routed around (its
-groups move to a healthy server) until a probe answers again. A request in flight on a
+probe fails, or where a request hit a connection error, a timeout, or a 5xx answer followed
+by a failed probe (a vLLM whose engine core died), is routed around (its groups move to a
+healthy server) until a probe answers again. A request in flight on a
 server that dies is sent once more, with the same body, to another healthy server: the
 prompt ids are the sample's turn boundary (its earlier turns' tokens are kept), and the turn
 being sampled starts again from scratch. When no other server is healthy, or the second
@@ -233,8 +234,11 @@ class OpenAIEngine:
                     failover: bool = False) -> dict[str, Any]:
         """One JSON call with bounded retries on connection errors and 5xx answers.
 
-        A connection error or a timeout marks the server down; with ``failover`` it is
-        raised at once while another server is healthy (the caller goes there instead).
+        A connection error or a timeout marks the server down, and so does a 5xx answer
+        after which the server fails a health probe (vLLM answers 500 to the requests in
+        flight when its engine core dies, and 503 to ``/health``). With ``failover`` the
+        error of a server that is down is raised at once while another server is healthy
+        (the caller goes there instead).
         """
         session = self._get_session()
         attempts = self.max_retries + 1 if retry else 1
@@ -257,10 +261,10 @@ class OpenAIEngine:
                 error = ServerError(f"{method} {server.url}{path} failed: "
                                     f"{type(exc).__name__}: {exc}", status=None, url=server.url)
                 self.health.mark_down(server.url, str(error))
-                if failover and any(self.health.is_healthy(s.url) for s in self.servers):
-                    server.failures += 1
-                    raise error from exc
             server.failures += 1
+            if failover and (error.status is None or not await self.health.probe(server.url)) \
+                    and any(self.health.is_healthy(s.url) for s in self.servers):
+                raise error
             if attempt + 1 < attempts:
                 self.retries += 1
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
@@ -332,8 +336,8 @@ class OpenAIEngine:
         return self._generation(answer, prompt_ids, request_id, version)
 
     async def _complete(self, request_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """The completion from the routed server; after a connection error or a timeout
-        there, once more from another healthy server with the same body."""
+        """The completion from the routed server; when that server went down under the
+        request, once more from another healthy server with the same body."""
         server = self.route(request_id)
         first: ServerError | None = None
         while True:
@@ -350,11 +354,11 @@ class OpenAIEngine:
                 raise ServerError(f"{error} (retried there after {first})",
                                   status=error.status, url=error.url) from error
             nxt = self.route(request_id)
-            if error.status is not None or not self.health.is_healthy(nxt.url) \
+            if self.health.is_healthy(server.url) or not self.health.is_healthy(nxt.url) \
                     or nxt is server:
-                if len(self.servers) > 1 and error.status is None:
+                if len(self.servers) > 1 and not self.health.is_healthy(server.url):
                     raise ServerError(f"{error} (no other healthy server to retry on)",
-                                      status=None, url=error.url) from error
+                                      status=error.status, url=error.url) from error
                 raise error
             first = error
             self.failovers += 1
