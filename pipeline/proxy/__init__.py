@@ -6,7 +6,8 @@ generates token in / token out on the pipeline's engine, and records every turn'
 ids and logprobs. When the agent sends its history back, the recorded tokens are reused and
 only the new messages are rendered, so turns merge into one token sequence; a rewritten
 history splits the session into segments. :class:`RemoteAgent` runs an agent per sample and
-fills the standard artifacts from its session. Chat completions and the Responses API are
+fills the standard artifacts from its session; :class:`AgentReward` takes the reward an
+agent program reported. Chat completions and the Responses API are
 served; every request field is served, enforced by an engine that declares it (its optional
 ``enforces`` attribute, :data:`ENFORCEABLE`, :class:`Constraints`) or refused. See
 ``_history`` for the token rules, ``_app`` for the routes and ``_policy`` for the fields.
@@ -35,6 +36,7 @@ from pipeline.proxy._errors import (
 from pipeline.proxy._history import SPLIT_REASONS, History, Segment, message_key
 from pipeline.proxy._policy import ENFORCEABLE, Constraints
 from pipeline.proxy._records import SegmentRecord, SessionRecord, TurnRecord
+from pipeline.proxy._reward import AgentReward
 from pipeline.proxy._server import ProxyServer
 from pipeline.proxy._sessions import Session, SessionStore
 from pipeline.proxy._wire import ChatCompletionRequest
@@ -49,6 +51,7 @@ __all__ = [
     "AddressInUseError",
     "AgentEndpoint",
     "AgentFunction",
+    "AgentReward",
     "ChatCompletionRequest",
     "Command",
     "Constraints",
