@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -60,17 +61,30 @@ def reply(prompt_ids: list[int], rng: Any) -> list[int]:
     return [*([66] * 19), EOS]
 
 
+class WeighingEngine(SimulatedEngine):
+    """The simulated engine, remembering what the last state dict it got adds up to."""
+
+    weights_sum: int | None = None
+
+    async def update_weights(self, state_dict: Any = None, path: Any = None, *,
+                             version: int | None = None) -> int:
+        if state_dict is not None:
+            self.weights_sum = sum(state_dict["layer.weight"])
+        return await super().update_weights(state_dict, path, version=version)
+
+
 async def record(item: AgentRolloutItem, ctx: Any) -> None:
-    """Record the worker's pid; a row marked ``hold`` waits for its flag file (a straggler
-    whose tokens are all sampled and whose group finishes late)."""
-    item.artifacts["extra_fields"] = {"pid": os.getpid()}
+    """Record the worker's pid and its engine's weights; a row marked ``hold`` waits for its
+    flag file (a straggler whose tokens are all sampled and whose group finishes late)."""
+    item.artifacts["extra_fields"] = {"pid": os.getpid(),
+                                      "weights": ctx.resources.engine.weights_sum}
     flag = item.data.extra.get("hold")
     while flag is not None and not os.path.exists(flag):  # noqa: ASYNC110, ASYNC240
         await asyncio.sleep(0.02)
 
 
 def make_pipeline() -> Pipeline:
-    engine = SimulatedEngine(max_running=8, token_time_s=0.003, responder=reply,
+    engine = WeighingEngine(max_running=8, token_time_s=0.003, responder=reply,
                              eos_token_id=EOS)
     return Pipeline([BuildPrompt(), Generate(), record], engine=engine,
                     tokenizer=ByteTokenizer(), sampling=SamplingParams(max_tokens=1000, seed=1),
@@ -140,6 +154,7 @@ async def test_an_update_mid_generation_versions_each_token_on_every_worker(
             assert set(seen) <= {before, new}
             if set(seen) == {before, new}:
                 mixed.add(sample.extra_fields["pid"])
+                assert sample.extra_fields["weights"] == sum(range(1000))  # via the store
     assert mixed == pids  # a partial rollout on each worker, its versions intact
 
 
@@ -210,9 +225,23 @@ async def test_a_worker_whose_update_raises_fails_the_call_by_name_and_none_stay
         pool.run_batch([{"prompt": f"short {i}"} for i in range(8)], n=2), 60)
     assert result.stats.by_status == {"completed": 16}
     assert {s.extra_fields["pid"] for s in result.samples} == {bad.pid, good.pid}
-    update = await pool.update_weights(version=before + 5)  # one version for all again
+    # one version for all again
+    update = await pool.update_weights({"layer.weight": [3, 4]}, version=before + 5)
     assert update.version == pool.policy_version == before + 5
     assert set(update.stall_s) == {bad.worker_id, good.worker_id}
+
+
+async def test_a_replacement_worker_gets_the_last_update_before_it_takes_work(
+        pool: RayRolloutPool) -> None:
+    dead = pool.workers[0]
+    assert dead.pid is not None
+    os.kill(dead.pid, signal.SIGKILL)
+    await until(lambda: pool.workers[0].alive and pool.workers[0].pid != dead.pid,
+                "a replacement worker")
+    result = await pool.run_batch([{"prompt": f"short {i}"} for i in range(8)], n=2)
+    assert {s.extra_fields["pid"] for s in result.samples} == {w.pid for w in pool.workers}
+    assert {s.policy_version for s in result.samples} == {pool.policy_version}
+    assert {s.extra_fields["weights"] for s in result.samples} == {7}
 
 
 async def test_closing_the_pool_leaves_no_worker_running(pool: RayRolloutPool) -> None:
