@@ -55,6 +55,8 @@ class ImageEngine(RecordingEngine):
     """The recording engine, passing (and logging) the pixel inputs the proxy hands it."""
 
     def __init__(self, engine: Any) -> None:
+        if not hasattr(engine, "max_model_len"):  # the simulated engine has no context limit
+            engine.max_model_len = None
         super().__init__(engine)
         self.images: dict[str, Any] = {}
 
@@ -207,3 +209,57 @@ async def test_without_a_processor_image_parts_are_final_errors(vl):
     with pytest.raises(ConfigError) as info:
         ProxyServer(engine, tok, processor=other)
     assert info.value.field == "processor"
+
+
+async def test_split_and_retry_keep_the_images_of_the_reused_prefix(vl):
+    """An edited second turn starts a segment that reuses the first turn's tokens: the engine
+    gets the first image and the edited turn's (not the dropped one's), and so does a retry
+    of that request; a truncation to the first request renders its image again, to the same
+    ids. Each segment records exactly its own images and where their tokens end."""
+    from pipeline.proxy._sessions import SessionStore
+    from pipeline.proxy._turns import TurnRunner
+    from pipeline.proxy._wire import parse_request
+    from pipeline.tools import HermesToolParser
+
+    processor = vl["processor"]
+    tok = processor.tokenizer
+    engine = ImageEngine(SimulatedEngine(latency_s=0.0, eos_token_id=tok.eos_token_id))
+    runner = TurnRunner(engine, tok, HermesToolParser(), max_tokens=None, max_turns=10,
+                        offload_chars=10_000, abort_timeout_s=5.0,
+                        processor=VisionProcessor(processor))
+    session = SessionStore(tok, max_sessions=2, idle_timeout_s=60).create()
+    a, b, c = (png(color, (56, 56)) for color in ((255, 0, 0), (0, 255, 0), (0, 0, 255)))
+
+    def user(text: str, image: bytes) -> dict[str, Any]:
+        return {"role": "user", "content": [
+            {"type": "text", "text": text},
+            {"type": "image_url", "image_url": {"url": data_url(image)}}]}
+
+    async def ask(messages: list[dict[str, Any]]) -> dict[str, Any]:
+        outcome = await runner.run(session, parse_request(
+            {"messages": messages, "max_tokens": 4}))
+        return {"role": "assistant", "content": outcome.reply.content}
+
+    first = [user("What is it?", a)]
+    reply = await ask(first)
+    await ask([*first, reply, user("And this?", b)])
+    edited = [*first, reply, user("Or this?", c)]
+    await ask(edited)  # a split reusing turn 1
+    await ask(edited)  # a retry of that request
+    await ask(first)  # truncated to the first request
+    digest = {hashlib.sha256(x).hexdigest(): name for x, name in ((a, "a"), (b, "b"), (c, "c"))}
+    handed = [[digest[i["sha256"]] for i in engine.images[f"{session.id}-{n}"].summary()]
+              for n in range(1, 6)]
+    assert handed == [["a"], ["a", "b"], ["a", "c"], ["a", "c"], ["a"]]
+    segments = session.history.segments
+    assert [s.reason for s in segments] == ["start", "edited", "retry", "truncated"]
+    assert [[digest[i["sha256"]] for i in s.images.summary()] for s in segments] == [
+        ["a", "b"], ["a", "c"], ["a", "c"], ["a"]]
+    prompts = [engine.log[f"{session.id}-{n}"][0] for n in range(1, 6)]
+    reused = segments[1].reused_tokens
+    assert reused > prompts[0].count(IMAGE_PAD) and prompts[2][:reused] == prompts[1][:reused]
+    assert prompts[3] == prompts[2] and prompts[4] == prompts[0]
+    for seg in segments:
+        sequence = seg.sequence()
+        assert sequence.count(IMAGE_PAD) == sum(seg.images.image_token_counts)
+        assert [sequence[e - 1] for e in seg.image_ends] == [IMAGE_PAD] * len(seg.image_ends)

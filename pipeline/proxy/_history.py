@@ -125,6 +125,9 @@ class Segment:
     """The chat-template options its prompt and deltas were rendered with."""
     images: MultiModalInputs | None = None
     """The pixel inputs of the images in its sequence, in order (a vision processor's)."""
+    image_ends: tuple[int, ...] = ()
+    """Where each image's tokens end in the sequence (a reused prefix keeps the images that
+    end in it; counting image-token ids instead would be fooled by a sampled one)."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -184,6 +187,8 @@ class TurnPlan:
     """The images of the whole prompt, for the engine (None: no image)."""
     new_images: MultiModalInputs | None = None
     """This turn's own images (those its template tokens hold)."""
+    image_ends: tuple[int, ...] = ()
+    """Where each image of ``inputs`` ends in ``prompt_ids``."""
 
     def has_new_images(self) -> bool:
         """Whether the turn's new messages hold images."""
@@ -313,7 +318,8 @@ class History:
                                                 seg.response_ids[-1:] or seg.prompt_ids[-1:],
                                                 images, vision)
                 return TurnPlan(match, ids, seg.sequence() + ids, len(seg), None, drift,
-                                new_entries, _joined(seg.images, added), added)
+                                new_entries, _joined(seg.images, added), added,
+                                seg.image_ends + _ends(ids, len(seg), added, vision))
             if match.base is not None:
                 kept = match.base.entries[:match.keep]
                 end = kept[-1].end
@@ -324,16 +330,20 @@ class History:
                 ids, drift, added = self._delta(kept, anchor, new_messages, match, prefix[-1:],
                                                 images, vision)
                 reused = [Entry(e.message, e.key, e.echo, e.end, e.closed) for e in kept]
-                before = _images_in(match.base.images, prefix, vision)
+                kept_ends = tuple(e for e in match.base.image_ends if e <= end)
+                before = (match.base.images.first(len(kept_ends))
+                          if match.base.images and kept_ends else None)
                 return TurnPlan(match, ids, prefix + ids, end, None, drift,
-                                reused + new_entries, _joined(before, added), added)
+                                reused + new_entries, _joined(before, added), added,
+                                kept_ends + _ends(ids, end, added, vision))
             if images:
                 assert vision is not None
                 text = render(self.tokenizer, [chat_form(m) for m in new_messages],
                               match.tools, add_generation_prompt=True, options=match.options)
                 expanded = vision.expand(text, images)
                 return TurnPlan(match, expanded.ids, expanded.ids, 0, text, (), new_entries,
-                                expanded.inputs, expanded.inputs)
+                                expanded.inputs, expanded.inputs,
+                                _ends(expanded.ids, 0, expanded.inputs, vision))
             text, ids = render_prompt(self.tokenizer, [chat_form(m) for m in new_messages],
                                       match.tools, match.options)
             return TurnPlan(match, ids, ids, 0, text, (), new_entries)
@@ -410,7 +420,7 @@ class History:
                           raw_prompt=plan.raw_prompt, entries=list(plan.new_entries),
                           conversation=match.conversation, options=match.options)
             self.segments.append(seg)
-            seg.images = plan.inputs
+            seg.images, seg.image_ends = plan.inputs, plan.image_ends
             if seg.reason in SPLIT_REASONS:
                 self.splits[seg.reason] = self.splits.get(seg.reason, 0) + 1
             anchors = plan.new_entries
@@ -420,7 +430,7 @@ class History:
             seg.response_mask.extend([0] * len(ids))
             seg.logprobs.extend([0.0] * len(ids))
             seg.entries.extend(plan.new_entries)
-            seg.images = plan.inputs
+            seg.images, seg.image_ends = plan.inputs, plan.image_ends
             if any(e.message.role == "tool" for e in plan.new_entries):
                 seg.tool_turns += 1
             anchors = plan.new_entries
@@ -471,19 +481,19 @@ def _joined(before: MultiModalInputs | None,
     return before.plus(added) if before else added
 
 
-def _images_in(images: MultiModalInputs | None, prefix: list[int],
-               vision: VisionProcessor | None) -> MultiModalInputs | None:
-    """The images whose tokens lie in ``prefix`` (a reused head of a segment's sequence; it
-    ends on a model reply, so it never cuts an image's tokens)."""
-    if not images or vision is None:
-        return None
-    present = sum(1 for t in prefix if t == vision.image_token_id)
-    count, total = 0, 0
-    for tokens in images.image_token_counts:
-        if total + tokens > present:
-            break
-        count, total = count + 1, total + tokens
-    return images.first(count) or None
+def _ends(ids: list[int], offset: int, added: MultiModalInputs | None,
+          vision: VisionProcessor | None) -> tuple[int, ...]:
+    """Where each image of ``added`` ends in a sequence whose ``ids`` (the processor's
+    expansion) start at ``offset``: the ends of the runs of image tokens, one per image."""
+    if not added or vision is None:
+        return ()
+    pad = vision.image_token_id
+    ends = tuple(offset + i + 1 for i, t in enumerate(ids)
+                 if t == pad and (i + 1 == len(ids) or ids[i + 1] != pad))
+    if len(ends) != len(added.images):  # the template put two images' tokens side by side
+        raise ImageError(f"the rendered turn holds {len(ends)} runs of image tokens for "
+                         f"{len(added.images)} images", field="messages")
+    return ends
 
 
 def content_text(content: Any) -> str:
