@@ -41,6 +41,9 @@ class VllmLike:
         self.seen: list[tuple[str, list[int]]] = []
         self.metrics_reads = 0
         self.completion_status = 200
+        self.weight_version = "0"  # what a (re)started vLLM server reports
+        self.reloads: list[str] = []
+        self.reload_status = 200
         self.runner: web.AppRunner | None = None
 
     async def health(self, request: web.Request) -> web.Response:
@@ -49,6 +52,19 @@ class VllmLike:
     async def metrics(self, request: web.Request) -> web.Response:
         self.metrics_reads += 1
         return web.Response(text="vllm:num_requests_running 3\nvllm:num_requests_waiting 1\n")
+
+    async def control(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode weight endpoints, as OpenAIEngine.update_weights calls them."""
+        body = await request.json() if request.can_read_body else {}
+        if request.path == "/weight_info":
+            return web.json_response({"weight_version": self.weight_version})
+        if request.path == "/collective_rpc":
+            if self.reload_status != 200:
+                return web.Response(status=self.reload_status, text="no such checkpoint")
+            self.reloads.append(body["kwargs"]["weights_path"])
+        if request.path == "/update_weight_version":
+            self.weight_version = body["new_version"]
+        return web.json_response({"success": True})
 
     async def complete(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -66,6 +82,10 @@ class VllmLike:
         app = web.Application()
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/weight_info", self.control)
+        for path in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache",
+                     "/update_weight_version"):
+            app.router.add_post(path, self.control)
         app.router.add_post("/v1/completions", self.complete)
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.05)
         await self.runner.setup()
@@ -198,6 +218,35 @@ async def test_a_server_whose_engine_core_died_is_left_but_5xx_alone_is_an_engin
         with pytest.raises(EngineCircuitOpen):
             await pipe.run_batch(ROWS[:2])
         assert engine.health.healthy() == [b.url]
+    finally:
+        await engine.aclose()
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_server_back_from_a_restart_gets_the_current_weights_before_any_request():
+    a, b = await VllmLike().start(), await VllmLike().start()
+    engine = OpenAIEngine([a.url, b.url], model="m", health_interval_s=0.05)
+    try:
+        await engine.generate([1], SamplingParams(), "warm-0-0")  # starts the watch
+        assert await engine.update_weights(path="/ckpt/1") == 1
+        assert (a.weight_version, b.weight_version) == ("1", "1")
+        await a.stop()
+        await until(lambda: not engine.health.is_healthy(a.url))
+        # The update goes on without the dead server (the trainer is not stopped by it).
+        assert await engine.update_weights(path="/ckpt/2") == 2
+        assert b.weight_version == "2" and a.reloads == ["/ckpt/1"]
+
+        # It comes back as a restarted vLLM does, with the weights it was started with, and
+        # one reload fails: it stays out, and says why.
+        a.weight_version, a.reload_status = "0", 500
+        await a.start()
+        await until(lambda: "could not be brought to version 2" in str(
+            engine.health.state()[a.url]["error"]))
+        assert not engine.health.is_healthy(a.url)
+        a.reload_status = 200
+        await until(lambda: engine.health.is_healthy(a.url))
+        assert a.reloads[-1] == "/ckpt/2" and a.weight_version == "2"
     finally:
         await engine.aclose()
         await a.stop()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,10 +114,13 @@ class ServerHealth:
         interval_s: seconds between rounds of probes.
         timeout_s: limit of one probe.
         path: the probe's path.
+        readmit: asked before a down server that answers is routed to again; returns why
+            it must stay out (its weights are not the current ones), or None.
     """
 
     def __init__(self, urls: Sequence[str], *, interval_s: float = 5.0,
-                 timeout_s: float = 2.0, path: str = "/health") -> None:
+                 timeout_s: float = 2.0, path: str = "/health",
+                 readmit: Callable[[str], Awaitable[str | None]] | None = None) -> None:
         if interval_s <= 0:
             raise ConfigError(f"health_interval_s must be > 0, got {interval_s!r}",
                               field="health_interval_s")
@@ -127,6 +130,7 @@ class ServerHealth:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.path = path
+        self.readmit = readmit
         self.probes = 0
         """Probes sent so far."""
         self._states = {url: _ServerState() for url in urls}
@@ -177,14 +181,18 @@ class ServerHealth:
             async with asyncio.timeout(self.timeout_s), \
                     self._session.get(url + self.path) as resp:
                 # 404/405: a server with no health endpoint answered, so it is alive.
-                if resp.status in (200, 404, 405):
-                    self.mark_up(url)
-                    return True
+                alive = resp.status in (200, 404, 405)
                 reason = f"GET {url}{self.path} answered {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
-            reason = f"GET {url}{self.path} failed: {type(exc).__name__}: {exc}"
-        self.mark_down(url, reason)
-        return False
+            alive, reason = False, f"GET {url}{self.path} failed: {type(exc).__name__}: {exc}"
+        if alive and not self.is_healthy(url) and self.readmit is not None:
+            refused = await self.readmit(url)  # outside the probe's limit: it may reload
+            alive, reason = refused is None, refused or reason
+        if alive:
+            self.mark_up(url)
+        else:
+            self.mark_down(url, reason)
+        return alive
 
     def start(self) -> None:
         """Start the watch (idempotent; needs a running event loop). :meth:`aclose` ends it."""

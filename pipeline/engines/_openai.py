@@ -173,7 +173,8 @@ class OpenAIEngine:
         self.failovers = 0
         """Requests sent to a second server after the first one could not be reached."""
         self.health = ServerHealth([s.url for s in self.servers],
-                                   interval_s=health_interval_s, timeout_s=health_timeout_s)
+                                   interval_s=health_interval_s, timeout_s=health_timeout_s,
+                                   readmit=self._readmit)
         """Which servers are up (routing asks it); see :class:`ServerHealth`."""
         self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
         self._tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
@@ -181,6 +182,7 @@ class OpenAIEngine:
         self._session: aiohttp.ClientSession | None = None
         self._model_lock: asyncio.Lock | None = None
         self._gate = PauseGate()
+        self._weights_path: str | None = None
         self._closed = False
 
     # ----- plumbing -----------------------------------------------------------------------
@@ -246,7 +248,6 @@ class OpenAIEngine:
             try:
                 async with session.request(method, server.url + path, json=body) as resp:
                     if resp.status < 400:
-                        self.health.mark_up(server.url)
                         if resp.content_type != "application/json":
                             return {}
                         answer: dict[str, Any] = await resp.json()
@@ -344,8 +345,10 @@ class OpenAIEngine:
             server.in_flight += 1
             server.requests += 1
             try:
-                return await self._call(server, "POST", "/v1/completions", body,
-                                        failover=first is None)
+                answer = await self._call(server, "POST", "/v1/completions", body,
+                                          failover=first is None)
+                self.health.mark_up(server.url)
+                return answer
             except ServerError as exc:
                 error = exc
             finally:
@@ -425,8 +428,12 @@ class OpenAIEngine:
     # ----- weight sync --------------------------------------------------------------------
 
     async def _control(self, path: str, body: Mapping[str, Any] | None = None) -> list[Any]:
+        """``path`` on every server that is up; one that is down is skipped (a weight update
+        reaches it when it comes back: :meth:`_readmit`)."""
         answers = []
         for server in self.servers:
+            if not self.health.is_healthy(server.url):
+                continue
             try:
                 answers.append(await self._call(server, "POST", path, body, retry=False))
             except ServerError as exc:
@@ -477,7 +484,38 @@ class OpenAIEngine:
         new = next_version(self.policy_version, version)
         await self._control("/update_weight_version", {"new_version": str(new)})
         self.policy_version = new
+        self._weights_path = str(path)
         return new
+
+    async def _readmit(self, url: str) -> str | None:
+        """Why a server that answers again must stay out, or None. After a weight update
+        through this engine, a server back from a restart holds the weights it was started
+        with: it gets the last checkpoint again (as :meth:`update_weights` sends it) and is
+        routed to only when its ``/weight_info`` reads the engine's policy version."""
+        if self._weights_path is None:
+            return None
+        server = next(s for s in self.servers if s.url == url)
+        want = str(self.policy_version)
+        try:
+            got = (await self._call(server, "GET", "/weight_info", None,
+                                    retry=False)).get("weight_version")
+            reload = str(got) != want
+            if reload:
+                for path, body in (
+                        ("/collective_rpc", {"method": "reload_weights",
+                                             "kwargs": {"weights_path": self._weights_path}}),
+                        ("/reset_prefix_cache", None),
+                        ("/update_weight_version", {"new_version": want})):
+                    await self._call(server, "POST", path, body, retry=False)
+                got = (await self._call(server, "GET", "/weight_info", None,
+                                        retry=False)).get("weight_version")
+        except EngineError as exc:
+            return f"{url} is back but its weights could not be brought to version {want}: {exc}"
+        if str(got) != want:
+            return f"{url} is back with weights version {got}, the engine is at {want}"
+        if reload:
+            _logger.info("engine server weights reloaded", url=url, version=want)
+        return None
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every server's prefix cache; True when all confirmed."""
