@@ -12,7 +12,8 @@ once. The tiny model (TransformersEngine) writes the replies, restricted to scri
 (a random-weight model writes no number by itself): the right answer to one row, a wrong
 one to another, so verifiers scores a 1 and a 0. Checked: the sample is token-exact against
 the engine's own log, its reward is what verifiers computed (and what its reward function
-says of the decoded reply), and the program reached nothing but 127.0.0.1 (network audit).
+says of the decoded reply), the program reached nothing but 127.0.0.1 (network audit), and
+a row naming no task fails alone, with the program's reason.
 Marked ``slow``: ``import verifiers.v1`` takes several seconds per program.
 """
 
@@ -79,21 +80,28 @@ async def test_verifiers_environment_through_the_proxy(make_engine, tiny_tokeniz
     agent = RemoteAgent([str(VF_PYTHON), str(ENV_DIR / "run_episode.py"), "arith_taskset"],
                         proxy=served.proxy, env=env, cwd=str(tmp_path), timeout_s=100,
                         answer_message=False)
-    rows = [{"prompt": f"verifiers task {i}", "extra": {"verifiers_task": i}} for i in (0, 1)]
+    # Task 7 does not exist: the program exits with its reason, that sample alone fails.
+    rows = [{"prompt": f"verifiers task {i}", "extra": {"verifiers_task": i}} for i in (0, 1, 7)]
     async with served.proxy:
         pipe = Pipeline([agent, AgentReward()], engine=engine, tokenizer=tok,
                         sampling={"max_tokens": 16}, sample_timeout_s=110)
         result = await pipe.run_batch(rows, n=1)
 
-    assert result.stats.by_status == {"completed": 2}, (
+    assert result.stats.by_status == {"completed": 2, "failed": 1}, (
         [s.error for s in result.samples],
         [i.artifacts.get("proxy.agent_log", "")[-2000:] for i in result.items])
+    (missing,) = [s for s in result.samples if s.status is Status.FAILED]
+    assert missing.reward is None
+    assert "extra.verifiers_task must be a task index of 'arith_taskset' (0..2), got 7" in (
+        missing.error or "")
     events = audit(log)
     assert {e["host"] for e in events if e["event"] == "connect"
             and e["target"].startswith("(")} == {"127.0.0.1"}
     assert served.statuses and max(served.statuses) < 500, served.statuses
     rewards = []
     for sample, item in zip(result.samples, result.items, strict=True):
+        if sample is missing:
+            continue
         sent = session_requests(engine, sample.extra_fields["proxy_session"])
         (segment,) = item.artifacts[SEGMENTS]
         assert_token_exact([segment], sent)

@@ -22,7 +22,11 @@ async def main(taskset_id: str) -> None:
     env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(
         taskset=vf.TasksetConfig(id=taskset_id),
         agent=vf.AgentConfig(runtime=vf.SubprocessConfig())))
-    task = list(env.taskset)[int(task_in["extra"]["verifiers_task"])]
+    tasks, index = list(env.taskset), task_in["extra"].get("verifiers_task")
+    if not isinstance(index, int) or not 0 <= index < len(tasks):
+        sys.exit(f"extra.verifiers_task must be a task index of {taskset_id!r} "
+                 f"(0..{len(tasks) - 1}), got {index!r}")
+    task = tasks[index]
     ctx = vf.ModelContext(model=os.environ["OPENAI_MODEL"], client=vf.EvalClientConfig(
         base_url=os.environ["OPENAI_BASE_URL"], api_key_var="OPENAI_API_KEY"))
     async with env.serving():
