@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from pipeline import EngineCircuitOpen, EngineError, Pipeline, SamplingParams
-from pipeline.engines import OpenAIEngine
+from pipeline.engines import OpenAIEngine, ServerError
 from pipeline.stages import BuildPrompt, Generate
 from pipeline.testing import ByteTokenizer
 
@@ -243,10 +243,19 @@ async def test_a_server_back_from_a_restart_gets_the_current_weights_before_any_
         await a.start()
         await until(lambda: "could not be brought to version 2" in str(
             engine.health.state()[a.url]["error"]))
-        assert not engine.health.is_healthy(a.url)
+        assert not engine.health.is_healthy(a.url) and engine.health.held_out(a.url)
+        # Held out even when it is the only server that answers: no request goes to it.
+        await b.stop()
+        await until(lambda: not engine.health.is_healthy(b.url))
+        with pytest.raises(ServerError) as info:  # tried on b, down as it is, never on a
+            await engine.generate([1], SamplingParams(), "stale-0-0")
+        assert info.value.url == b.url and a.url not in str(info.value)
+        assert "stale-0-0" not in [rid for rid, _ in a.seen]
+        await b.start()
         a.reload_status = 200
         await until(lambda: engine.health.is_healthy(a.url))
         assert a.reloads[-1] == "/ckpt/2" and a.weight_version == "2"
+        assert not engine.health.held_out(a.url)
     finally:
         await engine.aclose()
         await a.stop()

@@ -88,6 +88,7 @@ class _ServerState:
     error: str | None = None
     down_since: float | None = None
     downs: int = 0
+    held: bool = False
 
 
 class ServerHealth:
@@ -102,9 +103,9 @@ class ServerHealth:
     timeouts. A server is marked down by a failed probe (an error status other than 404 or
     405, which a live server without the endpoint answers; a connection error; the timeout)
     or by the engine when a real request hit a connection error or a timeout there, or a 5xx
-    answer followed by a failed probe; it is re-admitted when a probe answers again (or a
-    request it still got succeeds). Servers start healthy: the first request does not wait
-    for a probe.
+    answer followed by a failed probe; it is re-admitted when a probe answers again and
+    ``readmit`` lets it in. Servers start healthy: the first request does not wait for a
+    probe.
 
     The probes use a small connection pool of their own, so a request pool saturated by a
     large batch cannot delay them into a false "down".
@@ -142,6 +143,12 @@ class ServerHealth:
         state = self._states.get(url)
         return state is not None and state.healthy
 
+    def held_out(self, url: str) -> bool:
+        """Whether ``url`` answers but ``readmit`` kept it out (its weights are stale): not
+        to be used even when no server is healthy."""
+        state = self._states.get(url)
+        return state is not None and state.held
+
     def healthy(self) -> list[str]:
         """The URLs that are up, in the engine's order."""
         return [url for url, state in self._states.items() if state.healthy]
@@ -164,12 +171,13 @@ class ServerHealth:
                          down_s=round(time.time() - (state.down_since or time.time()), 3))
             state.healthy = True
             state.down_since = None
+        state.held = False
 
     def state(self) -> dict[str, dict[str, Any]]:
-        """Per URL: ``healthy``, the last ``error``, ``down_since`` (wall clock) and
-        ``downs`` (times it went down); a plain dict for logs, dumps and metrics."""
+        """Per URL: ``healthy``, the last ``error``, ``down_since`` (wall clock), ``downs``
+        (times it went down) and ``held_out``; a plain dict for logs, dumps and metrics."""
         return {url: {"healthy": s.healthy, "error": s.error, "down_since": s.down_since,
-                      "downs": s.downs} for url, s in self._states.items()}
+                      "downs": s.downs, "held_out": s.held} for url, s in self._states.items()}
 
     async def probe(self, url: str) -> bool:
         """Probe ``url`` once and record the outcome; True when it is up."""
@@ -188,6 +196,7 @@ class ServerHealth:
         if alive and not self.is_healthy(url) and self.readmit is not None:
             refused = await self.readmit(url)  # outside the probe's limit: it may reload
             alive, reason = refused is None, refused or reason
+            self._states[url].held = refused is not None
         if alive:
             self.mark_up(url)
         else:

@@ -215,15 +215,26 @@ class OpenAIEngine:
 
     def route(self, request_id: str) -> _Server:
         """The server for ``request_id``: its group's server while that one is healthy,
-        else the least busy healthy one (the least busy of all when none is healthy: the
-        request then tries it, with retries, rather than fail unsent)."""
+        else the least busy healthy one. When none is healthy, the least busy of those not
+        held out for stale weights: the request then tries it, with its retries, rather than
+        fail unsent.
+
+        Raises:
+            ServerError: every server is down and held out for stale weights.
+        """
         group = self.group_key(request_id)
         server = self._sticky.get(group)
         if server is not None and self.health.is_healthy(server.url):
             self._sticky.move_to_end(group)
             return server
-        healthy = [s for s in self.servers if self.health.is_healthy(s.url)]
-        server = min(healthy or self.servers,
+        healthy = [s for s in self.servers if self.health.is_healthy(s.url)] or [
+            s for s in self.servers if not self.health.held_out(s.url)]
+        if not healthy:
+            states = self.health.state()
+            raise ServerError("every server is down or back with stale weights: " + "; ".join(
+                f"{url}: {state['error']}" for url, state in states.items()),
+                status=None, url=self.servers[0].url)
+        server = min(healthy,
                      key=lambda s: (s.in_flight, s.failures, s.requests))
         self._sticky[group] = server
         self._sticky.move_to_end(group)
@@ -345,10 +356,8 @@ class OpenAIEngine:
             server.in_flight += 1
             server.requests += 1
             try:
-                answer = await self._call(server, "POST", "/v1/completions", body,
-                                          failover=first is None)
-                self.health.mark_up(server.url)
-                return answer
+                return await self._call(server, "POST", "/v1/completions", body,
+                                        failover=first is None)
             except ServerError as exc:
                 error = exc
             finally:
@@ -356,7 +365,10 @@ class OpenAIEngine:
             if first is not None:
                 raise ServerError(f"{error} (retried there after {first})",
                                   status=error.status, url=error.url) from error
-            nxt = self.route(request_id)
+            try:
+                nxt = self.route(request_id)
+            except ServerError:  # none left to go to
+                nxt = server
             if self.health.is_healthy(server.url) or not self.health.is_healthy(nxt.url) \
                     or nxt is server:
                 if len(self.servers) > 1 and not self.health.is_healthy(server.url):
