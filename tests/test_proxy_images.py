@@ -14,7 +14,10 @@ import copy
 import hashlib
 import io
 import json
+import random
 import sys
+import types
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ pytest.importorskip("openai")
 from _proxy_fixtures import CLIENTS_DIR, RecordingEngine, Served, run_client, session_requests
 from PIL import Image
 
-from pipeline import ConfigError
+from pipeline import ConfigError, to_verl_batch
 from pipeline.multimodal import (
     ImageLimits,
     VisionProcessor,
@@ -67,6 +70,19 @@ class ImageEngine(RecordingEngine):
         self.log[request_id] = (list(prompt_ids), gen)
         self.images[request_id] = multi_modal
         return gen
+
+
+def rope(processor: Any) -> Any:
+    """The processor with the model's ``get_rope_index`` bound to it, as verl's
+    ``hf_processor`` binds it (what ``to_verl_batch`` needs for mrope positions)."""
+    import transformers
+
+    proc = copy.copy(processor)
+    proc.config = transformers.AutoConfig.from_pretrained(str(ensure_tiny_vl_model()))
+    model = transformers.Qwen2_5_VLModel
+    proc.get_rope_index = types.MethodType(model.get_rope_index, proc)
+    proc.get_vision_position_ids = types.MethodType(model.get_vision_position_ids, proc)
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +194,15 @@ async def test_images_through_the_sdk_token_exact_refusals_final(vl, tmp_path: P
                   for p in m["content"] if p["type"] == "image"]
     assert [p["sha256"] for p in user_parts] == digests
     assert session_requests(engine, sid) == requests
+    # verl's handoff works from the proxy's sample as from BuildPrompt's
+    batch = to_verl_batch([sample], items=[item], pad_token_id=0, use_verl=False,
+                          max_prompt_len=len(sample.prompt_ids),
+                          max_response_len=len(sample.response_ids), processor=rope(processor))
+    handed_over = batch["non_tensor_batch"]["multi_modal_inputs"][0]
+    assert handed_over["pixel_values"].shape == inputs.pixel_values.shape
+    assert handed_over["image_grid_thw"].tolist() == inputs.image_grid_thw.tolist()
+    assert tuple(batch["batch"]["position_ids"].shape) == (
+        1, 4, len(sample.prompt_ids) + len(sample.response_ids))
 
 
 async def test_without_a_processor_image_parts_are_final_errors(vl):
@@ -263,3 +288,60 @@ async def test_split_and_retry_keep_the_images_of_the_reused_prefix(vl):
         sequence = seg.sequence()
         assert sequence.count(IMAGE_PAD) == sum(seg.images.image_token_counts)
         assert [sequence[e - 1] for e in seg.image_ends] == [IMAGE_PAD] * len(seg.image_ends)
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A small PNG whose header claims ``width`` x ``height`` pixels."""
+    data = bytearray(png((0, 0, 0), (8, 8)))
+    ihdr = 8 + 8  # signature, then the IHDR chunk's length and type
+    data[ihdr:ihdr + 8] = width.to_bytes(4, "big") + height.to_bytes(4, "big")
+    crc = zlib.crc32(bytes(data[ihdr - 4:ihdr + 13]))
+    data[ihdr + 13:ihdr + 17] = crc.to_bytes(4, "big")
+    return bytes(data)
+
+
+async def test_hostile_image_parts_never_get_a_5xx(vl):
+    """Every combination of image-part shape, URL and role, on chat and Responses, is
+    answered 200, 400 or 404 (never a 5xx, never a hang); the well-formed ones are served."""
+    import aiohttp
+
+    processor = vl["processor"]
+    rng = random.Random(0)
+    good = data_url(png((5, 6, 7), (40, 40)))
+    urls: list[Any] = [
+        good, data_url(rng.randbytes(64)), "data:image/png;base64,%%%", "data:image/;base64,",
+        "data:,", data_url(png((1, 1, 1), (90, 90))[:80]), data_url(bomb_png(10**5, 10**5)),
+        data_url(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml"),
+        "http://127.0.0.1:1/x.png", "/etc/hostname", "file:///etc/hostname", "", 5, None, [],
+        {"url": good}, good.replace(";base64", ""), "data:image/png;base64," + "A" * 10]
+    shapes = [lambda u: {"type": "image_url", "image_url": {"url": u}},
+              lambda u: {"type": "image_url", "image_url": u},
+              lambda u: {"type": "image_url", "image_url": {"url": u, "detail": 7}}]
+    engine = SimulatedEngine(latency_s=0.0, eos_token_id=processor.tokenizer.eos_token_id)
+    statuses: dict[str, list[int]] = {"good": [], "other": []}
+    async with (ProxyServer(engine, processor.tokenizer, processor=processor,
+                            max_tokens=2) as proxy, aiohttp.ClientSession() as http):
+        session = proxy.create_session()
+        base = proxy.session_url(session)
+        headers = {"Authorization": f"Bearer {session.api_key}"}
+        bodies: list[tuple[str, Any, bool]] = []
+        for url in urls:
+            for role in ("user", "system", "tool", "assistant"):
+                for shape in shapes:
+                    message: dict[str, Any] = {"role": role, "content": [
+                        {"type": "text", "text": "see"}, shape(url)]}
+                    if role == "tool":
+                        message["tool_call_id"] = "call_0"
+                    bodies.append(("chat/completions", {"messages": [message]},
+                                   url is good and shape is shapes[0]))
+            bodies.append(("responses", {"input": [{"role": "user", "content": [
+                {"type": "input_image", "image_url": url}]}]}, url is good))
+            bodies.append(("responses", {"input": [{"role": "user", "content": [
+                {"type": "input_image", "file_id": url, "detail": url}]}]}, False))
+        for path, body, served in bodies:
+            async with http.post(f"{base}/{path}", json=body, headers=headers) as response:
+                await response.read()
+                statuses["good" if served else "other"].append(response.status)
+    assert set(statuses["good"]) == {200}, statuses["good"]
+    assert set(statuses["other"]) <= {200, 400, 404}, sorted(set(statuses["other"]))
+    assert statuses["other"].count(404) > 20
