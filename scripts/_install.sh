@@ -1,5 +1,6 @@
 # Sourced by scripts/setup.sh, install_vllm.sh and install_verl.sh (from the project root):
 # `pkg_install ARGS...` and `pkg_uninstall NAMES...` change .venv with uv's pip interface.
+# PKG_PYTHON=DIR/bin/python pkg_install ... installs into another environment (.venv-verifiers).
 #
 # uv resolves once and downloads and unpacks in parallel: on a 2-core machine the whole
 # set-up takes well under a minute where pip took three. uv itself comes from PyPI through
@@ -64,7 +65,7 @@ pkg_install() {
   # environment each time it installs).
   local compile=()
   if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then compile=(--compile-bytecode); fi
-  "$UV" pip install --python .venv/bin/python "${compile[@]}" \
+  "$UV" pip install --python "${PKG_PYTHON:-.venv/bin/python}" "${compile[@]}" \
     --index-strategy unsafe-best-match "${sources[@]}" "$@"
 }
 

@@ -102,23 +102,21 @@ if [ "${ROLLOUT_SKIP_VERL:-0}" != "1" ]; then
 fi
 
 # verifiers 0.4.0 in an interpreter of its own (.venv-verifiers): it pins mcp==2.0.0 and
-# openai<3, where the project resolves mcp 2.3 and openai 3, and its import chain does not
-# survive a --no-deps install into .venv. Its environments run as RemoteAgent programs there
-# (docs/guides/environments.md). Bytecode is compiled where Python would not write it: an
-# uncompiled `import verifiers.v1` takes seconds more in every agent process.
+# openai<3, where the project resolves mcp 2.3 and openai 3, and its import chain did not
+# survive a --no-deps install into .venv (tried). Its environments run as RemoteAgent programs there
+# (docs/guides/environments.md). Bytecode is compiled where Python would not write it (as for
+# .venv): an uncompiled `import verifiers.v1` takes seconds more in every agent process.
 VF_PY=.venv-verifiers/bin/python
 VF_CHECK="from importlib.metadata import version; assert version('verifiers') == '0.4.0'"
 install_verifiers() {
   uv_ready
   [ -x "$VF_PY" ] || "$UV" venv -q -p "$PY" .venv-verifiers
-  local compile=()
-  if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then compile=(--compile-bytecode); fi
-  "$UV" pip install --python "$VF_PY" "${compile[@]}" "verifiers==0.4.0"
-  stamp verifiers scripts/setup.sh
+  PKG_PYTHON="$VF_PY" pkg_install "verifiers==0.4.0"  # pip's sources, as for .venv
+  stamp verifiers scripts/setup.sh scripts/_install.sh
 }
 if [ "${ROLLOUT_SKIP_VERIFIERS:-0}" != "1" ]; then
   if [ "${ROLLOUT_SETUP_FORCE:-0}" != "1" ] && [ -f "$STAMPS/verifiers" ] &&
-    [ "$(cat "$STAMPS/verifiers")" = "$(sha256sum <scripts/setup.sh)" ] &&
+    [ "$(cat "$STAMPS/verifiers")" = "$(cat scripts/{setup,_install}.sh | sha256sum)" ] &&
     "$VF_PY" -c "$VF_CHECK" 2>/dev/null; then
     up_to_date "verifiers 0.4.0"
   else
