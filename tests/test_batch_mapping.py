@@ -83,7 +83,8 @@ def batch():
 
 
 def test_collate_keys_and_shapes_match_the_doc(batch):
-    rows = table("`collate` output")
+    # rows for vision-language samples only are checked in tests/test_multimodal_verl.py
+    rows = [r for r in table("`collate` output") if "samples only" not in r[2]]
     out = collate(batch.samples, pad_token_id=0, max_prompt_len=40, max_response_len=20,
                   return_tensors="np")
     assert {name(r[0]) for r in rows} == set(out)
