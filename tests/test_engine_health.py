@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pipeline import EngineCircuitOpen, EngineError, Pipeline, SamplingParams
+from pipeline import ConfigError, EngineCircuitOpen, EngineError, Pipeline, SamplingParams
 from pipeline.engines import OpenAIEngine, ServerError
 from pipeline.stages import BuildPrompt, Generate
 from pipeline.testing import ByteTokenizer
@@ -260,3 +260,10 @@ async def test_a_server_back_from_a_restart_gets_the_current_weights_before_any_
         await engine.aclose()
         await a.stop()
         await b.stop()
+
+
+def test_bad_health_settings_name_the_field():
+    for field in ("health_interval_s", "health_timeout_s"):
+        with pytest.raises(ConfigError, match=field) as info:
+            OpenAIEngine("http://127.0.0.1:1", model="m", **{field: 0})
+        assert info.value.field == field
