@@ -523,8 +523,9 @@ class OpenAIEngine:
                                         retry=False)).get("weight_version")
         except EngineError as exc:
             return f"{url} is back but its weights could not be brought to version {want}: {exc}"
-        if str(got) != want:
-            return f"{url} is back with weights version {got}, the engine is at {want}"
+        if str(got) != str(self.policy_version):  # an update may have run meanwhile
+            return (f"{url} is back with weights version {got}, the engine is at "
+                    f"{self.policy_version}")
         if reload:
             _logger.info("engine server weights reloaded", url=url, version=want)
         return None
