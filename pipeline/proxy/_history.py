@@ -190,10 +190,6 @@ class TurnPlan:
     image_ends: tuple[int, ...] = ()
     """Where each image of ``inputs`` ends in ``prompt_ids``."""
 
-    def has_new_images(self) -> bool:
-        """Whether the turn's new messages hold images."""
-        return bool(self.new_images)
-
 
 def new_images(match: Match) -> bool:
     """Whether ``match``'s new messages hold image parts (render them with the processor,
@@ -456,7 +452,9 @@ def message_key(message: WireMessage | AgentMessage) -> tuple[Any, ...]:
     """The normalised form two messages are compared in (see the module doc)."""
     role = "system" if message.role == "developer" else message.role
     text = content_text(message.content)
-    images = tuple(_digest(p.url) for _, p in message.image_parts()) if isinstance(
+    # an image part by its place among the parts (text before or after it renders
+    # differently) and its URL's digest
+    images = tuple((j, _digest(p.url)) for j, p in message.image_parts()) if isinstance(
         message, WireMessage) else ()
     calls: tuple[tuple[str, str], ...] = ()
     if message.tool_calls:
