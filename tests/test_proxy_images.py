@@ -342,6 +342,11 @@ async def test_hostile_image_parts_never_get_a_5xx(vl):
             async with http.post(f"{base}/{path}", json=body, headers=headers) as response:
                 await response.read()
                 statuses["good" if served else "other"].append(response.status)
+        bad_text = {"input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": good}, {"type": "input_text", "text": 5}]}]}
+        async with http.post(f"{base}/responses", json=bad_text, headers=headers) as response:
+            assert response.status == 400  # the text part beside an image, named by its path
+            assert (await response.json())["error"]["param"] == "input.0.content.1.text"
     assert set(statuses["good"]) == {200}, statuses["good"]
     assert set(statuses["other"]) <= {200, 400, 404}, sorted(set(statuses["other"]))
     assert statuses["other"].count(404) > 20

@@ -221,15 +221,14 @@ def _text(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise _bad(where, f"must be a string or a list of text parts, got {value_repr(content)}")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise _bad(f"{where}.{j}", f"content parts of type {kind!r} are not served "
-                                       "(only text)")
-        name = "refusal" if kind == "refusal" else "text"
-        texts.append(_string(part, name, f"{where}.{j}"))
-    return "".join(texts)
+    return "".join(_part_text(part, f"{where}.{j}") for j, part in enumerate(content))
+
+
+def _part_text(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _TEXT_PARTS:
+        raise _bad(where, f"content parts of type {kind!r} are not served (only text)")
+    return _string(part, "refusal" if kind == "refusal" else "text", where)
 
 
 def _has_image(content: list[Any]) -> bool:
@@ -241,7 +240,7 @@ def _with_images(content: list[Any], where: str, images: bool) -> list[dict[str,
     out: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         if not (isinstance(part, dict) and part.get("type") == "input_image"):
-            out.append({"type": "text", "text": _text([part], where)})
+            out.append({"type": "text", "text": _part_text(part, f"{where}.{j}")})
             continue
         spot = f"{where}.{j}"
         if not images:
