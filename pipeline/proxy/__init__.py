@@ -9,7 +9,9 @@ history splits the session into segments. :class:`RemoteAgent` runs an agent per
 fills the standard artifacts from its session; :class:`AgentReward` takes the reward an
 agent program reported. Chat completions and the Responses API are
 served; every request field is served, enforced by an engine that declares it (its optional
-``enforces`` attribute, :data:`ENFORCEABLE`, :class:`Constraints`) or refused. See
+``enforces`` attribute, :data:`ENFORCEABLE`, :class:`Constraints`) or refused. Image parts
+(data URLs) are served by a proxy with a vision processor (``ProxyServer(processor=...)``),
+token-exactly, their pixels handed to the engine and carried by the sample. See
 ``_history`` for the token rules, ``_app`` for the routes and ``_policy`` for the fields.
 """
 
