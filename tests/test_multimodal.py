@@ -466,7 +466,9 @@ def test_bad_tool_image_fails_its_sample_and_images_render_off_the_loop(vl, tmp_
                        engine=SimulatedEngine(responder=responder, latency_s=0.0),
                        tokenizer=tokenizer, tools=[tool], sampling={"max_tokens": 40})
     good = image_row(data_url(png((1, 200, 1))))
-    result = run(rollout, [{**good, "tools": [tool_schema(tool)]}, good])
+    # tools: [] keeps the registry's schema out of the second prompt (BuildPrompt renders
+    # the registry's tools for a row that names none)
+    result = run(rollout, [{**good, "tools": [tool_schema(tool)]}, {**good, "tools": []}])
     broken, fine = result.items
     assert broken.status.value == "failed"
     assert "ImageError: tool.0.content.0: not an image" in str(broken.error)
