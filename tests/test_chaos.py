@@ -136,7 +136,7 @@ class ChaosStage:
                     until = until or time.monotonic() + 0.3
         if fault == "blocks_loop_past_deadline":
             await asyncio.sleep(max(0.0, ctx.time_left() - 0.01))
-            time.sleep(0.03)  # the deadline passes while the loop is held
+            time.sleep(0.03)  # noqa: ASYNC251 - the deadline passes while the loop is held
         if fault == "system_exit":
             sys.exit(3)
         if fault == "keyboard_interrupt":

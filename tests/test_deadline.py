@@ -120,7 +120,7 @@ async def test_item1_a_stage_blocking_the_loop_past_the_deadline_ends_timeout():
     ran: list[str] = []
 
     async def blocks(item, ctx) -> None:
-        time.sleep(0.08)  # holds the event loop: the deadline's timer cannot fire meanwhile
+        time.sleep(0.08)  # noqa: ASYNC251 - holds the loop: the deadline timer cannot fire
 
     async def after(item, ctx) -> None:
         ran.append(item.uid)
@@ -135,7 +135,7 @@ async def test_item1_a_stage_blocking_the_loop_past_the_deadline_ends_timeout():
 async def test_item1_a_blocking_last_stage_cannot_end_completed():
     async def blocks(item, ctx) -> None:
         item.artifacts["reward"] = 1.0
-        time.sleep(0.08)
+        time.sleep(0.08)  # noqa: ASYNC251 - holds the loop on purpose
 
     pipe = Pipeline([blocks], tokenizer=ByteTokenizer(), sample_timeout_s=0.03)
     sample = await pipe.run({"prompt": "q"})

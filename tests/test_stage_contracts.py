@@ -63,7 +63,7 @@ def test_item2_built_in_chains_pass():
 def test_item2_custom_stages_may_declare_and_are_checked():
     class Search:
         name = "search"
-        requires = {"myteam.query": "MakeQuery"}
+        requires = {"myteam.query": "MakeQuery"}  # noqa: RUF012 - as users write it
         provides = frozenset({"myteam.hits"})
 
         async def run(self, item, ctx) -> None:
