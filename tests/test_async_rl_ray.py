@@ -98,6 +98,13 @@ async def fail_on(pid: int, engine: Any) -> int:
     return int(await engine.update_weights(version=(engine.policy_version or 0) + 1))
 
 
+async def load_forever(started: str, engine: Any) -> int:
+    """A ``load`` that says it started and never ends (a hung checkpoint read)."""
+    Path(started, str(os.getpid())).touch()  # noqa: ASYNC240
+    await asyncio.sleep(3600)
+    return 99
+
+
 # -- fixtures ---------------------------------------------------------------------------------
 
 
@@ -229,6 +236,23 @@ async def test_a_worker_whose_update_raises_fails_the_call_by_name_and_none_stay
     update = await pool.update_weights({"layer.weight": [3, 4]}, version=before + 5)
     assert update.version == pool.policy_version == before + 5
     assert set(update.stall_s) == {bad.worker_id, good.worker_id}
+
+
+async def test_cancelling_a_pool_update_resumes_every_engine(
+        pool: RayRolloutPool, tmp_path: Path) -> None:
+    before = pool.policy_version
+    update = asyncio.ensure_future(
+        pool.update_weights(load=functools.partial(load_forever, str(tmp_path))))
+    await until(lambda: len(list(tmp_path.iterdir())) == 2, "both workers loading")
+    update.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await update
+    assert pool.policy_version == before
+    result = await asyncio.wait_for(
+        pool.run_batch([{"prompt": f"short {i}"} for i in range(8)], n=2), 60)
+    assert result.stats.by_status == {"completed": 16}
+    assert {s.policy_version for s in result.samples} == {before}
+    assert len({s.extra_fields["pid"] for s in result.samples}) == 2
 
 
 async def test_a_replacement_worker_gets_the_last_update_before_it_takes_work(

@@ -102,12 +102,17 @@ async def update_fleet(fleet: Fleet, args: UpdateArgs) -> WeightUpdate:
         raise WeightUpdateFailed("no live worker to update", {}, {})
     refs = {w.worker_id: args.send(w) for w in workers}
     calls = {w.worker_id: asyncio.ensure_future(_await(refs[w.worker_id])) for w in workers}
-    if await wait_through_cancellation(list(calls.values())):
-        for ref in refs.values():  # each worker resumes its engine as its call ends
+    try:
+        await asyncio.wait(calls.values())
+    except asyncio.CancelledError:
+        for ref in refs.values():  # each worker's update resumes its engine as it ends
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
         await wait_through_cancellation(list(calls.values()), CANCEL_WAIT_S)
-        raise asyncio.CancelledError
+        for call in calls.values():  # retrieved: their errors are the cancellation's
+            if call.done() and not call.cancelled():
+                call.exception()
+        raise
     failed: dict[str, str] = {}
     answers: dict[str, dict[str, Any]] = {}
     for worker in workers:
