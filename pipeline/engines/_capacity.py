@@ -114,6 +114,11 @@ class DecodeScheduler:
         else:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
+        if not (self.running or self.waiting) and self._task is not None:
+            # Nothing left to decode: stop the clock now rather than after its next step, so
+            # a closed run leaves no task behind.
+            self._task.cancel()
+            self._task = None
 
     def requests(self) -> list[DecodeRequest]:
         """Every request not finished yet, running first."""
