@@ -298,15 +298,7 @@ def _write_model(directory: Path, spec: FamilyModelSpec) -> None:
     tokenizer = hf.PreTrainedTokenizerFast.from_pretrained(
         str(ensure_family_tokenizer_dir(family.name)))
     tokenizer.save_pretrained(str(directory))
-    model = build_model(family, spec)
-    hf_logging: Any = importlib.import_module("transformers.utils.logging")
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(str(directory))
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    ModelKind.save_model(build_model(family, spec), directory)
 
 
 TOKENIZERS = ModelKind(label="family tokenizer", env_var=ENV_DIR, cache_name="families",

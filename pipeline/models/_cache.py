@@ -52,6 +52,21 @@ class ModelKind:
         root = Path(base).expanduser() if base else Path.home() / ".cache"
         return root / "rollout-pipeline" / self.cache_name
 
+    @staticmethod
+    def save_model(model: Any, directory: Path) -> None:
+        """``model.save_pretrained(directory)`` with transformers' progress bar off (a
+        one-file save needs none; builders call this)."""
+        import importlib
+
+        hf_logging: Any = importlib.import_module("transformers.utils.logging")
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(str(directory))
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+
     def payload(self, spec: Any) -> dict[str, Any]:
         return {"builder_version": self.builder_version, "spec": asdict(spec)}
 

@@ -209,15 +209,7 @@ def _write(directory: Path, spec: TinyVLSpec) -> None:
     processor = tiny_vl_processor()
     processor.tokenizer.save_pretrained(str(directory))  # with the model's template
     processor.image_processor.save_pretrained(str(directory))
-    model = build_tiny_vl_model(spec)
-    hf_logging: Any = importlib.import_module("transformers.utils.logging")
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(str(directory))
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    ModelKind.save_model(build_tiny_vl_model(spec), directory)
 
 
 TINY_VL = ModelKind(label="tiny vision-language model", env_var="ROLLOUT_FAMILIES_DIR",

@@ -119,15 +119,7 @@ def build_tiny_model(directory: Path, spec: TinyModelSpec | None = None) -> Path
 def _write_model(directory: Path, spec: TinyModelSpec) -> None:
     tokenizer = build_tokenizer(spec)
     tokenizer.save_pretrained(directory)
-    model = _build_model(spec, tokenizer)
-    hf_logging: Any = importlib.import_module("transformers.utils.logging")
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a one-file save needs no progress bar
-    try:
-        model.save_pretrained(directory)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    ModelKind.save_model(_build_model(spec, tokenizer), directory)
 
 
 def build_tokenizer(spec: TinyModelSpec) -> Any:
