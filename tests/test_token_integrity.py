@@ -228,8 +228,8 @@ class PrefixCorruptingHistory(History):
     """Renders a merge whose prompt lost one token of the recorded sequence (the BAD
     session only): a proxy that re-tokenized the history instead of extending it."""
 
-    def render(self, match: Any) -> Any:
-        plan = super().render(match)
+    def render(self, match: Any, vision: Any = None) -> Any:
+        plan = super().render(match, vision)
         if match.segment is not None and "BAD" in TOK.decode(plan.prompt_ids):
             del plan.prompt_ids[len(match.segment.prompt_ids) + 3]
         return plan
