@@ -77,10 +77,10 @@ def result(processor) -> Any:
                 {"type": "image_url", "image_url": {"url": data_url((0, 0, 250), (80, 60))}},
                 {"type": "text", "text": "Zoom in, then name the color."}]}],
              "tools": [tool_schema(tool)]},
-            {"prompt": "Name a color."},
+            {"prompt": "Name a color.", "tools": []},  # no tool schema in these prompts
             {"messages": [{"role": "user", "content": [
                 {"type": "image", "image": data_url((0, 250, 0), (56, 56))},
-                {"type": "text", "text": "Name the color."}]}]}]
+                {"type": "text", "text": "Name the color."}]}], "tools": []}]
     rollout = Pipeline([BuildPrompt(processor=processor),
                         Loop([Generate(), CallTools()], max_turns=3)],
                        engine=SimulatedEngine(responder=responder, latency_s=0.0),
