@@ -9,9 +9,6 @@ Each xdist worker is its own process; a *group* (``xdist_group`` mark) runs whol
   the session fixture ``ray_cluster`` below (one cluster for them all, started once on the
   worker that runs the group), and the docs examples that mention Ray (their own cluster,
   in a subprocess).
-- ``vllm_server`` (session fixture below, for ``vllm`` group modules): the real vLLM OpenAI
-  server on the tiny model, started once per run by the first module that asks for it
-  (:mod:`_vllm_server`), shared by every module that needs a server.
 - ``xdist_group("families")``: every test that uses the session fixture ``family_tokenizers``
   below (the model-family modules): each family's tokenizer (2-5 s to load, a 150-200k
   vocabulary) is loaded once per run, not once per module and worker.
@@ -25,12 +22,10 @@ gives): vLLM, then Ray, then the tests marked ``slow``, then the rest in file or
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,20 +48,6 @@ def family_tokenizers() -> dict[str, Any]:
     """Each model family's tokenizer, shared by the ``families`` group (never modify one:
     copy it first)."""
     return _FamilyTokenizers()
-
-
-@pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The URL of the shared vLLM OpenAI server (tests/_vllm_server.py); skips where vLLM
-    is not installed. Only ``vllm`` group modules use it (they declare
-    ``pytest_plugins = ["_model_fixtures"]``, which provides ``tiny_model_dir``)."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed (see scripts/setup.sh)")
-    from _vllm_server import run_vllm_server
-
-    with run_vllm_server(tiny_model_dir,
-                         tmp_path_factory.mktemp("vllm-server") / "server.log") as url:
-        yield url
 
 
 @pytest.fixture(scope="module")
