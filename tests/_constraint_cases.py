@@ -105,7 +105,12 @@ async def check_chat_constraints(engine: Any, tokenizer: Any) -> None:
     assert [name for name, _ in calls(named.message)] == ["mul"]
     assert len(calls(single.message)) == 1
     assert validate_arguments(ANSWER, json.loads(schema.message.content)) == []
-    assert isinstance(json.loads(obj.message.content), dict)
+    # json_object has no schema to end it: a random-weight model may write until max_tokens,
+    # and an answer cut there is unfinished JSON (seen in CI); a finished one is an object
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.message.content), dict)
+    else:
+        assert obj.finish_reason == "length" and obj.message.content.lstrip().startswith("{")
     expected = [["tool_choice_required"], ["tool_choice_function"],
                 ["single_tool_call", "tool_choice_required"], ["json_schema"],
                 ["json_object"], ["json_schema"]]
