@@ -6,76 +6,30 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _vllm_server import MODEL, run_vllm_server
 
 from pipeline import AdaptiveConcurrency, Pipeline, SamplingParams
 from pipeline.engines import EngineLoad, OpenAIEngine
-from pipeline.engines.vllm import vllm_env
 from pipeline.stages import BuildPrompt, Generate
 
 pytestmark = pytest.mark.xdist_group("vllm")
 pytest_plugins = ["_model_fixtures"]
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
-MODEL = "tiny"
 ROWS = [{"messages": [{"role": "user", "content": f"Count to {i}."}]} for i in range(40)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if not HAS_VLLM:
         pytest.skip("vllm is not installed (see scripts/setup.sh)")
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm-flow") / "server.log"
-    env = {**os.environ, **vllm_env(cache_root=CACHE_ROOT, kv_cache_gib=1)}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(tiny_model_dir), "--served-model-name", MODEL,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--enforce-eager", "--max-model-len", "2048", "--no-enable-chunked-prefill"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 420
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the vLLM server exited with {proc.returncode}:\n"
-                            f"{log_path.read_text(errors='replace')[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the vLLM server did not come up in 420 s")
-            time.sleep(0.5)
+    with run_vllm_server(tiny_model_dir, tmp_path_factory.mktemp("vllm-flow") / "server.log",
+                         "--max-model-len", "2048") as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 @pytest.mark.timeout(600)  # the first test pays for the server start (30-150 s when loaded)

