@@ -1,5 +1,5 @@
-"""The torch engine's worker-side records (requests, the decoding batch, counters) and the
-small helpers it uses across the thread boundary."""
+"""The torch engine's worker-side records (requests, the decoding batch, counters), the
+batch's row and cache operations, and the small helpers it uses across the thread boundary."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from pipeline._data.config import SamplingParams
 from pipeline.engines._base import Generation
@@ -105,3 +106,34 @@ def deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result
         loop.call_soon_threadsafe(settle)
     except RuntimeError:  # the loop is closed: nobody waits any more
         pass
+
+
+def keep_rows(batch: Batch, keep: list[int]) -> Batch | None:
+    """``batch`` cut to the rows at ``keep`` (None when none is left), with the cache columns
+    that no remaining row uses trimmed from the left."""
+    if not keep:
+        return None
+    index = torch.tensor(keep, device=batch.mask.device)
+    mask = batch.mask[index]
+    start = int(mask.any(0).int().argmax())  # first column some remaining row uses
+    pairs = [(k[index, :, start:], v[index, :, start:]) for k, v in kv_pairs(batch.cache)]
+    return Batch([batch.rows[i] for i in keep], new_cache(pairs), mask[:, start:],
+                 batch.positions[index], batch.last[index])
+
+
+def merge_batches(old: Batch | None, new: Batch | None) -> Batch | None:
+    """One batch of ``old``'s rows then ``new``'s, both left-padded to the wider cache."""
+    if old is None or new is None:
+        return old or new
+    width = max(old.mask.shape[1], new.mask.shape[1])
+
+    def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
+        amount = width - t.shape[-dim_from_end]
+        return F.pad(t, (0, 0) * (dim_from_end - 1) + (amount, 0)) if amount else t
+
+    pairs = [(torch.cat([pad(ko, 2), pad(kn, 2)]), torch.cat([pad(vo, 2), pad(vn, 2)]))
+             for (ko, vo), (kn, vn) in zip(kv_pairs(old.cache), kv_pairs(new.cache),
+                                           strict=True)]
+    return Batch(old.rows + new.rows, new_cache(pairs),
+                 torch.cat([pad(old.mask, 1), pad(new.mask, 1)]),
+                 torch.cat([old.positions, new.positions]), torch.cat([old.last, new.last]))

@@ -48,7 +48,8 @@ from pipeline.engines._torch_worker import (
     Request,
     deliver,
     eos_ids,
-    kv_pairs,
+    keep_rows,
+    merge_batches,
     new_cache,
 )
 from pipeline.engines.moe import RouterCapture
@@ -363,7 +364,7 @@ class TransformersEngine:
         self.counters.prefill_tokens += int(mask.sum())
         last = positions[..., -1].amax(0) if positions.dim() == 3 else positions[:, -1]
         fresh = Batch(group, cache, mask, last + 1, torch.zeros(0))
-        return self._merge(batch, self._sample_and_settle(fresh, logits))
+        return merge_batches(batch, self._sample_and_settle(fresh, logits))
 
     def _decode(self, batch: Batch) -> Batch | None:
         batch.mask = F.pad(batch.mask, (0, 1), value=1)
@@ -433,32 +434,7 @@ class TransformersEngine:
         for request, leaves in zip(batch.rows, gone, strict=True):
             if leaves and request.aborted:
                 self._finish(request, FinishReason.ABORT, "abort")
-        keep = [i for i, leaves in enumerate(gone) if not leaves]
-        if not keep:
-            return None
-        index = torch.tensor(keep, device=self.device)
-        mask = batch.mask[index]
-        start = int(mask.any(0).int().argmax())  # first column some remaining row uses
-        pairs = [(k[index, :, start:], v[index, :, start:]) for k, v in kv_pairs(batch.cache)]
-        return Batch([batch.rows[i] for i in keep], new_cache(pairs), mask[:, start:],
-                      batch.positions[index], batch.last[index])
-
-    @staticmethod
-    def _merge(old: Batch | None, new: Batch | None) -> Batch | None:
-        if old is None or new is None:
-            return old or new
-        width = max(old.mask.shape[1], new.mask.shape[1])
-
-        def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
-            amount = width - t.shape[-dim_from_end]
-            return F.pad(t, (0, 0) * (dim_from_end - 1) + (amount, 0)) if amount else t
-
-        pairs = [(torch.cat([pad(ko, 2), pad(kn, 2)]), torch.cat([pad(vo, 2), pad(vn, 2)]))
-                 for (ko, vo), (kn, vn) in zip(kv_pairs(old.cache), kv_pairs(new.cache),
-                                               strict=True)]
-        return Batch(old.rows + new.rows, new_cache(pairs),
-                     torch.cat([pad(old.mask, 1), pad(new.mask, 1)]),
-                     torch.cat([old.positions, new.positions]), torch.cat([old.last, new.last]))
+        return keep_rows(batch, [i for i, leaves in enumerate(gone) if not leaves])
 
     def _fail(self, request: Request, error: EngineError) -> None:
         """End ``request`` with ``error`` raised from its ``generate`` call."""
