@@ -49,7 +49,8 @@ from pipeline._exceptions import (
     TokenIntegrityError,
 )
 from pipeline._logging import configure_logging
-from pipeline._runner.async_driver import AsyncReport, AsyncRollout
+from pipeline._runner.async_driver import AsyncRollout
+from pipeline._runner.async_report import AsyncReport
 from pipeline._runner.context import Context, Resources
 from pipeline._runner.dynamic import (
     DynamicSampling,
