@@ -15,7 +15,8 @@ from pipeline.engines._base import Engine, EngineLoad, Generation
 from pipeline.engines._consistency import ConsistencyError, ConsistencyReport, check_consistency
 from pipeline.engines._factory import ENGINE_NAMES, make_engine, resolve_engine_name
 from pipeline.engines._health import ServerHealth
-from pipeline.engines._openai import OpenAIEngine, ServerError
+from pipeline.engines._openai import OpenAIEngine
+from pipeline.engines._routing import Route, ServerError
 from pipeline.engines._simulated import Responder, SimulatedEngine
 from pipeline.engines._weight_sync import (
     PauseGate,
@@ -37,6 +38,7 @@ __all__ = [
     "PauseGate",
     "PauseMode",
     "Responder",
+    "Route",
     "RouterCapture",
     "ServerError",
     "ServerHealth",

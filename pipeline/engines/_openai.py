@@ -7,10 +7,13 @@ answers are retried a bounded number of times with jittered exponential backoff;
 are not. A request that is aborted or whose caller is cancelled closes its connection, which
 makes vLLM abort it server-side.
 
-With several server URLs, the rollouts of one prompt go to the same server (sticky routing by
-``group_id``, so the shared prompt prefix is cached once) and a new group goes to the server
-with the fewest requests in flight. The pipeline's request ids are ``{group_id}-{k}-{turn}``;
-pass ``group_key`` for another scheme.
+With several server URLs, requests are routed by session and group (:mod:`._routing`): a
+sample's (or a proxy session's) turns stay on one server and the rollouts of one prompt go
+to the same server, so the shared prompt prefix is cached once; a new group goes to the
+server with the fewest requests in flight, and a server overloaded by its groups passes new
+sessions on (a live session moves only when its server is down). The route comes from
+``generate(..., route=Route(session, group))`` (the proxy passes one), else from the request
+id: the pipeline's are ``{group_id}-{k}-{turn}``; pass ``group_key`` for another scheme.
 
 Health (:class:`~pipeline.engines.ServerHealth`, ``engine.health``): a watch task, started by
 the first request and ended by ``aclose``, probes each server's ``/health``; a server whose
@@ -47,7 +50,6 @@ import io
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,14 @@ from pipeline.engines._base import RECENT_ABORTS, EngineLoad, Generation
 from pipeline.engines._consistency import TokenizerProbe
 from pipeline.engines._health import ServerHealth, scrape_load
 from pipeline.engines._outputs import finish_reason, full_length_experts
+from pipeline.engines._routing import (
+    Route,
+    Router,
+    Server,
+    ServerError,
+    pipeline_group_key,
+    pipeline_route,
+)
 from pipeline.engines._structured import (
     FORMAT_CONSTRAINTS,
     TOOL_CONSTRAINTS,
@@ -80,35 +90,6 @@ _logger = structlog.get_logger("pipeline.engines._openai")
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
 
 
-def pipeline_group_key(request_id: str) -> str:
-    """The group of a pipeline request id ``{group_id}-{k}-{turn}`` (the id itself if it
-    has another shape)."""
-    parts = request_id.rsplit("-", 2)
-    return parts[0] if len(parts) == 3 else request_id
-
-
-class ServerError(EngineError):
-    """A server answered with an error status, or could not be reached after retries.
-
-    Attributes:
-        status: the HTTP status, or None when no answer came.
-        url: the server's base URL.
-    """
-
-    def __init__(self, message: str, *, status: int | None, url: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.url = url
-
-
-@dataclass(eq=False)
-class _Server:
-    url: str
-    in_flight: int = 0
-    requests: int = 0
-    failures: int = 0
-
-
 class OpenAIEngine:
     """Client for OpenAI-compatible completion servers (see the module doc).
 
@@ -121,11 +102,17 @@ class OpenAIEngine:
         request_timeout_s: limit of one HTTP attempt (None: none; the sample's deadline
             still applies by cancellation).
         max_connections: size of the connection pool.
-        group_key: maps a request id to its sticky-routing group.
+        group_key: maps a request id to its sticky-routing group (the whole group is then
+            one session); default: the pipeline's ids, ``{group_id}-{k}-{turn}``.
         ignore_eos: generate through eos (benchmarks with fixed output lengths).
         check_prompt: raise when the server's ``prompt_token_ids`` differ from the ids sent.
         server_control: also pause/resume the servers themselves (vLLM dev mode).
-        sticky_capacity: most groups remembered for sticky routing (least recent dropped).
+        sticky_capacity: most sessions, and most groups, remembered for sticky routing
+            (least recent dropped).
+        affinity: False sends every request to the least busy server (no sticky routing).
+        overload_factor, overload_slack: a group's server takes no new session of it while
+            it has more than ``overload_factor`` x the requests in flight of the least busy
+            healthy server, plus ``overload_slack`` (:mod:`._routing`).
         extra_body: more fields for every completion request (e.g. ``{"min_p": 0.05}``).
         health_interval_s: seconds between health probes of every server.
         health_timeout_s: limit of one health probe.
@@ -136,6 +123,11 @@ class OpenAIEngine:
     ``structured_outputs`` (vLLM's): JSON always; tool calls where xgrammar, which builds
     their structural tag, is installed here (it comes with vLLM)."""
 
+    routes_sessions = True
+    """:meth:`generate` takes ``route=`` (a :class:`~pipeline.engines.Route`) and
+    :meth:`forget_session` ends one: the proxy passes its sessions' routes to engines that
+    declare this."""
+
     def __init__(self, base_urls: str | Sequence[str], *, model: str | None = None,
                  api_key: str | None = None, max_retries: int = 3, backoff_s: float = 0.25,
                  max_backoff_s: float = 4.0, request_timeout_s: float | None = None,
@@ -143,6 +135,7 @@ class OpenAIEngine:
                  group_key: Callable[[str], str] = pipeline_group_key,
                  ignore_eos: bool = False, check_prompt: bool = True,
                  server_control: bool = True, sticky_capacity: int = 65536,
+                 affinity: bool = True, overload_factor: float = 2.0, overload_slack: int = 8,
                  extra_body: Mapping[str, Any] | None = None,
                  health_interval_s: float = 5.0, health_timeout_s: float = 2.0) -> None:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
@@ -150,7 +143,7 @@ class OpenAIEngine:
             raise ConfigError("OpenAIEngine needs at least one server URL")
         if max_retries < 0 or backoff_s < 0 or max_connections < 1:
             raise ConfigError("max_retries and backoff_s must be >= 0, max_connections >= 1")
-        self.servers = [_Server(_normalise(u)) for u in urls]
+        self.servers = [Server(_normalise(u)) for u in urls]
         self.model = model
         self.api_key = api_key
         self.max_retries = max_retries
@@ -162,7 +155,6 @@ class OpenAIEngine:
         self.ignore_eos = ignore_eos
         self.check_prompt = check_prompt
         self.server_control = server_control
-        self.sticky_capacity = sticky_capacity
         self.extra_body = dict(extra_body or {})
         self.policy_version: int | None = 0
         self.aborted: collections.deque[str] = collections.deque(maxlen=RECENT_ABORTS)
@@ -176,7 +168,10 @@ class OpenAIEngine:
                                    interval_s=health_interval_s, timeout_s=health_timeout_s,
                                    readmit=self._readmit)
         """Which servers are up (routing asks it); see :class:`ServerHealth`."""
-        self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
+        self.router = Router(self.servers, self.health, capacity=sticky_capacity,
+                             affinity=affinity, overload_factor=overload_factor,
+                             overload_slack=overload_slack)
+        """The session and group tables (see :mod:`pipeline.engines._routing`)."""
         self._tasks: dict[str, asyncio.Task[dict[str, Any]]] = {}
         self._aborting: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
@@ -213,36 +208,27 @@ class OpenAIEngine:
                 self.model = str(data[0]["id"])
         return self.model
 
-    def route(self, request_id: str) -> _Server:
-        """The server for ``request_id``: its group's server while that one is healthy,
-        else the least busy healthy one. When none is healthy, the least busy of those not
-        held out for stale weights: the request then tries it, with its retries, rather than
-        fail unsent.
+    def route(self, request_id: str, route: Route | None = None) -> Server:
+        """The server for ``request_id`` (``route``: its session and group, else read from
+        the id; see :mod:`pipeline.engines._routing`).
 
         Raises:
             ServerError: every server is down and held out for stale weights.
         """
-        group = self.group_key(request_id)
-        server = self._sticky.get(group)
-        if server is not None and self.health.is_healthy(server.url):
-            self._sticky.move_to_end(group)
-            return server
-        healthy = [s for s in self.servers if self.health.is_healthy(s.url)] or [
-            s for s in self.servers if not self.health.held_out(s.url)]
-        if not healthy:
-            states = self.health.state()
-            raise ServerError("every server is down or back with stale weights: " + "; ".join(
-                f"{url}: {state['error']}" for url, state in states.items()),
-                status=None, url=self.servers[0].url)
-        server = min(healthy,
-                     key=lambda s: (s.in_flight, s.failures, s.requests))
-        self._sticky[group] = server
-        self._sticky.move_to_end(group)
-        if len(self._sticky) > self.sticky_capacity:
-            self._sticky.popitem(last=False)
-        return server
+        return self.router.pick(route if route is not None else self._route_of(request_id))
 
-    async def _call(self, server: _Server, method: str, path: str,
+    def _route_of(self, request_id: str) -> Route | None:
+        if self.group_key is pipeline_group_key:
+            return pipeline_route(request_id)
+        group = self.group_key(request_id)
+        return Route(session=group, group=group)
+
+    def forget_session(self, session: str) -> None:
+        """Forget an ended session's server (the proxy calls it when a session is
+        completed, deleted or expires); unknown sessions are ignored."""
+        self.router.forget(session)
+
+    async def _call(self, server: Server, method: str, path: str,
                     body: Mapping[str, Any] | None, *, retry: bool = True,
                     failover: bool = False) -> dict[str, Any]:
         """One JSON call with bounded retries on connection errors and 5xx answers.
@@ -305,9 +291,10 @@ class OpenAIEngine:
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                        request_id: str, *, multi_modal: Any = None,
-                       constraints: Any = None) -> Generation:
+                       constraints: Any = None, route: Route | None = None) -> Generation:
         """One completion on the routed server (see the class doc); ``constraints``: a
-        ``pipeline.proxy.Constraints`` of :attr:`enforces`.
+        ``pipeline.proxy.Constraints`` of :attr:`enforces`; ``route``: the request's session
+        and group (default: read from ``request_id``).
 
         ``multi_modal`` (images) is refused: token-id prompts go to ``/v1/completions``,
         which takes no images; use the in-process vLLM or transformers engine for them.
@@ -329,7 +316,7 @@ class OpenAIEngine:
             body = self._body(model, prompt_ids, sampling, request_id)
             if constraints is not None:
                 body["structured_outputs"] = structured_outputs(constraints)
-            task = asyncio.ensure_future(self._complete(request_id, body))
+            task = asyncio.ensure_future(self._complete(request_id, body, route))
             self._tasks[request_id] = task
             try:
                 answer = await asyncio.shield(task)
@@ -347,10 +334,11 @@ class OpenAIEngine:
                 self._aborting.discard(request_id)
         return self._generation(answer, prompt_ids, request_id, version)
 
-    async def _complete(self, request_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    async def _complete(self, request_id: str, body: Mapping[str, Any],
+                        route: Route | None) -> dict[str, Any]:
         """The completion from the routed server; when that server went down under the
         request, once more from another healthy server with the same body."""
-        server = self.route(request_id)
+        server = self.route(request_id, route)
         first: ServerError | None = None
         while True:
             server.in_flight += 1
@@ -366,7 +354,7 @@ class OpenAIEngine:
                 raise ServerError(f"{error} (retried there after {first})",
                                   status=error.status, url=error.url) from error
             try:
-                nxt = self.route(request_id)
+                nxt = self.route(request_id, route)
             except ServerError:  # none left to go to
                 nxt = server
             if self.health.is_healthy(server.url) or not self.health.is_healthy(nxt.url) \

@@ -215,6 +215,7 @@ class ProxyServer:
         session = self.sessions.get(session_id)
         async with session.lock:
             self.sessions.complete(session_id)
+        self._forget_route(session_id)
         return session_record(session)
 
     async def delete_session(self, session_id: str) -> None:
@@ -223,12 +224,19 @@ class ProxyServer:
         if session is None:
             return
         self.sessions.remove(session_id)
+        self._forget_route(session_id)
         await self._abort(session)
 
     async def _abort(self, session: Session) -> None:
         for request_id in list(session.inflight):
             await abort_request(self.engine, request_id, self.config.abort_timeout_s,
                                 session=session.id)
+
+    def _forget_route(self, session_id: str) -> None:
+        """An ended session's server is forgotten by an engine that routes by session (its
+        table stays bounded however many sessions a run makes)."""
+        if self.turns.routes_sessions:
+            self.engine.forget_session(session_id)  # type: ignore[attr-defined]
 
     async def _sweep(self) -> None:
         interval = min(max(self.config.idle_timeout_s / 4, 0.01), 30.0)
@@ -238,6 +246,7 @@ class ProxyServer:
                 if self.sessions.find(session.id) is not session:
                     continue
                 self.sessions.expire(session.id)
+                self._forget_route(session.id)
                 await self._abort(session)
                 _logger.info("session_expired", session=session.id, turns=len(session.turns))
 

@@ -38,7 +38,7 @@ from pipeline._exceptions import EngineError
 from pipeline._text import integrity
 from pipeline._text.render import decode_text
 from pipeline._text.tokenizer import Tokenizer
-from pipeline.engines import Engine, Generation
+from pipeline.engines import Engine, Generation, Route
 from pipeline.multimodal import VisionProcessor
 from pipeline.proxy._errors import FinalError, ProxyError, ProxyRequestError
 from pipeline.proxy._history import TurnPlan, new_images
@@ -46,6 +46,14 @@ from pipeline.proxy._policy import Constraints
 from pipeline.proxy._sessions import Session, Turn
 from pipeline.proxy._wire import ChatCompletionRequest
 from pipeline.tools import ToolParser, read_turn, validate_arguments
+
+
+def session_route(session: Session) -> Route:
+    """The routing key of a session's requests: the session, and its group (the creator's
+    ``metadata["group_id"]``, which ``RemoteAgent`` sets to the sample's group, so the n
+    sessions of one prompt share a server; the session alone when there is none)."""
+    group = session.metadata.get("group_id")
+    return Route(session=session.id, group=session.id if group is None else str(group))
 
 
 @dataclass(slots=True)
@@ -94,6 +102,8 @@ class TurnRunner:
         self.max_turns = max_turns
         self.offload_chars = offload_chars
         self.max_model_len: int | None = getattr(engine, "max_model_len", None)
+        self.routes_sessions = bool(getattr(engine, "routes_sessions", False))
+        """The engine takes ``route=`` (sticky routing over several servers)."""
         self._bytes: dict[int, bytes | None] = {}
 
     async def run(self, session: Session, request: ChatCompletionRequest, *,
@@ -249,6 +259,8 @@ class TurnRunner:
             extra["constraints"] = constraints
         if images:  # the pixel inputs of every image in the prompt, in order
             extra["multi_modal"] = images
+        if self.routes_sessions:  # one server's prefix cache for the session and its group
+            extra["route"] = session_route(session)
         try:
             generate: Any = self.engine.generate
             gen: Generation = await generate(prompt, sampling, request_id, **extra)
