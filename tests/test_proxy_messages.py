@@ -235,7 +235,7 @@ async def _refusals(sdk: Any) -> None:
             "message"].startswith(param), error.body
     bad = [({"messages": MESSAGE}, "max_tokens"),  # required
            ({"max_tokens": 8, "messages": [{"role": "user", "content": [
-               {"type": "image", "source": {}}]}]}, "messages.0.content.0"),
+               {"type": "document", "source": {}}]}]}, "messages.0.content.0"),
            ({"max_tokens": 8, "messages": [{"role": "tool", "content": "x"}]},
             "messages.0.role"),
            ({"max_tokens": 8, "messages": MESSAGE, "temperature": 1.5}, "temperature"),

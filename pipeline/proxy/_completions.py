@@ -119,10 +119,12 @@ async def serve_messages(host: ProxyHost, request: web.Request, session: Session
     spec = (await asyncio.to_thread(_messages.parse_messages, data) if large
             else _messages.parse_messages(data))
     features = check_fields(data, MESSAGES_FIELDS, host.enforces)
+    images = host.turns.processor is not None
     if large:  # translating many blocks would block the loop
-        chat, extra = await asyncio.to_thread(_messages.to_chat, spec, session.translated)
+        chat, extra, image_paths = await asyncio.to_thread(
+            _messages.to_chat, spec, session.translated, images=images)
     else:
-        chat, extra = _messages.to_chat(spec, session.translated)
+        chat, extra, image_paths = _messages.to_chat(spec, session.translated, images=images)
     if extra and host.config.strict_fields:
         raise FinalError(f"{extra[0]}: the proxy cannot act on this hint, and strict_fields "
                          "refuses what it would ignore", param=extra[0],
@@ -132,7 +134,13 @@ async def serve_messages(host: ProxyHost, request: web.Request, session: Session
         features, response_format=_messages_format(data),
         tool_choice=chat.tool_choice if not isinstance(chat.tool_choice, BaseModel)
         else chat.tool_choice.model_dump(), tools=chat.tool_schemas)
-    outcome = await host.turns.run(session, chat, offload=large, constraints=constraints)
+    try:
+        outcome = await host.turns.run(session, chat, offload=large, constraints=constraints)
+    except FinalError as exc:  # a refused image: named by its block, not its chat part
+        renamed = _messages.image_error(exc, image_paths)
+        if renamed is exc:
+            raise
+        raise renamed from None
     _log_split(session, outcome)
     stop_string = None
     if outcome.turn is not None:

@@ -13,6 +13,15 @@ so all three APIs record the same segments, merge by the same rules and yield th
   turn) is dropped and listed in ``ignored_fields``;
 - a user message's ``tool_result`` blocks become tool messages (in block order), its text
   blocks one user message after them (one block: a string; several: text parts);
+- ``image`` blocks (in a user message, or in a ``tool_result``'s content) with a ``base64``
+  source become chat's ``image_url`` parts holding the data URL
+  (``data:<media_type>;base64,<data>``), in block order among the text parts, on a proxy with
+  a vision processor: rendered, checked and recorded as the chat route does (``_history``).
+  A ``url`` source (the proxy fetches nothing), a ``file`` source (it holds no files) and any
+  image on a proxy without a processor are final errors naming the block; an image the
+  processor refuses (not an image, truncated, over ``ImageLimits``) is too, its path the
+  Anthropic request's (:func:`image_error`). An image's ``transformations`` is accepted with no
+  effect and listed;
 - an assistant message's text blocks become its content, its ``tool_use`` blocks its tool calls
   (``input`` kept as an object, compared with the recorded call as parsed JSON), its
   ``thinking`` blocks its ``reasoning_content`` (never compared: the recorded tokens stand for
@@ -33,7 +42,8 @@ block per call; ``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence
 (``message_start``, ``content_block_start``/``_delta``/``_stop`` per block, ``message_delta``,
 ``message_stop``). Errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}``,
 with the same statuses (final ones: 404 with ``x-should-retry: false``, which the ``anthropic``
-SDK honours as the ``openai`` one does).
+SDK honours as the ``openai`` one does; a refused field or image keeps the type
+``invalid_request_error``).
 """
 
 from __future__ import annotations
@@ -92,34 +102,46 @@ class Translated(NamedTuple):
     raw: Any
     chat: list[dict[str, Any]]
     ignored: frozenset[str]
+    images: tuple[tuple[int, int, str], ...] = ()
+    """Per image part: its chat message (index in ``chat``), its part index there, and the
+    path of the image block it came from (``messages.<i>.content.<j>``)."""
 
 
-def to_chat(request: MessagesRequest, memo: list[Translated] | None = None,
-            ) -> tuple[ChatCompletionRequest, tuple[str, ...]]:
-    """The chat request ``request`` stands for, and the paths of what it sent that has no
-    effect (``cache_control``, ``tool_result.is_error``, Claude Code's billing header).
+ImagePaths = dict[str, str]
+"""Chat part path (``messages.<m>.content.<k>``) -> the image block's path in the Anthropic
+request (what :func:`image_error` names instead)."""
+
+
+def to_chat(request: MessagesRequest, memo: list[Translated] | None = None, *,
+            images: bool = False) -> tuple[ChatCompletionRequest, tuple[str, ...], ImagePaths]:
+    """The chat request ``request`` stands for, the paths of what it sent that has no
+    effect (``cache_control``, ``tool_result.is_error``, Claude Code's billing header, an
+    image's ``transformations``), and where each image part came from.
 
     ``memo``: the session's translations of its last request, reused for every message the
     agent sends again unchanged (one dict comparison instead of a translation each; an agent
-    sends its whole history every turn), and updated with this request's.
+    sends its whole history every turn), and updated with this request's. ``images``: image
+    blocks are served (the proxy has a vision processor).
 
     Raises:
         ProxyRequestError: a block, tool or field the proxy cannot translate (``param``
             names its path).
-        FinalError: a server tool (refused, ``unsupported_parameter``).
+        FinalError: a server tool (refused, ``unsupported_parameter``); an image block
+            without ``images`` or with a source other than ``base64`` (naming the block).
     """
     ignored: set[str] = set()
     messages = _system(request.system, ignored)
     previous = list(memo or ())  # a copy: two requests of a session may run at once
     done: list[Translated] = []
+    paths: ImagePaths = {}
     for i, message in enumerate(request.messages):
         if i < len(previous) and previous[i].raw == message:
             done.append(previous[i])
         else:
-            paths: set[str] = set()
-            done.append(Translated(message, _message(message, f"messages.{i}", paths),
-                                   frozenset(paths)))
+            done.append(_translated(message, f"messages.{i}", images))
             previous = []  # the rest is a new conversation's
+        for m, k, path in done[-1].images:
+            paths[f"messages.{len(messages) + m}.content.{k}"] = path
         messages += done[-1].chat
         ignored |= done[-1].ignored
     stops = request.stop_sequences or []
@@ -139,7 +161,16 @@ def to_chat(request: MessagesRequest, memo: list[Translated] | None = None,
         raise ProxyRequestError(describe_validation_error(exc), code="invalid_value") from None
     if memo is not None:
         memo[:] = done
-    return chat, tuple(sorted(ignored))
+    return chat, tuple(sorted(ignored)), paths
+
+
+def image_error(exc: ProxyError, paths: ImagePaths) -> ProxyError:
+    """``exc`` naming the Anthropic request's image block where it names a chat image part
+    (the processor refused an image: the chat route's path means nothing to this agent)."""
+    path = paths.get(exc.param or "")
+    if path is None or not isinstance(exc, FinalError):
+        return exc
+    return FinalError(exc.message.replace(exc.param or "", path, 1), param=path, code=exc.code)
 
 
 def chat_tool_choice(choice: dict[str, Any]) -> str | dict[str, Any] | None:
@@ -167,9 +198,23 @@ def _system(system: str | list[Any] | None, ignored: set[str]) -> list[dict[str,
     return [{"role": "system", "content": "".join(texts)}] if texts else []
 
 
-def _message(message: Any, where: str, ignored: set[str]) -> list[dict[str, Any]]:
+def _translated(message: Any, where: str, images: bool) -> Translated:
+    ignored: set[str] = set()
+    chat = _message(message, where, ignored, images)
+    found = []
+    for m, out in enumerate(chat):
+        content = out["content"]
+        for k, part in enumerate(content if isinstance(content, list) else ()):
+            marker = part.pop("_block", None)
+            if marker is not None:
+                found.append((m, k, marker))
+    return Translated(message, chat, frozenset(ignored), tuple(found))
+
+
+def _message(message: Any, where: str, ignored: set[str],
+             images: bool) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages (a user message with tool results: the tool
-    messages, then the user's text)."""
+    messages, then the user's text and images). ``images``: image blocks are served."""
     if not isinstance(message, dict):
         raise _bad(where, f"a message is an object, got {value_repr(message)}")
     role = message.get("role")
@@ -185,6 +230,7 @@ def _message(message: Any, where: str, ignored: set[str]) -> list[dict[str, Any]
     if not isinstance(content, list):
         _bad_content(where, content)
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and image parts in block order (user turns)
     out: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     thinking: list[str] = []
@@ -195,8 +241,11 @@ def _message(message: Any, where: str, ignored: set[str]) -> list[dict[str, Any]
             ignored.add("cache_control")
         if kind == "text":
             texts.append(_text_block(block, path, ignored))
+            parts.append({"type": "text", "text": texts[-1]})
+        elif role == "user" and kind == "image":
+            parts.append(_image(block, path, ignored, images))
         elif role == "user" and kind == "tool_result":
-            out.append(_tool_result(block, path, ignored))
+            out.append(_tool_result(block, path, ignored, images))
         elif role == "assistant" and kind == "tool_use":
             calls.append(_tool_use(block, path))
         elif role == "assistant" and kind == "thinking":
@@ -205,9 +254,11 @@ def _message(message: Any, where: str, ignored: set[str]) -> list[dict[str, Any]
             continue  # opaque; the recorded tokens stand for the reply
         else:
             raise _bad(path, f"{role} content blocks of type {value_repr(kind)} are not served "
-                             "(text, tool_use, tool_result, thinking are)")
+                             "(text, image, tool_use, tool_result, thinking are)")
     if role == "user":
-        if texts or not out:
+        if len(parts) > len(texts):  # images among the blocks: the parts, in block order
+            out.append({"role": "user", "content": parts})
+        elif texts or not out:
             out.append({"role": "user", "content": _joined(texts)})
         return out
     reply: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
@@ -238,22 +289,62 @@ def _text_block(block: Any, where: str, ignored: set[str]) -> str:
     return _string(block, "text", where)
 
 
-def _tool_result(block: dict[str, Any], where: str, ignored: set[str]) -> dict[str, Any]:
+def _tool_result(block: dict[str, Any], where: str, ignored: set[str],
+                 images: bool) -> dict[str, Any]:
+    """A ``tool_result`` as a tool message: its text blocks joined by newlines, or, when
+    it holds images, its text and image parts in block order."""
     content = block.get("content")
+    result: str | list[dict[str, Any]]
     if content is None:
-        text = ""
+        result = ""
     elif isinstance(content, str):
-        text = content
+        result = content
     elif isinstance(content, list):
-        text = "\n".join(_text_block(part, f"{where}.content.{k}", ignored)
-                         for k, part in enumerate(content))
+        parts = [_image(part, f"{where}.content.{k}", ignored, images)
+                 if isinstance(part, dict) and part.get("type") == "image"
+                 else {"type": "text", "text": _text_block(part, f"{where}.content.{k}", ignored)}
+                 for k, part in enumerate(content)]
+        if any(p["type"] == "image_url" for p in parts):
+            result = parts
+        else:
+            result = "\n".join(p["text"] for p in parts)
     else:
-        raise _bad(f"{where}.content", "must be a string or a list of text blocks, got "
-                                       f"{value_repr(content)}")
+        raise _bad(f"{where}.content", "must be a string or a list of text and image blocks, "
+                                       f"got {value_repr(content)}")
     if block.get("is_error") is not None:
         ignored.add("tool_result.is_error")
     return {"role": "tool", "tool_call_id": _string(block, "tool_use_id", where),
-            "content": text}
+            "content": result}
+
+
+def _image(block: dict[str, Any], where: str, ignored: set[str],
+           images: bool) -> dict[str, Any]:
+    """An image block as chat's ``image_url`` part holding its data URL; the part carries
+    a ``_block`` marker (its path) that :func:`_translated` takes out again.
+
+    Raises:
+        FinalError: no vision processor (``images`` false), or a source other than base64.
+        ProxyRequestError: a malformed source.
+    """
+    if not images:
+        raise FinalError(f"{where}: image blocks are not served: this proxy has no vision "
+                         "processor (ProxyServer(processor=...))", param=f"{where}.type",
+                         code="unsupported_parameter")
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise _bad(f"{where}.source", f"must be an object, got {value_repr(source)}")
+    kind = source.get("type")
+    if kind != "base64":
+        raise FinalError(f"{where}.source: only base64 image sources are served; the proxy "
+                         f"fetches no URL and holds no file (got type {value_repr(kind)})",
+                         param=f"{where}.source.type", code="invalid_image")
+    media_type = _string(source, "media_type", f"{where}.source")
+    data = _string(source, "data", f"{where}.source")
+    if block.get("transformations") is not None:
+        ignored.add("image.transformations")
+    # the processor decodes and checks the image (_history); errors come back to this path
+    return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"},
+            "_block": where}
 
 
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -405,9 +496,9 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 def error_body(exc: ProxyError) -> dict[str, Any]:
     """``exc`` in Anthropic's error shape. The type follows the status as Anthropic's does
-    (the SDK picks its exception class by status); a refused field (404, final) keeps
-    ``invalid_request_error``, which is what it is."""
+    (the SDK picks its exception class by status); a refused field or image (404, final)
+    keeps ``invalid_request_error``, which is what it is."""
     kind = _ERROR_TYPES.get(exc.status, "api_error")
-    if exc.status == 404 and exc.code == "unsupported_parameter":
+    if exc.status == 404 and exc.code in ("unsupported_parameter", "invalid_image"):
         kind = "invalid_request_error"
     return {"type": "error", "error": {"type": kind, "message": exc.message}}
