@@ -40,7 +40,9 @@ import asyncio
 import contextlib
 import gc
 import importlib
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -298,6 +300,7 @@ async def main(args: argparse.Namespace,
                 record = await measure(engine, tokenizer, args, count)
                 record["engine_start_s"] = round(start_s, 1)
                 record["accelerator"] = _accelerator(args.device)
+                record["commit"] = commit()
                 record.update(_engine_facts(engine))
                 records.append(record)
                 if done is not None:
@@ -305,6 +308,17 @@ async def main(args: argparse.Namespace,
     finally:
         await engine.aclose()
     return records
+
+
+def commit() -> str | None:
+    """The project commit measured (``PIPELINE_COMMIT`` where no git history travels)."""
+    if os.environ.get("PIPELINE_COMMIT"):
+        return os.environ["PIPELINE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _engine_facts(engine: Any) -> dict[str, Any]:
