@@ -7,7 +7,7 @@ naming the field instead of a silently ignored key.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -126,10 +126,12 @@ def check_template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
 
 
 class AdaptiveConcurrency(_RaisesConfigError):
-    """Opt-in adaptive concurrency: the number of samples admitted follows the engine's own
-    load (its waiting queue, preemptions, KV-cache use) between ``min_concurrency`` and
-    ``max_concurrency``, starting from the pipeline's ``max_concurrency``. The rule is in
-    :mod:`pipeline._runner.flow`; an engine without load signals keeps the fixed limit.
+    """Adaptive concurrency (``PipelineConfig.adaptive_concurrency``; on by default, with
+    these defaults, where the engine tells its load): the number of samples admitted follows
+    the engine's own load (its waiting queue, preemptions, KV-cache use) between
+    ``min_concurrency`` and ``max_concurrency``, starting from the pipeline's
+    ``max_concurrency``. The rule is in :mod:`pipeline._runner.flow`; an engine without load
+    signals keeps the fixed limit.
 
     Attributes:
         min_concurrency: the limit never goes below this.
@@ -167,7 +169,8 @@ class PipelineConfig(_RaisesConfigError):
     Attributes:
         sample_timeout_s: per-sample deadline, counted from when the sample starts running
             (not while it waits for a concurrency slot). ``None`` disables it.
-        max_concurrency: samples running at once.
+        max_concurrency: samples running at once: fixed, or where adaptive concurrency
+            starts (``adaptive_concurrency``).
         cleanup_timeout_s: limit for each stage's ``cleanup`` and the sample's exit stack.
         seed: base seed; every sample gets its own seed derived from it.
         pad_token_id: used when the tokenizer has none (and by the last-resort failure output).
@@ -190,12 +193,18 @@ class PipelineConfig(_RaisesConfigError):
             failed on an engine error, no new sample is admitted and ``run_batch`` raises
             :class:`~pipeline.EngineCircuitOpen` naming the engine and the last errors.
             None: off.
-        adaptive_concurrency: let the engine's load set the concurrency
-            (:class:`AdaptiveConcurrency`); None: ``max_concurrency`` is fixed.
+        adaptive_concurrency: who sets the number of samples admitted. None (the
+            default, auto): the engine's own load, where the engine tells it (``load()``
+            with a KV-cache use or a running cap: vLLM in-process or behind its server, the
+            simulated engine's capacity model), from ``max_concurrency`` within the bounds of
+            a default :class:`AdaptiveConcurrency`; elsewhere ``max_concurrency`` is fixed.
+            An :class:`AdaptiveConcurrency`: the same with its bounds and options. False:
+            ``max_concurrency`` is fixed whatever the engine.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    _bool_fields: ClassVar[frozenset[str]] = frozenset({"token_integrity_checks"})
+    _bool_fields: ClassVar[frozenset[str]] = frozenset({"token_integrity_checks",
+                                                        "adaptive_concurrency"})
 
     sample_timeout_s: float | None = Field(600.0, gt=0)
     max_concurrency: int = Field(256, gt=0)
@@ -209,7 +218,23 @@ class PipelineConfig(_RaisesConfigError):
     stage_timeout_s: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     stuck_stage_s: float | None = Field(300.0, gt=0)
     max_consecutive_engine_errors: int | None = Field(None, gt=0)
-    adaptive_concurrency: AdaptiveConcurrency | None = None
+    adaptive_concurrency: AdaptiveConcurrency | Literal[False] | None = None
+
+    @field_validator("adaptive_concurrency", mode="before")
+    @classmethod
+    def _adaptive(cls, value: Any) -> Any:
+        # Checked here rather than by the union, whose errors name its members
+        # ("adaptive_concurrency.literal[False]") instead of the setting.
+        if value is None or value is False or isinstance(value, AdaptiveConcurrency):
+            return value
+        if isinstance(value, Mapping):
+            try:
+                return AdaptiveConcurrency.model_validate(value)
+            except ValidationError as exc:
+                raise ValueError(describe_validation_error(exc, "adaptive_concurrency")) from None
+        raise ValueError("must be None (the default: adapt where the engine tells its load), "
+                         "AdaptiveConcurrency(...) (adapt, with these bounds) or False (a fixed "
+                         "max_concurrency)")
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -2,26 +2,43 @@
 following the engine's load) and the circuit breaker that stops admitting after a run of
 engine errors.
 
-The adaptive rule (``PipelineConfig.adaptive_concurrency``), applied to each reading of
-``engine.load()`` (:class:`~pipeline.engines.EngineLoad`, every ``interval_s``):
+Adaptive concurrency is on by default where the engine tells its load
+(``PipelineConfig.adaptive_concurrency=None``: auto): ``engine.load()``
+(:class:`~pipeline.engines.EngineLoad`) with a KV-cache use or a running cap. An engine
+without ``load()``, or whose load has neither (the simulated engine's latency model, a server
+without metrics), keeps the fixed ``max_concurrency``, as does ``adaptive_concurrency=False``.
+
+The rule, applied to each reading of the engine's load. The *turnover* is how long a sample
+holds its slot (the larger of the completed samples' running mean and Little's law, slots in
+use over completions per second): the engine's state changes only as admitted samples
+finish, so every rate is per turnover, and the load is read about
+:data:`READS_PER_TURNOVER` times per turnover (at most every ``interval_s``), so that its
+averages span several readings:
 
 - *shrink* by :data:`SHRINK` when the engine thrashes: it preempted more than
   ``preempt_high`` sequences per running one since the last reading (at most once per half a
-  turnover, the running mean of a sample's running time: the engine's state changes only as
-  admitted samples finish);
+  turnover);
 - *grow* while the engine has room (its KV cache below ``kv_high``, fewer running sequences
   than its cap) and the limit is in use (no free slot): by :data:`SLOW_START` per turnover
   until the engine is first full, by :data:`GROW` per turnover after that;
-- once full, *steer* to a short queue: the limit moves by :data:`GAIN` times the gap
-  between ``queue_target`` x running and the engine's waiting queue (both averaged over
-  half a turnover) per turnover, so it settles where the engine is just full, without a
-  sawtooth.
+- once full, *steer* to a short queue: the limit moves by the gap between
+  ``queue_target`` x running and the engine's waiting queue (averaged over half a turnover;
+  a fall of the running count over :data:`RUNNING_TURNOVERS`) times :data:`GAIN` per
+  turnover when the queue is short, :data:`GAIN_DOWN` when it is long, and holds while the
+  queue is within :data:`DEADBAND` of its target.
+
+Why it does not oscillate: the limit acts on the queue at once (an admitted sample queues in
+the engine within milliseconds), but the queue is read through a half-turnover average, a
+lag; an integrator of gain one per turnover behind that lag is damped (ratio about 0.7), as
+long as the average spans several readings (a reading that replaced the average, as one
+every 0.1 s did for samples of 0.3 s, made each noisy reading a step: a 31% swing on a loaded
+machine). One reading never weighs more than half the average (a stalled loop's late reading
+is not a trend), and the deadband keeps the queue's own noise (samples finishing in bursts,
+coming back from tools) from moving the limit once it has settled.
 
 A sample waiting on a tool holds no KV and no engine slot, so the signals do not count it:
 with tool waits the limit grows until the engine, not the number of samples, is the
-bottleneck. An engine without ``load()``, or whose load has neither KV use nor a running
-cap (the simulated engine's latency model, a server without metrics), keeps the fixed
-``max_concurrency``.
+bottleneck.
 """
 
 from __future__ import annotations
@@ -52,7 +69,23 @@ GROW = 1.1
 SHRINK = 0.9
 """Factor applied when the engine thrashes (preempts)."""
 GAIN = 1.0
-"""Share of the gap to the queue target closed per turnover once the engine is full."""
+"""Share of a shortfall of the engine's queue (below its target) closed per turnover."""
+GAIN_DOWN = 0.25
+"""Share of an excess of the engine's queue (above its target) closed per turnover: a
+queue that runs dry costs throughput at once, one too long only waiting, so the limit comes
+down slowly (it would otherwise follow the running count down and up again as long
+sequences come and go)."""
+DEADBAND = 0.2
+"""The limit holds while the engine's queue is within this share of its target."""
+RUNNING_TURNOVERS = 4.0
+"""A fall of the running count, which sets the queue target, is averaged over this many
+turnovers."""
+READS_PER_TURNOVER = 8
+"""The engine's load is read this often per turnover (at most every ``interval_s``)."""
+MIN_INTERVAL_S = 0.01
+"""Never read the load more often than this."""
+LAG_S = 0.02
+"""A reading later than twice its interval and this is a sign of an overloaded loop."""
 HISTORY = 4096
 """Limit changes the controller remembers (a long run steers every few readings)."""
 LAST_ERRORS = 5
@@ -136,50 +169,99 @@ async def read_load(engine: object) -> Any:
 class ConcurrencyController:
     """The adaptive limit of one pipeline's slots (the module doc has the rule).
 
+    The slots keep their size until the engine gives a first load signal; from then on the
+    limit stays within ``options``' bounds.
+
     Attributes:
-        limit: the limit now (the slots' size).
+        limit: the limit now (the slots' size once the engine gave a signal).
         decision: what the last reading decided: ``grow``, ``steer``, ``shrink``, ``hold``
             or ``fixed`` (the engine gives no load signal; the limit stays
             ``max_concurrency``).
+        last_change: the last change of the limit: ``(monotonic time, from, to, why)``.
         history: ``(monotonic time, limit)`` at each change, the last :data:`HISTORY` of
             them, for benchmarks and tests.
     """
 
-    def __init__(self, slots: FifoSlots, options: AdaptiveConcurrency, initial: int) -> None:
+    def __init__(self, slots: FifoSlots, options: AdaptiveConcurrency) -> None:
         self.slots = slots
         self.options = options
-        self.limit = float(min(max(initial, options.min_concurrency), options.max_concurrency))
-        slots.resize(int(self.limit))
+        self.limit = float(slots.size)
         self.decision = "hold"
+        self.signals = False
         self.kv_usage: float | None = None
+        self.running = 0
         self.waiting = 0
+        self.max_running: int | None = None
         self.preemptions = 0
         self._preemptions: int | None = None
         self.turnover_s: float | None = None
+        self._ran_s: float | None = None
+        self._completed = 0
+        self._rate: float | None = None
+        self._in_use: float | None = None
+        self.last_change: tuple[float, int, int, str] | None = None
         self._last_read: float | None = None
+        self._interval = options.interval_s
         self._last_shrink = -math.inf
         self._pushed_back = False
         self._avg: tuple[float, float] | None = None
         self.history: collections.deque[tuple[float, int]] = collections.deque(
-            [(time.monotonic(), int(self.limit))], maxlen=HISTORY)
+            [(time.monotonic(), slots.size)], maxlen=HISTORY)
 
     def sample_ran(self, seconds: float) -> None:
-        """A sample ran ``seconds`` (the turnover is their running mean)."""
-        if self.turnover_s is None:
-            self.turnover_s = seconds
+        """A sample held its slot ``seconds`` (one of the two turnover estimates)."""
+        self._completed += 1
+        if self._ran_s is None:
+            self._ran_s = seconds
         else:
-            self.turnover_s += 0.05 * (seconds - self.turnover_s)
+            self._ran_s += 0.05 * (seconds - self._ran_s)
+
+    def _turnover(self, dt: float) -> None:
+        # Two estimates of how long a sample holds a slot, the larger taken: the running
+        # mean of the samples that completed, which early in a batch counts only the short
+        # ones (they finish first), and Little's law, slots in use over completions per
+        # second, which counts the time a sample spends admitted but not yet in the engine
+        # (a loop slowed by a loaded machine): steps sized by a short estimate outran the
+        # engine's answer and overshot the limit x3 on heavy-tailed replies.
+        done, self._completed = self._completed, 0
+        if dt <= 0:
+            return
+        weight = min(0.5, dt / (self.turnover_s or 10 * self.options.interval_s))
+        rate = done / dt
+        self._rate = rate if self._rate is None else self._rate + weight * (rate - self._rate)
+        used = float(self.slots.in_use)
+        self._in_use = used if self._in_use is None else (
+            self._in_use + weight * (used - self._in_use))
+        little = self._in_use / self._rate if self._rate else None
+        estimates = [e for e in (self._ran_s, little) if e is not None]
+        if estimates:
+            self.turnover_s = max(estimates)
+
+    def interval(self) -> float:
+        """Seconds until the next reading: :data:`READS_PER_TURNOVER` per turnover, at most
+        ``interval_s``."""
+        if self.turnover_s is None:
+            return self.options.interval_s
+        return min(self.options.interval_s,
+                   max(MIN_INTERVAL_S, self.turnover_s / READS_PER_TURNOVER))
 
     def update(self, load: Any, now: float) -> None:
         """Apply the rule (module doc) to one reading of the engine's load."""
         dt = 0.0 if self._last_read is None else now - self._last_read
         self._last_read = now
+        self._turnover(dt)
         kv = getattr(load, "kv_usage", None)
-        if load is None or (kv is None and getattr(load, "max_running", None) is None):
+        cap = getattr(load, "max_running", None)
+        if load is None or (kv is None and cap is None):
             self.decision = "fixed"
             return
-        self.kv_usage, self.waiting = kv, int(getattr(load, "waiting", 0) or 0)
-        running = int(getattr(load, "running", 0) or 0)
+        if not self.signals:  # the first signal: from now on the limit is within bounds
+            self.signals = True
+            self._set(self.limit, "the engine's load is known: the limit within "
+                      f"[{self.options.min_concurrency}, {self.options.max_concurrency}]")
+        self.kv_usage, self.max_running = kv, cap
+        self.waiting = int(getattr(load, "waiting", 0) or 0)
+        running = self.running = int(getattr(load, "running", 0) or 0)
         total = getattr(load, "preemptions", None)
         preempted = (0 if total is None or self._preemptions is None
                      else max(0, total - self._preemptions))
@@ -188,24 +270,38 @@ class ConcurrencyController:
             self.preemptions += preempted
         turnover = self.turnover_s or 10 * self.options.interval_s
         options = self.options
-        # Averages over about half a turnover: one reading between two scheduler steps (a
-        # sequence just finished, its successor not admitted yet) is not a trend.
-        weight = 1.0 if self._avg is None else min(1.0, dt / (turnover / 2))
-        now_values = (float(self.waiting), float(running))
-        self._avg = now_values if self._avg is None else (
-            self._avg[0] + weight * (now_values[0] - self._avg[0]),
-            self._avg[1] + weight * (now_values[1] - self._avg[1]))
+        # Averages: one reading between two scheduler steps (a sequence just finished, its
+        # successor not admitted yet) is not a trend, and one reading after a stall never
+        # weighs more than half. The queue over half a turnover (what the limit acts on);
+        # the running count, which sets the target, over RUNNING_TURNOVERS: it moves with
+        # the mix of long and short sequences in the KV cache, and a target that followed
+        # it would carry that noise into the limit (x2: a sample not running is queued).
+        # The running count rises as fast as the queue's average (slow start doubles it per
+        # turnover: a target that lagged would stop the growth) and falls as slowly.
+        if self._avg is None:
+            self._avg = (float(self.waiting), float(running))
+        else:
+            fast = min(0.5, dt / (turnover / 2))
+            slow = fast if running > self._avg[1] else min(
+                0.5, dt / (RUNNING_TURNOVERS * turnover))
+            self._avg = (self._avg[0] + fast * (self.waiting - self._avg[0]),
+                         self._avg[1] + slow * (running - self._avg[1]))
         waiting_avg, running_avg = self._avg
-        cap = getattr(load, "max_running", None)
+        target = options.queue_target * max(1.0, running_avg)
         # Full: no room for one more sequence now, or a queue longer than the target (the
         # head of the queue does not fit the KV left: the engine is backed up all the same).
         full = ((kv is not None and kv >= options.kv_high)
                 or (cap is not None and running >= cap)
-                or waiting_avg > options.queue_target * max(1.0, running_avg))
+                or waiting_avg > target)
         # The share of a turnover since the last reading, at most half: a late reading (a
         # stalled loop) or a short first estimate of the turnover cannot move the limit by
         # more than half a turnover's worth at once.
         step = min(dt / turnover, 0.5)
+        # A reading a whole interval late: the event loop is overloaded (a loaded machine, a
+        # stage that blocks it), so admitted samples reach the engine late and its queue
+        # runs short for want of CPU, not of samples: growing then only winds the limit up
+        # (x2.4 in a minute on a 2-core machine at load 11, unwound slowly after).
+        lagging = dt > 2 * self._interval + LAG_S
         if running == 0 and not preempted:
             self.decision = "hold"  # nothing runs yet: a queue now is requests in transit
             return
@@ -216,35 +312,55 @@ class ConcurrencyController:
             self._last_shrink = now
             self._pushed_back = True
             self.decision = "shrink"
-            self._set(self.limit * SHRINK)
+            self._set(self.limit * SHRINK,
+                      f"{preempted} preemptions for {running} running since the last reading")
         elif full or (self._pushed_back and waiting_avg > 0):
             self._pushed_back = True
-            gap = options.queue_target * max(1.0, running_avg) - waiting_avg
-            if gap > 0 and self.slots.free > 0:
-                self.decision = "hold"  # room to spare already: the demand is the limit
+            gap = target - waiting_avg
+            if gap > 0 and lagging:
+                self.decision = "hold"  # the samples wait for the CPU, not for a slot
+                return
+            if (gap > 0 and self.slots.free > 0) or abs(gap) <= DEADBAND * target:
+                # Room to spare already (the demand is the limit), or the queue near its
+                # target: its own noise is no reason to move.
+                self.decision = "hold"
                 return
             self.decision = "steer"
-            self._set(self.limit + GAIN * gap * step)
-        elif self.slots.free <= 0:
+            self._set(self.limit + (GAIN if gap > 0 else GAIN_DOWN) * gap * step,
+                      f"engine queue {waiting_avg:.0f}, target {target:.0f} "
+                      f"({options.queue_target:g} x {running_avg:.0f} running)")
+        elif self.slots.free <= 0 and not lagging:
             self.decision = "grow"
-            self._set(self.limit * (GROW if self._pushed_back else SLOW_START) ** step)
+            self._set(self.limit * (GROW if self._pushed_back else SLOW_START) ** step,
+                      "every slot in use, the engine has room ("
+                      + ("" if kv is None else f"KV {kv:.2f}, ")
+                      + f"{running}{'' if cap is None else f'/{cap}'} running)")
         else:
             self.decision = "hold"
 
-    def _set(self, limit: float) -> None:
+    def _set(self, limit: float, why: str) -> None:
         self.limit = min(max(limit, self.options.min_concurrency), self.options.max_concurrency)
         size = int(self.limit)
         if size != self.slots.size:
+            now = time.monotonic()
+            self.last_change = (now, self.slots.size, size, f"{self.decision}: {why}")
             self.slots.resize(size)
-            self.history.append((time.monotonic(), size))
+            self.history.append((now, size))
 
     def state(self) -> dict[str, Any]:
-        """The controller's state as plain data (progress line, dumps)."""
-        return {"limit": int(self.limit), "min": self.options.min_concurrency,
+        """The controller's state as plain data (progress line, dumps, metrics)."""
+        change = None
+        if self.last_change is not None:
+            at, old, new, why = self.last_change
+            change = f"{old}->{new} {time.monotonic() - at:.1f}s ago ({why})"
+        return {"limit": self.slots.size, "min": self.options.min_concurrency,
                 "max": self.options.max_concurrency, "in_use": self.slots.in_use,
                 "decision": self.decision,
                 "kv_usage": None if self.kv_usage is None else round(self.kv_usage, 3),
-                "engine_waiting": self.waiting, "preemptions": self.preemptions}
+                "engine_running": self.running, "engine_waiting": self.waiting,
+                "engine_max_running": self.max_running, "preemptions": self.preemptions,
+                "turnover_s": None if self.turnover_s is None else round(self.turnover_s, 3),
+                "changes": len(self.history) - 1, "last_change": change}
 
     def summary(self, since: float) -> dict[str, float]:
         """The limit's mean, min and max since ``since`` (time-weighted), and preemptions."""
@@ -263,26 +379,37 @@ class ConcurrencyController:
                 "preemptions": float(self.preemptions)}
 
     async def run(self, engine: object) -> None:
-        """Read the engine's load every ``interval_s`` and apply the rule, until cancelled."""
+        """Read the engine's load (every :meth:`interval`) and apply the rule, until
+        cancelled."""
         while True:
             load = await read_load(engine)
             self.update(load, time.monotonic())
-            await asyncio.sleep(self.options.interval_s)
+            self._interval = self.interval()
+            await asyncio.sleep(self._interval)
+
+
+def adaptive_options(config: PipelineConfig) -> AdaptiveConcurrency | None:
+    """The adaptive controller's options for ``config``: its own, the defaults when it is
+    auto (None), or None when the limit is fixed (False)."""
+    adaptive = config.adaptive_concurrency
+    if adaptive is False:
+        return None
+    return AdaptiveConcurrency() if adaptive is None else adaptive
 
 
 class Flow:
     """What admits samples on one loop: the slots, their controller (adaptive
-    concurrency, when configured) and the circuit breaker."""
+    concurrency, unless fixed) and the circuit breaker."""
 
-    __slots__ = ("_task", "_users", "breaker", "config", "controller", "slots")
+    __slots__ = ("_task", "_users", "breaker", "config", "controller", "engine", "slots")
 
     def __init__(self, config: PipelineConfig, slots: FifoSlots) -> None:
         self.config = config
         self.slots = slots
         self.breaker = CircuitBreaker(config.max_consecutive_engine_errors)
-        adaptive = config.adaptive_concurrency
-        self.controller = (None if adaptive is None
-                           else ConcurrencyController(slots, adaptive, config.max_concurrency))
+        options = adaptive_options(config)
+        self.controller = None if options is None else ConcurrencyController(slots, options)
+        self.engine: object = None
         self._task: asyncio.Task[None] | None = None
         self._users = 0
 
@@ -293,6 +420,7 @@ class Flow:
         if self._users == 0:
             self.breaker.reset()  # a new batch tries the engine again
         self._users += 1
+        self.engine = engine
         if self.controller is not None and self._task is None:
             self._task = asyncio.get_running_loop().create_task(
                 self.controller.run(engine), name="pipeline-flow-control")
@@ -314,10 +442,40 @@ class Flow:
             self.controller.sample_ran(time.monotonic() - item.started_at)
 
     def state(self) -> dict[str, Any]:
-        """Flow-control state as plain data: the limit and, when adaptive, the controller."""
-        out: dict[str, Any] = ({"limit": self.slots.size, "in_use": self.slots.in_use}
+        """Flow-control state as plain data: the limit and, when adaptive, the controller;
+        the circuit breaker when on; each server's health when the engine watches them."""
+        out: dict[str, Any] = ({"limit": self.slots.size, "in_use": self.slots.in_use,
+                                "decision": "fixed"}
                                if self.controller is None else self.controller.state())
         if self.breaker.limit is not None:
             out["breaker"] = {"open": self.breaker.opened, "errors_in_a_row": self.breaker.count,
                               "limit": self.breaker.limit}
+        servers = server_states(self.engine)
+        if servers:
+            out["servers"] = servers
         return out
+
+
+def server_states(engine: object) -> dict[str, dict[str, Any]]:
+    """Each server's health, keyed by ``host:port``, when ``engine`` watches its servers
+    (``engine.health``, :class:`~pipeline.engines.ServerHealth`): ``state`` (``up``,
+    ``down``, ``held out``: back but refused until its weights match, ``re-admitted``: up
+    again after being down), ``healthy``, ``downs`` and the last ``error``."""
+    health = getattr(engine, "health", None)
+    read = getattr(health, "state", None)
+    if not callable(read):
+        return {}
+    try:
+        states = read()
+    except Exception as exc:  # a view for logs and dumps: never fail the caller
+        return {"?": {"state": f"unreadable: {type(exc).__name__}: {exc}"}}
+    if not isinstance(states, dict):
+        return {}
+    out = {}
+    for url, s in states.items():
+        name = str(url).split("://", 1)[-1].rstrip("/")
+        state = ("held out" if s.get("held_out") else "down" if not s.get("healthy")
+                 else "re-admitted" if s.get("downs") else "up")
+        out[name] = {"state": state, "healthy": bool(s.get("healthy")),
+                     "downs": int(s.get("downs") or 0), "error": s.get("error")}
+    return out
