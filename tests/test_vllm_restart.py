@@ -145,6 +145,12 @@ async def test_killed_engine_core_restarts_with_current_weights_and_retries_turn
     finally:
         engine.ignore_eos = False
 
+    # nothing lost: every sample completed both turns; the first turn's tokens are the ones
+    # it held before the kill, and only second turns (request id "-1") were sent again
+    assert [s.status for s in result.samples] == [Status.COMPLETED] * SAMPLES
+    retried = [e["request_id"] for e in logs if e["event"] == "vllm_request_retried"]
+    assert retried and all(rid.endswith("-1") for rid in retried)
+    assert engine.retries == len(retried)
     # restarted once, a new core process, with the pushed weights and their version
     assert engine.watch.restarts == 1 and engine.watch.failure is None
     assert core_pid(engine) != killed
@@ -153,12 +159,6 @@ async def test_killed_engine_core_restarts_with_current_weights_and_retries_turn
     assert again.token_ids == pushed.token_ids and again.policy_version == 1
     print(f"restart took {engine.watch.restart_s[0]:.1f} s")
 
-    # nothing lost: every sample completed both turns; the first turn's tokens are the ones
-    # it held before the kill, and only second turns (request id "-1") were sent again
-    assert [s.status for s in result.samples] == [Status.COMPLETED] * SAMPLES
-    retried = [e["request_id"] for e in logs if e["event"] == "vllm_request_retried"]
-    assert retried and all(rid.endswith("-1") for rid in retried)
-    assert engine.retries == len(retried)
     for sample in result.samples:
         first = log.turns[sample.uid][0]
         assert 20 < len(first) < TURN_TOKENS

@@ -24,13 +24,16 @@ load the current weights and check the policy version) is the engine's ``replace
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 
 from pipeline._concurrency.cancel import wait_through_cancellation
 from pipeline._exceptions import ConfigError, EngineError
+from pipeline.engines._vllm_compat import close_zmq_context
 
 _logger = structlog.get_logger("pipeline.engines.vllm")
 
@@ -51,7 +54,7 @@ class CoreWatch:
 
     Args:
         name: the engine as messages name it (``in-process vLLM engine (model)``).
-        is_dead: whether the current core is dead (cheap, no I/O).
+        is_dead: why the current core is dead, or None while it lives (cheap, no I/O).
         replace: shut the dead engine down and start a new one in its place; raises when
             it cannot.
         restart: restart a dead core at all.
@@ -65,7 +68,7 @@ class CoreWatch:
         failure: why the engine is dead for good, or None.
     """
 
-    def __init__(self, name: str, *, is_dead: Callable[[], bool],
+    def __init__(self, name: str, *, is_dead: Callable[[], str | None],
                  replace: Callable[[], Awaitable[None]], restart: bool = True,
                  max_restarts: int = 3, interval_s: float = 1.0) -> None:
         check_options(max_restarts, interval_s)
@@ -96,8 +99,9 @@ class CoreWatch:
     async def _look(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            if self.failure is None and self._restarting is None and self._is_dead():
-                self._begin(self.generation, "the health watch found the engine core dead")
+            if self.failure is None and self._restarting is None \
+                    and (reason := self._is_dead()) is not None:
+                self._begin(self.generation, f"found by the health watch: {reason}")
 
     def _begin(self, generation: int, reason: str) -> asyncio.Task[None]:
         """The restart of core ``generation``: the one running, or a new one."""
@@ -178,3 +182,40 @@ class CoreWatch:
                 task.exception()  # retrieved: each logged its own failure
         if cancelled:
             raise asyncio.CancelledError
+
+
+class CoreDied(Exception):
+    """A request's engine core died under it (internal: the request is retried or fails)."""
+
+
+def core_dead(llm: Any) -> bool:
+    """Whether ``llm``'s engine core is dead (vLLM's ``errored``: the core process gone or
+    its output handler ended)."""
+    return llm is not None and bool(getattr(llm, "errored", False))
+
+
+def why_dead(llm: Any, exc: BaseException | None = None) -> str:
+    """Why ``llm``'s engine core died, readably: the process's exit (``EngineCore exited
+    with SIGKILL``) where vLLM's process manager saw it, else the exception."""
+    manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None),
+                      "engine_manager", None)
+    finished = getattr(manager, "finished_procs", None)
+    exits = finished() if callable(finished) else {}
+    if exits:
+        return "; ".join(f"{name} exited with " + (signal.Signals(-code).name if code < 0
+                                                   else f"code {code}")
+                         for name, code in exits.items())
+    return "vLLM reports it errored" if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+async def shut_down(llm: Any) -> None:
+    """Shut ``llm`` (an ``AsyncLLM``, alive or dead) down: its output handler, its engine
+    processes (joined in a thread: seconds) and its ZMQ context."""
+    # vLLM stops its output handler only after the engine core; with shutdown in a thread
+    # the handler would see the core die first and log EngineDeadError. Stop it here.
+    handler = getattr(llm, "output_handler", None)
+    if isinstance(handler, asyncio.Task) and not handler.done():
+        handler.cancel()
+        await asyncio.wait([handler])
+    await asyncio.to_thread(llm.shutdown)
+    close_zmq_context(llm)

@@ -49,7 +49,6 @@ from pipeline.engines._vllm_compat import (
     apply_vllm_env,
     as_engine_error,
     as_ids,
-    close_zmq_context,
     engine_arg_names,
     num_unfinished,
     oldest_version,
@@ -58,7 +57,14 @@ from pipeline.engines._vllm_compat import (
     token_versions,
     vllm_env,
 )
-from pipeline.engines._vllm_restart import CoreWatch, check_options
+from pipeline.engines._vllm_restart import (
+    CoreDied,
+    CoreWatch,
+    check_options,
+    core_dead,
+    shut_down,
+    why_dead,
+)
 from pipeline.engines._vllm_stats import SchedulerReadings
 from pipeline.engines._weight_sync import (
     PauseMode,
@@ -175,7 +181,7 @@ class VLLMEngine:
         """The engine as errors and logs name it."""
         self.retries = 0
         """Requests sent again after their engine core died under them."""
-        self.watch = CoreWatch(self.name, is_dead=lambda: _core_dead(self.llm),
+        self.watch = CoreWatch(self.name, is_dead=self._why_dead,
                                replace=self._replace,
                                restart=restart and launch is not None,
                                max_restarts=max_restarts, interval_s=health_interval_s)
@@ -330,7 +336,7 @@ class VLLMEngine:
             try:
                 final, submitted = await self._run(llm, prompt, params, request_id)
                 break
-            except _CoreDied as died:
+            except CoreDied as died:
                 if retry:
                     raise EngineError(f"request {request_id}: {self.name}: the engine core "
                                       f"died again while the request was retried on it "
@@ -360,7 +366,7 @@ class VLLMEngine:
         """One request on ``llm``: its final output and the version it was submitted under.
 
         Raises:
-            _CoreDied: ``llm``'s engine core died under the request.
+            CoreDied: ``llm``'s engine core died under the request.
         """
         final: Any = None
         self._versions[request_id] = None if self._paused else self.policy_version
@@ -371,10 +377,10 @@ class VLLMEngine:
             self.aborted.append(request_id)  # vLLM's generator aborted it on the way out
             raise
         except Exception as exc:
-            what = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, self._dead_error) or _core_dead(llm):
-                raise _CoreDied(what) from exc
-            raise EngineError(f"request {request_id}: vLLM failed: {what}") from exc
+            if isinstance(exc, self._dead_error) or core_dead(llm):
+                raise CoreDied(why_dead(llm, exc)) from exc
+            raise EngineError(f"request {request_id}: vLLM failed: {type(exc).__name__}: "
+                              f"{exc}") from exc
         finally:
             submitted = self._versions.pop(request_id, None)
         return final, submitted
@@ -411,7 +417,7 @@ class VLLMEngine:
         running and waiting, KV-cache use, preemptions and sampled tokens so far, and the
         batch limit as ``max_running``; None without statistics (``engine_stats=False``)
         or while the engine core is dead. Read by adaptive concurrency."""
-        if self._readings is None or self.llm is None or _core_dead(self.llm):
+        if self._readings is None or self.llm is None or core_dead(self.llm):
             return None
         limit = getattr(getattr(self.llm, "scheduler_config", None), "max_num_seqs", None)
         return self._readings.load(in_flight=len(self._versions),
@@ -425,24 +431,28 @@ class VLLMEngine:
         self._closed = True
         await self.watch.aclose()
         llm, self.llm = self.llm, None
-        await _shut_down(llm)
+        await shut_down(llm)
         del llm
         gc.collect()  # collect it now: its __del__ fails at interpreter exit
         self._drop_staged()
 
     # ----- restart ------------------------------------------------------------------------
 
+    def _why_dead(self) -> str | None:
+        """Why the engine core is dead, or None while it lives (the watch asks)."""
+        return why_dead(self.llm) if core_dead(self.llm) else None
+
     async def _replace(self) -> None:
         """The watch's restart: shut the dead engine down, start a new one with the same
         arguments, load the current weights into it and check its version."""
         assert self._launch is not None
         old = self.llm
-        await _shut_down(old)  # its engine core is gone; this reaps it and frees the rest
+        await shut_down(old)  # its engine core is gone; this reaps it and frees the rest
         llm = await self._launch()
         try:
             await self._restore(llm)
         except BaseException:
-            await _shut_down(llm)
+            await shut_down(llm)
             raise
         self.llm, self.features = llm, Features.detect(llm)
         del old
@@ -585,29 +595,6 @@ class VLLMEngine:
                                               "consistency-probe"):
             final = output
         return [int(t) for t in (final.prompt_token_ids or ())]
-
-
-class _CoreDied(Exception):
-    """A request's engine core died under it (internal: the request is retried or fails)."""
-
-
-def _core_dead(llm: Any) -> bool:
-    """Whether ``llm``'s engine core is dead (vLLM's ``errored``: the core process gone or
-    its output handler ended)."""
-    return llm is not None and bool(getattr(llm, "errored", False))
-
-
-async def _shut_down(llm: Any) -> None:
-    """Shut ``llm`` (an ``AsyncLLM``, alive or dead) down: its output handler, its engine
-    processes (joined in a thread: seconds) and its ZMQ context."""
-    # vLLM stops its output handler only after the engine core; with shutdown in a thread
-    # the handler would see the core die first and log EngineDeadError. Stop it here.
-    handler = getattr(llm, "output_handler", None)
-    if isinstance(handler, asyncio.Task) and not handler.done():
-        handler.cancel()
-        await asyncio.wait([handler])
-    await asyncio.to_thread(llm.shutdown)
-    close_zmq_context(llm)
 
 
 def _stage_state_dict(state_dict: Mapping[str, Any]) -> Path:
