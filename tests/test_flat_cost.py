@@ -10,7 +10,20 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline import BuildPrompt, Generate, Pipeline, SimulatedEngine, Status, artifacts
+from pipeline import (
+    AgentMessage,
+    BuildPrompt,
+    DatasetRow,
+    FinishReason,
+    Generate,
+    Pipeline,
+    RowError,
+    SimulatedEngine,
+    Status,
+    artifacts,
+)
+from pipeline._data.messages import assistant_message, prompt_message
+from pipeline._data.rows import parse_row
 from pipeline.testing import ByteTokenizer
 
 
@@ -137,3 +150,56 @@ async def test_an_abandoned_sample_keeps_copies_its_stage_cannot_change():
         await asyncio.sleep(0.01)
     assert item.artifacts[artifacts.RESPONSE_IDS] == [7, 8]
     assert sample.response_ids == [7] and sample.response_mask == [0]
+
+
+# Messages and rows built without validation must be what validation builds.
+
+@pytest.mark.parametrize("raw", [
+    {"role": "user", "content": "hi"},
+    {"role": "system", "content": None},
+    {"role": "tool", "content": "4", "tool_call_id": "call_0", "name": "calc"},
+])
+def test_a_plain_prompt_message_is_what_validation_makes(raw: dict[str, object]):
+    built, validated = prompt_message(raw), AgentMessage.model_validate(raw)
+    assert built == validated and built.model_dump() == validated.model_dump()
+    built.extra_note = "x"  # an extra field: in this message's own field set only
+    assert "extra_note" in built.model_fields_set and built.model_dump()["extra_note"] == "x"
+    again = prompt_message(raw)
+    assert "extra_note" not in again.model_fields_set
+    assert again.model_dump() == validated.model_dump()
+
+
+@pytest.mark.parametrize("raw", [
+    {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    {"role": "assistant", "content": "x", "tool_calls": [
+        {"id": "c", "function": {"name": "f", "arguments": "{}"}}]},
+    {"role": "user", "content": "hi", "reasoning_content": "r"},
+])
+def test_other_prompt_messages_are_validated(raw: dict[str, object]):
+    built = prompt_message(raw)
+    assert built == AgentMessage.model_validate(raw)
+    assert built.model_fields_set == set(raw)  # validation's own field set
+
+
+def test_an_assistant_message_keeps_plain_lists_and_validates_others():
+    ids, logprobs = [5, 6], [-0.5, -0.25]
+    built = assistant_message("hi", ids, logprobs, FinishReason.STOP,
+                              extra={"reasoning_content": "r"})
+    assert built.token_ids is ids and built.logprobs is logprobs
+    assert built == AgentMessage(role="assistant", content="hi", token_ids=ids,
+                                 logprobs=logprobs, finish_reason=FinishReason.STOP,
+                                 reasoning_content="r")
+    odd = assistant_message("hi", [5, True], [0, -0.5], FinishReason.STOP)
+    assert odd.token_ids == [5, 1] and type(odd.token_ids[1]) is int
+    assert odd.logprobs == [0.0, -0.5] and type(odd.logprobs[0]) is float
+
+
+def test_a_plain_row_is_what_validation_makes_and_keeps_the_callers_messages():
+    raw = {"messages": [{"role": "user", "content": "q"}], "ground_truth": "4",
+           "data_source": "math", "sampling": {"temperature": 0.5}, "tools": None}
+    row = parse_row(raw, 0)
+    assert row == DatasetRow.model_validate({**raw, "extra": {}})
+    assert row.messages is raw["messages"]  # not copied: the caller's list and dicts
+    # Template options still go through their validator.
+    with pytest.raises(RowError, match="chat_template_kwargs"):
+        parse_row({"prompt": "q", "chat_template_kwargs": {"tools": []}}, 0)

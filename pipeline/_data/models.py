@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from pipeline._data.config import SamplingParams
+from pipeline._data.construct import own_fields_set
 from pipeline._data.rows import DatasetRow
 
 
@@ -105,6 +106,13 @@ class AgentMessage(BaseModel):
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     finish_reason: FinishReason | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Messages built on the hot path share one field set (pipeline._data.messages);
+        # pydantic adds an extra field's name to it, so such a message first gets its own.
+        if name not in type(self).__pydantic_fields__:
+            own_fields_set(self)
+        super().__setattr__(name, value)
 
 
 @dataclasses.dataclass(slots=True)

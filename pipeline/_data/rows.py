@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline._data.config import check_template_kwargs, describe_validation_error
+from pipeline._data.construct import construct
 from pipeline._exceptions import RowError
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -110,6 +111,9 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
     data["extra"] = extra
     _check_messages(data["messages"], where, index, source)
     _check_fields(data, where, index)
+    row = _plain_row(data)
+    if row is not None:
+        return row
     try:
         return _validate_row(data)  # type: ignore[no-any-return]
     except ValidationError as exc:
@@ -118,6 +122,32 @@ def parse_row(raw: Mapping[str, Any] | DatasetRow, index: int | None = None) -> 
             row_index=index,
             field=".".join(str(p) for p in exc.errors()[0]["loc"]),
         ) from None
+
+
+def _plain_row(data: dict[str, Any]) -> DatasetRow | None:
+    """The row built without pydantic's validation when its values already have exactly the
+    field types (checked above and here), else None. Validating would copy the message list
+    and every message dict: the row then keeps the caller's (do not change them while the
+    batch runs), and one object less per row (its own field set) for the collector."""
+    messages, tools = data["messages"], data.get("tools")
+    if (type(messages) is not list or type(data.get("data_source", "")) is not str
+            or data.get("chat_template_kwargs")  # its options are checked by the validator
+            or not all(type(m) is dict and _str_keys(m) for m in messages)
+            or (tools is not None and (type(tools) is not list
+                                       or not all(type(t) is dict for t in tools)))):
+        return None
+    values = {"messages": messages, "tools": tools, "ground_truth": data.get("ground_truth"),
+              "data_source": data.get("data_source", "default")}
+    for key in ("sampling", "chat_template_kwargs", "extra"):
+        value = data.get(key, {})
+        if type(value) is not dict or not _str_keys(value):
+            return None
+        values[key] = value
+    return construct(DatasetRow, values)
+
+
+def _str_keys(values: dict[Any, Any]) -> bool:
+    return all(type(key) is str for key in values)
 
 
 def _check_messages(messages: Any, where: str, index: int | None,

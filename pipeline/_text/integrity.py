@@ -39,8 +39,10 @@ REASONS: tuple[str, ...] = (DECODE, LOGPROBS, PREFIX)
 """The checks, by the reason a failed one reports."""
 
 MARKS = "_token_integrity_marks"
-"""Private artifact of the loop's prefix check: ``[prompt list, prompt length, prompt end
-token, (position, token) of each turn boundary in the response ...]``."""
+"""Private artifact of the loop's prefix check: ``(id of the prompt list, prompt length, prompt
+end token, hash of the prompt ids, then position and token of each turn boundary in the
+response ...)``. A flat tuple of ints, which the cyclic collector stops tracking: a finished
+sample keeps it, and a list (holding the prompt list) was one more object to walk per sample."""
 
 
 def decode_mismatch(decoded: str, seen: str, *, prefix: bool = False) -> str | None:
@@ -76,30 +78,31 @@ def prefix_mismatch(previous: Sequence[int], prompt: Sequence[int]) -> str | Non
 
 def mark_turn(art: dict[str, Any], prompt: list[int], response: list[int]) -> None:
     """Remember where the loop's sequence ends now (after a turn or its template delta)."""
-    marks: list[Any] | None = art.get(MARKS)
+    marks: tuple[Any, ...] | None = art.get(MARKS)
     if marks is None:
-        art[MARKS] = marks = [prompt, len(prompt), prompt[-1] if prompt else None]
+        marks = (id(prompt), len(prompt), prompt[-1] if prompt else None, hash(tuple(prompt)))
     if response:
-        marks.append((len(response) - 1, response[-1]))
+        marks += (len(response) - 1, response[-1])
+    art[MARKS] = marks
 
 
 def loop_prefix_mismatch(art: dict[str, Any], prompt: list[int],
                          response: list[int]) -> str | None:
     """The loop's cheap prefix check before a turn (see the module doc)."""
-    marks: list[Any] | None = art.get(MARKS)
+    marks: tuple[Any, ...] | None = art.get(MARKS)
     if marks is None:
         return None
-    if marks[0] is not prompt:  # a new list (rare): it must hold the same ids
-        if marks[0] != prompt:
+    if marks[0] != id(prompt):  # a new list (rare): it must hold the same ids
+        if len(prompt) != marks[1] or hash(tuple(prompt)) != marks[3]:
             return (f"the prompt ids were replaced between turns by different ones "
                     f"({len(prompt)} tokens, {marks[1]} before)")
-        marks[0] = prompt
+        art[MARKS] = marks = (id(prompt), *marks[1:])
     if len(prompt) != marks[1] or (prompt and prompt[-1] != marks[2]):
         return (f"the prompt ids changed between turns ({len(prompt)} tokens, {marks[1]} "
                 f"before)")
     n = len(response)
-    for k in range(3, len(marks)):
-        at, token = marks[k]
+    for k in range(4, len(marks), 2):
+        at, token = marks[k], marks[k + 1]
         if at >= n or response[at] != token:
             got = "nothing" if at >= n else f"token {response[at]}"
             return (f"the response no longer extends the previous turn: position {at} holds "

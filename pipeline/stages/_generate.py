@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline import artifacts as A
+from pipeline._data.messages import assistant_message
 from pipeline._data.models import (
     NOT_SAMPLED,
     TOOL_CALL_ERRORS,
@@ -305,22 +306,19 @@ class Generate:
         tokenizer = ctx.resources.tokenizer
         if (text is None or tokenizer is None or finish_reason is not FinishReason.STOP
                 or parser is None):
-            return AgentMessage(role="assistant", content=text, token_ids=token_ids,
-                                logprobs=logprobs, finish_reason=finish_reason)
+            return assistant_message(text, token_ids, logprobs, finish_reason)
         # finish_reason stop: the last token is the stop token that closed the turn
         parsed, content = read_turn(parser, tokenizer, text, token_ids, closed=True)
         extra: dict[str, object] = {}
         if parsed.reasoning is not None:
             extra["reasoning_content"] = parsed.reasoning
         if not parsed.calls:
-            return AgentMessage(role="assistant", content=content, token_ids=token_ids,
-                                logprobs=logprobs, finish_reason=finish_reason, **extra)
+            return assistant_message(content, token_ids, logprobs, finish_reason, extra=extra)
         turn = item.artifacts[A.TURNS] - 1
         calls = [c.to_tool_call(f"call_{turn}_{i}") for i, c in enumerate(parsed.calls)]
         errors = {call.id: c.error for call, c in zip(calls, parsed.calls, strict=True)
                   if c.error is not None}
         if errors:
             extra[TOOL_CALL_ERRORS] = errors
-        return AgentMessage(role="assistant", content=content, tool_calls=calls,
-                            token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason,
-                            **extra)
+        return assistant_message(content, token_ids, logprobs, finish_reason,
+                                 tool_calls=calls, extra=extra)

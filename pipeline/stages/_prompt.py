@@ -9,7 +9,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline import artifacts as A
-from pipeline._data.models import AgentMessage, AgentRolloutItem
+from pipeline._data.messages import prompt_message
+from pipeline._data.models import AgentRolloutItem
 from pipeline._exceptions import ConfigError
 from pipeline._runner.context import Context
 from pipeline._text.encode import batch_encoder
@@ -102,7 +103,7 @@ class BuildPrompt:
             self._rendered.put(item.group_id, row, tokenizer, text, ids)
         item.artifacts[A.RAW_PROMPT] = text
         item.artifacts[A.PROMPT_IDS] = list(ids)
-        item.artifacts[A.MESSAGES] = [AgentMessage.model_validate(m) for m in row.messages]
+        item.artifacts[A.MESSAGES] = [prompt_message(m) for m in row.messages]
 
     async def _run_vision(self, item: AgentRolloutItem, ctx: Context) -> None:
         """Render a prompt with images: once per group, in a worker thread; the group's
@@ -119,7 +120,7 @@ class BuildPrompt:
         rendered, messages = await asyncio.shield(entry[1])
         item.artifacts[A.RAW_PROMPT] = rendered.text
         item.artifacts[A.PROMPT_IDS] = list(rendered.ids)
-        item.artifacts[A.MESSAGES] = [AgentMessage.model_validate(m) for m in messages]
+        item.artifacts[A.MESSAGES] = [prompt_message(m) for m in messages]
         item.artifacts[MULTI_MODAL] = SampleImages(self.processor, rendered.inputs)
 
     def _tools(self, row_tools: list[dict[str, Any]] | None, ctx: Context
