@@ -280,3 +280,35 @@ async def test_without_a_processor_image_blocks_are_final_errors(vl):
         assert got["error"]["message"].startswith(f"{where}: image blocks are not served"), got
         assert "no vision processor" in got["error"]["message"]
     assert engine.sent == {}
+
+
+async def test_malformed_image_blocks_get_4xx_naming_the_block(vl):
+    """Malformed image blocks on a proxy with a processor: a 4xx in Anthropic's shape whose
+    message starts with the block's path, never a 5xx; nothing reaches the engine. A media
+    type that is no image type (it would become the data URL's header) is refused as such."""
+    engine = SeenEngine(SimulatedEngine(latency_s=0.0))
+    good = b64(png((1, 2, 3), (32, 32)))
+    hostile = {
+        "no_source": ({"type": "image"}, 400, "messages.0.content.0.source"),
+        "source_text": ({"type": "image", "source": "x"}, 400, "messages.0.content.0.source"),
+        "no_kind": ({"type": "image", "source": {"data": good}}, 404,
+                    "messages.0.content.0.source"),
+        "media_number": (image_block(good, 5), 400, "messages.0.content.0.source.media_type"),
+        "media_text": (image_block(good, "text/plain"), 404,
+                       "messages.0.content.0.source.media_type"),
+        "media_header": (image_block(good, "image/png;base64,AAAA"), 404,
+                         "messages.0.content.0.source.media_type"),
+        "data_number": (image_block(7), 400, "messages.0.content.0.source.data"),
+        "bad_base64": (image_block("!!!not base64"), 404, "messages.0.content.0"),
+        "empty": (image_block(""), 404, "messages.0.content.0"),
+    }
+    async with ProxyServer(engine, vl["processor"].tokenizer, processor=vl["processor"]) as proxy:
+        session = proxy.create_session()
+        async with sdk(proxy.session_url(session), session.api_key) as client:
+            for name, (block, status, where) in hostile.items():
+                got = await refusal(client, [{"role": "user", "content": [
+                    block, {"type": "text", "text": "?"}]}])
+                assert got["status"] == status, (name, got)
+                assert got["error"]["type"] == "invalid_request_error", (name, got)
+                assert got["error"]["message"].startswith(where), (name, got)
+    assert engine.sent == {}

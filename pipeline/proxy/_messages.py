@@ -49,6 +49,7 @@ SDK honours as the ``openai`` one does; a refused field or image keeps the type
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, NamedTuple, NoReturn
 
@@ -63,6 +64,7 @@ BILLING_HEADER = "x-anthropic-billing-header"
 """The system block Claude Code prefixes with a per-request hash (dropped, listed)."""
 _MAX_STOPS = 4  # chat's limit: each stop string is searched in every reply
 _JSON = json.JSONEncoder(ensure_ascii=False)  # json.dumps with options builds one per call
+_MEDIA_TYPE = re.compile(r"image/[A-Za-z0-9.+-]+")
 
 
 class MessagesRequest(BaseModel):
@@ -339,6 +341,10 @@ def _image(block: dict[str, Any], where: str, ignored: set[str],
                          f"fetches no URL and holds no file (got type {value_repr(kind)})",
                          param=f"{where}.source.type", code="invalid_image")
     media_type = _string(source, "media_type", f"{where}.source")
+    if not _MEDIA_TYPE.fullmatch(media_type):  # it becomes a data URL's header
+        raise FinalError(f"{where}.source.media_type: an image type is served "
+                         f"('image/png', 'image/jpeg', ...), got {value_repr(media_type)}",
+                         param=f"{where}.source.media_type", code="invalid_image")
     data = _string(source, "data", f"{where}.source")
     if block.get("transformations") is not None:
         ignored.add("image.transformations")
