@@ -70,7 +70,10 @@ def start_server(model_dir: Path, args: argparse.Namespace) -> tuple[subprocess.
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(model_dir), "--served-model-name", "m", "--host", "127.0.0.1",
                "--port", str(port), "--max-model-len", "4096",
-               "--max-num-seqs", str(args.max_num_seqs)]
+               "--max-num-seqs", str(args.max_num_seqs),
+               # the logprobs the pipeline trains on; also keeps vLLM 0.24 on a GPU off its
+               # FlashInfer sampler, which it imports unconditionally otherwise (not carried)
+               "--logprobs-mode", "processed_logprobs"]
     env = dict(os.environ)
     if cuda():
         command += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
