@@ -82,6 +82,66 @@ async def test_the_limit_converges_holds_still_and_does_not_overshoot():
     assert metrics["rollout/flow/preemptions"] == controller.preemptions
 
 
+async def two_turns_with_a_tool(item, ctx):
+    """Generate, wait 20-80 ms on a "tool" (holding no KV), generate again."""
+    rng = random.Random(item.uid)
+    prompt = [5] * 64
+    sampled: list[int] = []
+    for turn in range(2):
+        if turn:
+            await asyncio.sleep(rng.uniform(0.02, 0.08))
+            prompt = [*prompt, *[6] * 16]
+        gen = await ctx.engine.generate(prompt, item.sampling, f"{item.uid}-{turn}")
+        prompt = [*prompt, *gen.token_ids]
+        sampled += gen.token_ids
+    item.artifacts[artifacts.PROMPT_IDS] = [5] * 64
+    item.artifacts[artifacts.RESPONSE_IDS] = sampled
+    item.artifacts[artifacts.RESPONSE_MASK] = [1] * len(sampled)
+    item.artifacts[artifacts.LOGPROBS] = [0.0] * len(sampled)
+
+
+async def test_with_tool_waits_the_limit_converges_past_the_engine_and_holds_still():
+    # A KV budget of about 30 of these sequences; samples out on the tool hold none, so the
+    # limit settles above what the engine runs, and holds there.
+    def responder(prompt_ids: list[int], rng: random.Random) -> list[int]:
+        return [7] * rng.randint(15, 47) + [EOS]
+
+    engine = SimulatedEngine(responder=responder, eos_token_id=EOS, seed=5, max_running=128,
+                             token_time_s=0.005, kv_capacity_tokens=4096)
+    pipe = Pipeline([two_turns_with_a_tool], engine=engine, tokenizer=ByteTokenizer(),
+                    max_concurrency=8, sample_timeout_s=None, progress_log_s=None,
+                    sampling=SamplingParams(max_tokens=256))  # adaptive: the default
+    running: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            running.append(engine.load().running)
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.ensure_future(watch())
+    result = await pipe.run_batch([{"prompt": "q"}] * 1500)
+    watcher.cancel()
+    await engine.aclose()
+    assert result.stats.by_status == {"completed": 1500}
+    controller = pipe._loop_state().flow.controller
+    assert controller is not None and controller.turnover_s is not None
+    history = controller.history
+    start, end = history[0][0], result.items[-1].ended_at
+    assert end is not None
+    half = controller.summary(start + (end - start) / 2)
+    engine_holds = max(running)
+    # Converged: past what the engine runs at once (samples on the tool count too) ...
+    assert half["limit_mean"] > engine_holds, (half, engine_holds)
+    # ... still over the second half ...
+    assert (half["limit_max"] - half["limit_min"]) / half["limit_mean"] < 0.10, (
+        half, list(history))
+    # ... and never over the engine's capacity by more than one turnover: the engine's
+    # sequences, their queue target (as many again) and the samples on the tool (at most a
+    # turnover's share), grown by one slow-start step.
+    assert max(n for _, n in history) <= 3 * engine_holds * SLOW_START, (engine_holds,
+                                                                          list(history))
+
+
 async def test_the_dump_shows_the_controller():
     engine = kv_engine()
     pipe = adaptive_pipeline(engine)

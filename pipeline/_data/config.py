@@ -140,8 +140,10 @@ class AdaptiveConcurrency(_RaisesConfigError):
         queue_target: once the engine is full, the limit steers to this many queued
             sequences per running one (a short queue keeps the engine full as sequences
             finish and samples come back from tools; a long one only adds waiting).
-        preempt_high: shrink when the engine preempted more than this many sequences per
-            running sequence since the last reading (its KV cache thrashes).
+        preempt_high: shrink when the engine preempts more than this many sequences per
+            running sequence per turnover (how long a sample holds its slot): its KV cache
+            thrashes, each sequence recomputed again and again. A few preemptions are how
+            an engine fills its KV cache, not a reason to shrink.
         interval_s: how often the engine's load is read.
     """
 
@@ -151,7 +153,7 @@ class AdaptiveConcurrency(_RaisesConfigError):
     max_concurrency: int = Field(8192, gt=0)
     kv_high: float = Field(0.95, gt=0.0, le=1.0)
     queue_target: float = Field(1.0, gt=0.0)
-    preempt_high: float = Field(0.1, gt=0.0)
+    preempt_high: float = Field(2.0, gt=0.0)
     interval_s: float = Field(0.1, gt=0)
 
     @field_validator("max_concurrency")

@@ -15,8 +15,8 @@ finish, so every rate is per turnover, and the load is read about
 :data:`READS_PER_TURNOVER` times per turnover (at most every ``interval_s``), so that its
 averages span several readings:
 
-- *shrink* by :data:`SHRINK` when the engine thrashes: it preempted more than
-  ``preempt_high`` sequences per running one since the last reading (at most once per half a
+- *shrink* by :data:`SHRINK` when the engine thrashes: it preempts more than
+  ``preempt_high`` sequences per running one per turnover (at most once per half a
   turnover);
 - *grow* while the engine has room (its KV cache below ``kv_high``, fewer running sequences
   than its cap) and the limit is in use (no free slot): by :data:`SLOW_START` per turnover
@@ -194,6 +194,7 @@ class ConcurrencyController:
         self.max_running: int | None = None
         self.preemptions = 0
         self._preemptions: int | None = None
+        self._preempt_rate = 0.0
         self.turnover_s: float | None = None
         self._ran_s: float | None = None
         self._completed = 0
@@ -302,10 +303,18 @@ class ConcurrencyController:
         # runs short for want of CPU, not of samples: growing then only winds the limit up
         # (x2.4 in a minute on a 2-core machine at load 11, unwound slowly after).
         lagging = dt > 2 * self._interval + LAG_S
+        # Preemptions per running sequence per turnover, averaged like the queue: a count
+        # per reading depended on how often the load was read, and a few preemptions are
+        # the engine's normal way of filling its KV cache (it admits until full, then evicts
+        # the youngest as contexts grow); shrinking on them fought the steering (a 10%
+        # sawtooth with tool waits) for no throughput: only repeated recompute is thrashing.
+        rate = preempted / dt if dt > 0 else 0.0
+        self._preempt_rate += min(0.5, dt / (turnover / 2)) * (rate - self._preempt_rate)
+        thrash = self._preempt_rate * turnover / max(1.0, running_avg)
         if running == 0 and not preempted:
             self.decision = "hold"  # nothing runs yet: a queue now is requests in transit
             return
-        if preempted > options.preempt_high * max(1, running):
+        if thrash > options.preempt_high:
             if now - self._last_shrink < turnover / 2:
                 self.decision = "hold"
                 return
@@ -313,7 +322,7 @@ class ConcurrencyController:
             self._pushed_back = True
             self.decision = "shrink"
             self._set(self.limit * SHRINK,
-                      f"{preempted} preemptions for {running} running since the last reading")
+                      f"{thrash:.1f} preemptions per running sequence per turnover")
         elif full or (self._pushed_back and waiting_avg > 0):
             self._pushed_back = True
             gap = target - waiting_avg

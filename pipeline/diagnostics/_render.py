@@ -53,7 +53,13 @@ def _render_samples(snapshot: Snapshot, out: list[str], limit: int) -> None:
     samples = snapshot.samples
     out.append("")
     for flow in snapshot.flow:
-        out.append("flow control: " + " ".join(f"{key}={value}" for key, value in flow.items()))
+        servers = flow.get("servers") or {}
+        out.append("flow control: " + " ".join(f"{key}={value}" for key, value in flow.items()
+                                               if key != "servers"))
+        for name, server in servers.items():  # an engine's servers, one line each
+            error = server.get("error") if isinstance(server, dict) else None
+            state = server.get("state") if isinstance(server, dict) else server
+            out.append(f"  server {name}: {state}" + (f" (last error: {error})" if error else ""))
     out.append(f"== samples in flight: {len(samples)} ==")
     if not samples:
         return
