@@ -93,7 +93,9 @@ class Setup:
         self.histories: dict[str, list[dict[str, Any]]] = {}
 
     def open(self, sid: str, group: str | None) -> None:
-        self.proxy.create_session(sid, metadata={} if group is None else {"group_id": group})
+        """A held session: it never expires (however slow the machine) until let go."""
+        self.proxy.create_session(sid, metadata={} if group is None else {"group_id": group},
+                                  held=True)
         self.histories[sid] = []
 
     async def turn(self, sid: str) -> None:
@@ -119,7 +121,7 @@ async def setup() -> AsyncIterator[Setup]:
     a, b = await Server().start(), await Server().start()
     engine = OpenAIEngine([a.url, b.url], model="m", backoff_s=0.01, health_interval_s=0.05)
     try:
-        async with ProxyServer(engine, TOK, idle_timeout_s=2.0) as proxy, \
+        async with ProxyServer(engine, TOK, idle_timeout_s=0.5) as proxy, \
                 aiohttp.ClientSession() as http:
             yield Setup(a, b, engine, proxy, http)
     finally:
@@ -184,7 +186,8 @@ async def test_ended_sessions_are_forgotten(setup: Setup):
         assert r.status == 200
     await setup.proxy.delete_session("gone")
     assert set(setup.engine.router.sessions) == {"idle"}
-    await until(lambda: setup.proxy.sessions.find("idle") is None)  # expired (2 s idle)
+    setup.proxy.sessions.get("idle").held = False  # its owner lets it go: it expires
+    await until(lambda: setup.proxy.sessions.find("idle") is None)  # (0.5 s idle)
     assert not setup.engine.router.sessions
     assert list(setup.engine.router.groups) == ["g"]  # for the group's later sessions
 
