@@ -159,7 +159,8 @@ class Snapshot:
     errors: tuple[str, ...] = field(default=())
     flow: tuple[dict[str, Any], ...] = field(default=())
     """Each running pipeline's flow control (``Pipeline.flow_state()``): concurrency limit,
-    admitted samples, the adaptive controller and the circuit breaker."""
+    admitted samples, the adaptive controller (bounds, decision, the engine's figures, the
+    last change and why), the circuit breaker and each server's health (``servers``)."""
 
     def task_groups(self) -> list[TaskGroupInfo]:
         """Tasks grouped by (state, await chain), largest group first."""

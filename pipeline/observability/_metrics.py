@@ -35,9 +35,11 @@
 ``rollout/stuck/<stage>``                           samples with one run of that stage longer
                                                     than ``stuck_stage_s`` (stages that ran)
 ``rollout/flow/<key>``                              only with ``flow=pipeline.flow_state()``:
-                                                    the concurrency limit, samples admitted,
-                                                    engine KV use and queue, preemptions,
-                                                    ``breaker/open`` and ``errors_in_a_row``
+                                                    the concurrency limit and its bounds,
+                                                    samples admitted, engine KV use, running
+                                                    and queue, preemptions, ``changes``,
+                                                    ``breaker/open`` and ``errors_in_a_row``,
+                                                    ``servers/<host:port>/{healthy,downs}``
 ==================================================  ==========================================
 
 Counters come from artifacts (see ``records.COUNTER_KEYS``): ``tool_calls``, ``tool_errors``
