@@ -1,6 +1,7 @@
 """The in-process engine's core watch (``pipeline.engines._vllm_restart.CoreWatch``) on its
 own: one restart task shared by every request of a dead core, the restart budget, a failed
-restart, the watch finding a dead idle core, cancelled waiters, ``aclose`` during a restart.
+restart, the watch finding a dead idle core, cancelled waiters, ``aclose`` during a restart,
+the step clock that finds a hung core.
 The real vLLM engine core is killed in tests/test_vllm_restart.py; here the core is a flag,
 so the orderings that are hard to hit there are exercised in milliseconds."""
 
@@ -11,7 +12,7 @@ import asyncio
 import pytest
 
 from pipeline import ConfigError, EngineError
-from pipeline.engines._vllm_restart import CoreWatch
+from pipeline.engines._vllm_restart import CoreWatch, StepClock
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -106,3 +107,18 @@ def test_bad_options_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as info:
         watch_of(Core(), **kwargs)
     assert info.value.field == field
+
+
+def test_the_step_clock_counts_only_time_with_work_and_no_step():
+    clock = StepClock(stall_s=5.0)
+    assert clock.stalled(steps=1, busy=True, now=0.0) is None
+    assert clock.stalled(steps=1, busy=True, now=4.0) is None
+    assert clock.stalled(steps=2, busy=True, now=9.0) is None  # it stepped: the clock restarts
+    assert clock.stalled(steps=2, busy=True, now=13.0) is None
+    assert clock.stalled(steps=2, busy=True, now=14.5) == pytest.approx(5.5)
+    assert clock.stalled(steps=2, busy=False, now=30.0) is None  # idle: no step is expected
+    assert clock.stalled(steps=2, busy=True, now=34.0) is None  # counted from the idle look
+    assert StepClock(None).stalled(steps=0, busy=True, now=1e9) is None
+    with pytest.raises(ConfigError) as info:
+        StepClock(0)
+    assert info.value.field == "stall_s"

@@ -71,13 +71,14 @@ class TurnLog:
         self.turns.setdefault(item.uid, []).append(list(item.artifacts[RESPONSE_IDS]))
 
 
-async def kill_during_second_turns(engine: VLLMEngine, log: TurnLog) -> int:
-    """SIGKILL the engine core once every sample finished its first turn and second turns
-    run; the killed pid."""
+async def kill_during_second_turns(engine: VLLMEngine, log: TurnLog,
+                                   how: signal.Signals = signal.SIGKILL) -> int:
+    """Send ``how`` to the engine core once every sample finished its first turn and second
+    turns run; the pid."""
     for _ in range(6000):  # 60 s at most
         if len(log.turns) == SAMPLES and engine.num_unfinished() > 0:
             pid = core_pid(engine)
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, how)
             return pid
         await asyncio.sleep(0.01)
     raise AssertionError("the second turns never ran")
@@ -167,11 +168,14 @@ async def test_killed_engine_core_restarts_with_current_weights_and_retries_turn
         assert sample.policy_version == 1
 
 
-async def test_a_death_beyond_max_restarts_fails_the_samples_naming_the_engine(
+async def test_a_hung_core_past_max_restarts_fails_the_samples_naming_the_engine(
         engine, tiny_tokenizer):
     # Last in the module: the engine stays dead. max_restarts=1 is spent by the test above
-    # (or is spent here when run alone: the first kill restarts, the second does not).
+    # (or is spent here when run alone: the first kill restarts, the second does not). The
+    # core is stopped (SIGSTOP: alive, no step): the watch finds it hung after stall_s,
+    # kills it, and has no restart left.
     log = TurnLog()
+    engine.step_clock.stall_s = 2.0
     engine.ignore_eos = True
     try:
         while engine.watch.restarts < engine.watch.max_restarts:
@@ -179,11 +183,12 @@ async def test_a_death_beyond_max_restarts_fails_the_samples_naming_the_engine(
             os.kill(pid, signal.SIGKILL)
             await engine.generate([1, 2, 3], SamplingParams(max_tokens=2), "revive")
         pipeline = await two_turns(engine, tiny_tokenizer, log)
-        killer = asyncio.ensure_future(kill_during_second_turns(engine, log))
+        killer = asyncio.ensure_future(kill_during_second_turns(engine, log, signal.SIGSTOP))
         result = await pipeline.run_batch([ROW], n=SAMPLES)
-        await killer
+        stopped = await killer
     finally:
         engine.ignore_eos = False
+        engine.step_clock.stall_s = None
     samples = result.samples
     assert len(samples) == SAMPLES
     assert {s.status for s in samples} == {Status.FAILED}
@@ -191,4 +196,6 @@ async def test_a_death_beyond_max_restarts_fails_the_samples_naming_the_engine(
     for sample in samples:
         assert "in-process vLLM engine (tiny-qwen2)" in (sample.error or "")
         assert "max_restarts=1" in (sample.error or "")
+        assert "hung: no engine step for" in (sample.error or "")
+        assert f"killed pid(s) [{stopped}]" in (sample.error or "")
     assert engine.watch.failure is not None

@@ -24,6 +24,8 @@ load the current weights and check the policy version) is the engine's ``replace
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -192,6 +194,46 @@ def core_dead(llm: Any) -> bool:
     """Whether ``llm``'s engine core is dead (vLLM's ``errored``: the core process gone or
     its output handler ended)."""
     return llm is not None and bool(getattr(llm, "errored", False))
+
+
+class StepClock:
+    """When the engine core last stepped while it had work: a core that holds requests and
+    takes no step for ``stall_s`` seconds is hung (alive to the OS, useless to the batch).
+
+    Args:
+        stall_s: seconds without a step, with requests in flight, that make a core hung;
+            None: never (a hung core is left to the sample deadlines).
+    """
+
+    def __init__(self, stall_s: float | None) -> None:
+        if stall_s is not None and (isinstance(stall_s, bool) or not stall_s > 0):
+            raise ConfigError(f"stall_s must be a number > 0 or None, got {stall_s!r}",
+                              field="stall_s")
+        self.stall_s = stall_s
+        self._steps = -1
+        self._since = 0.0
+
+    def stalled(self, steps: int, busy: bool, now: float) -> float | None:
+        """Seconds since the last step once they pass ``stall_s`` while ``busy``, else None;
+        ``steps``: the core's step count now (it moves while the core works)."""
+        if not busy or steps != self._steps:
+            self._steps, self._since = steps, now
+            return None
+        waited = now - self._since
+        return waited if self.stall_s is not None and waited >= self.stall_s else None
+
+
+def kill_core(llm: Any) -> list[int]:
+    """SIGKILL ``llm``'s engine core processes (a hung core: vLLM's own monitor then marks
+    the engine dead, as for any other death); their pids."""
+    manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None),
+                      "engine_manager", None)
+    pids = [int(p.pid) for p in getattr(manager, "processes", ())
+            if p.pid is not None and p.exitcode is None]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 def why_dead(llm: Any, exc: BaseException | None = None) -> str:

@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import shutil
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,10 @@ from pipeline.engines._vllm_compat import (
 from pipeline.engines._vllm_restart import (
     CoreDied,
     CoreWatch,
+    StepClock,
     check_options,
     core_dead,
+    kill_core,
     shut_down,
     why_dead,
 )
@@ -142,6 +145,9 @@ class VLLMEngine:
         restart: restart a dead engine core (needs ``launch``).
         max_restarts: restarts allowed in the engine's life.
         health_interval_s: seconds between two looks at the engine core.
+        stall_s: a core that holds requests and takes no step for this long is hung: the
+            watch kills it and restarts it (needs ``readings``); None: left to the sample
+            deadlines.
     """
 
     enforces = FORMAT_CONSTRAINTS | TOOL_CONSTRAINTS
@@ -153,7 +159,8 @@ class VLLMEngine:
                  policy_version: int = 0, request_seeds: bool = True,
                  launch: Callable[[], Awaitable[Any]] | None = None,
                  readings: SchedulerReadings | None = None, restart: bool = True,
-                 max_restarts: int = 3, health_interval_s: float = 1.0) -> None:
+                 max_restarts: int = 3, health_interval_s: float = 1.0,
+                 stall_s: float | None = None) -> None:
         self.llm = llm
         self.model = str(model)
         self.ignore_eos = ignore_eos
@@ -181,6 +188,11 @@ class VLLMEngine:
         """The engine as errors and logs name it."""
         self.retries = 0
         """Requests sent again after their engine core died under them."""
+        if stall_s is not None and readings is None:
+            raise ConfigError("stall_s needs the engine's statistics (engine_stats=True)",
+                              field="stall_s")
+        self.step_clock = StepClock(stall_s)
+        """When the engine core last stepped (``stall_s``: when it counts as hung)."""
         self.watch = CoreWatch(self.name, is_dead=self._why_dead,
                                replace=self._replace,
                                restart=restart and launch is not None,
@@ -197,7 +209,7 @@ class VLLMEngine:
                     max_num_batched_tokens: int | None = None, request_seeds: bool = True,
                     engine_kwargs: Mapping[str, Any] | None = None, restart: bool = True,
                     max_restarts: int = 3, health_interval_s: float = 1.0,
-                    engine_stats: bool = True) -> VLLMEngine:
+                    stall_s: float | None = None, engine_stats: bool = True) -> VLLMEngine:
         """Start an ``AsyncLLM`` on ``model`` (a model directory) in a worker thread.
 
         Args:
@@ -227,6 +239,9 @@ class VLLMEngine:
             restart: restart the engine core when it dies (see the class doc).
             max_restarts: restarts allowed in the engine's life.
             health_interval_s: seconds between two looks at the engine core.
+            stall_s: seconds without an engine step, with requests in flight, after which
+                the core counts as hung and is killed and restarted (default None: off, a
+                hung core is left to the sample deadlines; needs ``engine_stats``).
             engine_stats: have vLLM compute its scheduler statistics, read by :meth:`load`
                 (what ``vllm serve`` does by default; False spares the per-step cost and
                 :meth:`load` returns None).
@@ -236,6 +251,10 @@ class VLLMEngine:
             ConfigError: a pinned setting was overridden.
         """
         check_options(max_restarts, health_interval_s)
+        StepClock(stall_s)  # a bad value fails before the engine starts
+        if stall_s is not None and not engine_stats:
+            raise ConfigError("stall_s needs engine_stats=True (the engine's step count)",
+                              field="stall_s")
         apply_vllm_env(vllm_env(cache_root=cache_root,
                                 kv_cache_gib=1 if kv_cache_gib is None else kv_cache_gib))
         try:
@@ -274,7 +293,7 @@ class VLLMEngine:
             return cls(await launch(), model=model, ignore_eos=ignore_eos,
                        request_seeds=request_seeds, launch=launch, readings=readings,
                        restart=restart, max_restarts=max_restarts,
-                       health_interval_s=health_interval_s)
+                       health_interval_s=health_interval_s, stall_s=stall_s)
         except ConfigError:
             raise
         except Exception as exc:
@@ -439,16 +458,30 @@ class VLLMEngine:
     # ----- restart ------------------------------------------------------------------------
 
     def _why_dead(self) -> str | None:
-        """Why the engine core is dead, or None while it lives (the watch asks)."""
-        return why_dead(self.llm) if core_dead(self.llm) else None
+        """Why the engine core is dead, or None while it lives (the watch asks); a hung one
+        (see ``stall_s``) is killed here, so that vLLM tears it down as any dead core."""
+        if core_dead(self.llm):
+            return why_dead(self.llm)
+        if self._readings is None:
+            return None
+        busy = bool(self._versions) and not self._paused
+        waited = self.step_clock.stalled(self._readings.steps, busy, time.monotonic())
+        if waited is None:
+            return None
+        pids = kill_core(self.llm)
+        return (f"hung: no engine step for {waited:.1f} s with {len(self._versions)} "
+                f"request(s) in flight (stall_s={self.step_clock.stall_s}); killed pid(s) {pids}")
 
     async def _replace(self) -> None:
         """The watch's restart: shut the dead engine down, start a new one with the same
         arguments, load the current weights into it and check its version."""
         assert self._launch is not None
         old = self.llm
+        began = time.monotonic()
         await shut_down(old)  # its engine core is gone; this reaps it and frees the rest
+        shut = time.monotonic()
         llm = await self._launch()
+        started = time.monotonic()
         try:
             await self._restore(llm)
         except BaseException:
@@ -457,6 +490,9 @@ class VLLMEngine:
         self.llm, self.features = llm, Features.detect(llm)
         del old
         gc.collect()
+        _logger.info("vllm_engine_replaced", engine=self.name,
+                     shutdown_s=round(shut - began, 3), start_s=round(started - shut, 3),
+                     restore_s=round(time.monotonic() - started, 3))
 
     async def _restore(self, llm: Any) -> None:
         """Load the weights of :attr:`policy_version` into the new ``llm`` and check it."""
