@@ -134,3 +134,37 @@ def test_collate_carries_pixels_and_images_need_rope_index(processor, result):
     assert bad.value.field == "processor"
     line = samples[0].model_dump(mode="json")["multi_modal_inputs"]
     assert [(image["width"], image["tokens"]) for image in line] == [(80, 6), (112, 12)]
+
+
+def test_an_overlong_sample_with_images_is_emptied_not_cut(processor, result):
+    """A prompt budget that cuts the first sample's prompt (its image tokens among the cut):
+    collate empties that row and hands over none of its images, so the model's own forward
+    over the batch finds as many image tokens as features (a cut row broke it: 'Image
+    features and image tokens do not match'), and to_verl_batch builds its mrope positions
+    (it raised on the cut grid)."""
+    samples = result.samples
+    budget = len(samples[2].prompt_ids)
+    assert len(samples[0].prompt_ids) > budget >= len(samples[1].prompt_ids)
+    out = collate(samples, pad_token_id=151643, max_prompt_len=budget, max_response_len=R)
+    assert out["overlong"].tolist() == [True, False, False]
+    assert out["attention_mask"][0].sum() == 1 and not out["response_mask"][0].any()
+    assert out["image_counts"].tolist() == [0, 0, 1]
+    assert torch.equal(out["pixel_values"], samples[2].multi_modal_inputs.pixel_values)
+    assert int((out["input_ids"] == IMAGE_PAD).sum()) == samples[2].prompt_ids.count(IMAGE_PAD)
+    import transformers
+
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(ensure_tiny_vl_model())).eval()
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                       pixel_values=out["pixel_values"],
+                       image_grid_thw=out["image_grid_thw"]).logits
+    assert logits.shape[:2] == out["input_ids"].shape
+    batch = to_verl_batch(samples, items=result.items, pad_token_id=151643,
+                          max_prompt_len=budget, max_response_len=R, use_verl=False,
+                          processor=processor)
+    handed = batch["non_tensor_batch"]["multi_modal_inputs"]
+    assert [sorted(h) for h in handed] == [[], [], ["image_grid_thw", "images_seqlens",
+                                                    "pixel_values"]]
+    assert tuple(batch["batch"]["position_ids"].shape) == (3, 4, budget + R)
+    assert batch["non_tensor_batch"]["rollout_overlong"].tolist() == [True, False, False]

@@ -55,7 +55,10 @@ def collate(
     than the budget is still in the output, at its position, but *overlong*: cut to fit
     (the prompt keeps its last tokens, the response its first), masked (all-zero
     ``response_mask``, no reward, zero routing), flagged in ``overlong`` and counted in a
-    ``collate_overlong`` warning.
+    ``collate_overlong`` warning. An overlong sample *with images* is emptied instead (no
+    token, no image: one attended pad token, as below): a cut through its image tokens would
+    leave a vision forward fewer image tokens than image features (transformers' Qwen2-VL
+    raises on that, for the whole batch), and the row carries no loss either way.
 
     Optional fields are all-or-none across the batch. ``rollout_log_probs`` is present when
     any sample has logprobs, ``rm_scores`` when any has a reward, ``routed_experts`` when any
@@ -118,7 +121,8 @@ def collate(
         _logger.warning("collate_overlong", count=len(uids), uids=uids[:8],
                         max_prompt_len=max_prompt_len, max_response_len=max_response_len)
     result = _to_torch(out) if return_tensors == "pt" else out
-    result.update(image_columns(samples, return_tensors))
+    result.update(image_columns([None if empty else s for s, empty in zip(
+        samples, layout.emptied.tolist(), strict=True)], return_tensors))
     return result
 
 
@@ -134,6 +138,7 @@ class _Layout:
     slot_r: np.ndarray  # [B, R] True where a response token sits (right padding)
     masked: np.ndarray
     overlong: np.ndarray
+    emptied: np.ndarray  # overlong rows with images: no token kept (see collate)
 
     @classmethod
     def of(cls, samples: Sequence[RolloutSample], max_prompt_len: int, max_response_len: int,
@@ -148,9 +153,13 @@ class _Layout:
         width_r = (int(min(max_response_len, rlens.max(initial=1))) if longest
                    else max_response_len)
         keep_p, keep_r = np.minimum(plens, width_p), np.minimum(rlens, width_r)
+        emptied = overlong & np.fromiter((bool(getattr(s, "multi_modal_inputs", None))
+                                          for s in samples), bool, n)
+        keep_p[emptied] = keep_r[emptied] = 0
         slot_p = np.arange(width_p)[None, :] >= (width_p - keep_p)[:, None]
         slot_r = np.arange(width_r)[None, :] < keep_r[:, None]
-        return cls(width_p, width_r, keep_p, keep_r, slot_p, slot_r, masked, overlong)
+        return cls(width_p, width_r, keep_p, keep_r, slot_p, slot_r, masked, overlong,
+                   emptied)
 
 
 def _token_columns(samples: Sequence[RolloutSample], layout: _Layout,

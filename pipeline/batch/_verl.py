@@ -311,7 +311,9 @@ def to_verl_batch(
     samples = [with_response_token(s, pad_token_id) for s in samples]
     tensors = collate(samples, pad_token_id=pad_token_id, max_prompt_len=max_prompt_len,
                       max_response_len=max_response_len, pad_to="max", return_tensors="pt")
-    images = [s.multi_modal_inputs or None for s in samples]
+    # an overlong sample with images is emptied by collate: it hands over no image either
+    images = [None if cut else s.multi_modal_inputs or None
+              for s, cut in zip(samples, tensors["overlong"].tolist(), strict=True)]
     for key in ("pixel_values", "image_grid_thw", "image_counts"):  # per sample below
         tensors.pop(key, None)
     if any(images) or getattr(processor, "get_rope_index", None) is not None:  # as verl's
