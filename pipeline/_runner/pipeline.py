@@ -464,8 +464,11 @@ class Pipeline:
             run.in_stages = True
             try:
                 try:
-                    for stage in self.stages:
-                        await run_stage(stage, item, ctx)
+                    stages = self.stages
+                    # By index: a list iterator held across every await would be one more
+                    # object per sample in flight for the collector (a range's is untracked).
+                    for i in range(len(stages)):
+                        await run_stage(stages[i], item, ctx)
                 finally:
                     run.in_stages = False
                     if window is not None:

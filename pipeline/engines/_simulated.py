@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import math
 import random
+import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -205,7 +207,9 @@ class SimulatedEngine:
             # decodes before it fails): a random reply costs up to a millisecond.
             tokens, reason = self._complete(
                 self._reply(list(prompt_ids), rng, sampling.max_tokens), sampling)
-            logprobs = [-rng.expovariate(2.0) for _ in tokens]
+            # Only the comprehension's outermost iterable may name ``rng``: a name read inside
+            # it becomes a cell of this frame, one object more per request in flight.
+            logprobs = [-x for x in map(rng.expovariate, [2.0] * len(tokens))]
         # Everything is drawn before the wait: a live generator (2.5 KB of Mersenne Twister
         # state) held by every request in flight would weigh more than its reply does.
         del rng
@@ -213,7 +217,20 @@ class SimulatedEngine:
             versions, aborted = await self._decode(request_id, len(prompt_ids), tokens)
         else:
             started = asyncio.get_running_loop().time()
-            aborted = await self._wait(request_id, None if hang else latency)
+            # Awaited here, not in a coroutine of its own: one frame less per request in
+            # flight for the collector to walk.
+            outcome, timer = self._submit(request_id, None if hang else latency)
+            try:
+                aborted = await outcome
+                while not aborted and self._pause_mode == "keep" and self._opened is not None:
+                    await self._opened.wait()  # a kept request finishes after resume
+            except asyncio.CancelledError:
+                self.aborted.append(request_id)  # the caller went away: the request is dropped
+                raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                self._left(request_id)
             versions = self._versions_between(
                 started, asyncio.get_running_loop().time(), len(tokens))
         if aborted:
@@ -229,26 +246,18 @@ class SimulatedEngine:
         return Generation(tokens, logprobs, reason, reason.value, policy_version=oldest,
                           token_versions=per_token)
 
-    async def _wait(self, request_id: str, latency: float | None) -> bool:
-        """The latency model: wait ``latency`` (None: forever); True when aborted."""
+    def _submit(self, request_id: str, latency: float | None
+                ) -> tuple[asyncio.Future[bool], asyncio.TimerHandle | None]:
+        """The latency model: a future that ends ``False`` after ``latency`` (None: never;
+        ``True`` when aborted), and its timer."""
         loop = asyncio.get_running_loop()
         # A bare future plus a timer handle: far cheaper than a task per request, which
         # matters when this engine is the baseline of overhead benchmarks.
         outcome: asyncio.Future[bool] = loop.create_future()
-        timer = None if latency is None else loop.call_later(latency, _finish, outcome)
+        timer = None if latency is None else loop.call_later(latency, _finish, outcome,
+                                                             context=_timer_context())
         self.in_flight[request_id] = outcome
-        try:
-            aborted = await outcome
-            while not aborted and self._pause_mode == "keep" and self._opened is not None:
-                await self._opened.wait()  # a kept request finishes after resume
-            return aborted
-        except asyncio.CancelledError:
-            self.aborted.append(request_id)  # the caller went away: the request is dropped
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._left(request_id)
+        return outcome, timer
 
     async def _decode(self, request_id: str, prompt_len: int, tokens: list[int]
                       ) -> tuple[list[int], bool]:
@@ -377,6 +386,19 @@ def _check_capacity(*, max_running: int | None, token_time_s: float,
     if token_time_s <= 0:
         raise ConfigError(f"SimulatedEngine: token_time_s must be > 0, got {token_time_s}",
                           field="token_time_s")
+
+
+_TIMERS = threading.local()
+
+
+def _timer_context() -> contextvars.Context:
+    """One empty context per thread for the latency timers (``_finish`` reads no variable):
+    without one, each ``call_later`` copies the caller's, an object per request in flight.
+    Per thread, since a context cannot be entered twice at once."""
+    context: contextvars.Context | None = getattr(_TIMERS, "context", None)
+    if context is None:
+        context = _TIMERS.context = contextvars.Context()
+    return context
 
 
 def _finish(outcome: asyncio.Future[bool]) -> None:
