@@ -4,6 +4,7 @@ Run::
 
     python benchmarks/flat_cost.py                 # 1k / 10k / 100k, both collector settings
     python benchmarks/flat_cost.py --sizes 1000 10000 --quick   # a smoke run, nothing written
+    python benchmarks/flat_cost.py --workloads single --settings library_gc --name NAME
 
 The pipeline is imported as a trainer imports it and run with ``asyncio.run`` (not
 ``pipeline.asyncio_run``), so the collector keeps CPython's defaults (``library_gc``); the
@@ -22,7 +23,9 @@ Per run: process CPU time per sample (the whole ``run_batch``: items, stages, sa
 stats), wall time, the peak RSS growth per sample while the batch runs (sampled every
 10 ms), the collector's passes per generation and the time they took (``gc.callbacks``), and
 what a finished batch still holds per sample (Python allocations alive after ``run_batch``
-returned, held by its result; tracemalloc in a separate, smaller run).
+returned, held by its result; tracemalloc in a separate, smaller run), and the objects the
+collector tracks per finished sample and per sample in flight (what each full collection
+walks).
 """
 
 from __future__ import annotations
@@ -168,11 +171,48 @@ def kept_after(workload: str, size: int) -> dict[str, Any]:
             "kept_by_result_kb_per_sample": round((kept - base) / 1024 / size, 2)}
 
 
-def table(sizes: list[int], repeats: int) -> dict[str, Any]:
+def tracked_objects(workload: str, size: int) -> dict[str, float]:
+    """Objects the cyclic collector tracks per sample (``gc.get_objects()``, after a
+    collection): per finished sample held in the result and, for the single-turn workload,
+    per sample waiting on the engine (every sample in flight, the engine's latency raised)."""
+    make_pipe, make_rows = WORKLOADS[workload]
+    out: dict[str, float] = {}
+    gc.collect()
+    base = len(gc.get_objects())
+    result = asyncio.run(make_pipe(size).run_batch(make_rows(size)))
+    gc.collect()
+    out["per_kept_sample"] = round((len(gc.get_objects()) - base) / size, 1)
+    del result
+    if workload == "single":
+        out["per_sample_in_flight"] = round(asyncio.run(_in_flight_count(size)), 1)
+    return out
+
+
+async def _in_flight_count(size: int) -> float:
+    pipe = single_pipeline(size)
+    engine = pipe.resources.engine
+    assert isinstance(engine, SimulatedEngine)
+    engine.latency_s = 600.0
+    gc.collect()
+    base = len(gc.get_objects())
+    batch = asyncio.ensure_future(pipe.run_batch(single_rows(size)))
+    for _ in range(60_000):  # bounded: every sample reaches the engine within seconds
+        await asyncio.sleep(0.001)
+        if len(engine.in_flight) == size:
+            break
+    gc.collect()
+    count = (len(gc.get_objects()) - base) / size
+    await engine.aclose()  # the samples end aborted
+    await batch
+    return count
+
+
+def table(sizes: list[int], repeats: int, workloads: list[str],
+          settings: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for workload in WORKLOADS:
-        for setting, wrap in (("library_gc", lambda fn: fn()),
-                              ("edge_gc", lambda fn: rollout_gc_call(fn))):
+    wraps = {"library_gc": lambda fn: fn(), "edge_gc": rollout_gc_call}
+    for workload in workloads:
+        for setting, wrap in ((name, wraps[name]) for name in settings):
             rows: dict[str, Any] = {}
             for size in sizes:
                 runs = [wrap(lambda size=size, workload=workload: run_once(workload, size))
@@ -202,14 +242,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per size below 100,000 (the median is reported)")
     parser.add_argument("--quick", action="store_true", help="print only, write nothing")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
+                        default=list(WORKLOADS))
+    parser.add_argument("--settings", nargs="+", choices=["library_gc", "edge_gc"],
+                        default=["library_gc", "edge_gc"])
     parser.add_argument("--name", default="flat_cost", help="results file name")
     args = parser.parse_args()
     figures: dict[str, Any] = {"engine": "simulated (no model)", "latency_s": LATENCY_S,
+                               "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                               "load_average_before": os.getloadavg(),
                                "gc_threshold_at_start": gc.get_threshold(),
                                "goal_cpu_ratio": 1.15, "goal_memory_kb_per_sample": 5,
-                               "table": table(args.sizes, args.repeats)}
-    figures["kept"] = {w: kept_after(w, 2000) for w in WORKLOADS}
-    print(f"after run_batch: {figures['kept']}")
+                               "table": table(args.sizes, args.repeats, args.workloads,
+                                              args.settings)}
+    figures["kept"] = {w: kept_after(w, 2000) for w in args.workloads}
+    figures["tracked_objects"] = {w: tracked_objects(w, 2000) for w in args.workloads}
+    print(f"after run_batch: {figures['kept']}; tracked objects: {figures['tracked_objects']}")
     figures["load_average_after"] = os.getloadavg()
     if not args.quick:
         print(f"written to {write_result(args.name, figures)}")
