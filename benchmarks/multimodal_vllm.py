@@ -69,7 +69,9 @@ def rows() -> list[dict[str, Any]]:
     return [{"messages": [{"role": "user", "content": [part(size, seed), text]}]}
             for seed, size in enumerate([(120, 90), (224, 224), (640, 480)])] + [
         {"messages": [{"role": "user", "content": [part((200, 150), 7), part((96, 300), 8),
-                                                   text]}]}]
+                                                   text]}]},
+        # the control: no image, the same model (tells an image fault from a text one)
+        {"messages": [{"role": "user", "content": TEXT}]}]
 
 
 class Recorder:
@@ -104,19 +106,23 @@ def placeholder_runs(ids: list[int], token: int) -> list[int]:
 
 
 def forward_logprobs(model: Any, prompt: list[int], response: list[int], mm: Any,
-                     pad: int) -> Any:
+                     pad: int, mrope: bool = True) -> Any:
     """Log-softmax (temperature 1) of each response token from one forward pass with the
-    images; ``mm_token_type_ids`` marks the image tokens (transformers places its 3-D rotary
-    positions by them; without it the positions are a text-only model's)."""
+    images (``mm``; None: a text-only prompt). ``mm_token_type_ids`` marks the image tokens:
+    transformers places its 3-D rotary positions by them; ``mrope=False`` leaves it out
+    (every token then gets a text position: a diagnostic of where a gap comes from)."""
     import torch
 
     device = next(model.parameters()).device
     ids = torch.tensor([prompt + response], device=device)
+    extra: dict[str, Any] = {}
+    if mm is not None:
+        extra = {"pixel_values": mm.pixel_values.to(device),
+                 "image_grid_thw": mm.image_grid_thw.to(device)}
+    if mrope:
+        extra["mm_token_type_ids"] = (ids == pad).long()
     with torch.no_grad():
-        logits = model(input_ids=ids, mm_token_type_ids=(ids == pad).long(),
-                       pixel_values=mm.pixel_values.to(device),
-                       image_grid_thw=mm.image_grid_thw.to(device)
-                       ).logits[0, len(prompt) - 1:-1].double()
+        logits = model(input_ids=ids, **extra).logits[0, len(prompt) - 1:-1].double()
     return torch.log_softmax(logits, -1).gather(
         1, torch.tensor(response, device=device)[:, None])[:, 0].cpu()
 
@@ -150,13 +156,14 @@ def check(result: Any, recorder: Recorder, model: Any, processor: Any,
         row["images"] = len(mm.images) if mm else 0
         row["prompt_tokens"] = len(prompt)
         row["placeholder_runs"] = placeholder_runs(prompt, pad)
-        row["prompt_ok"] = (prompt == list(final.prompt_token_ids) and mm is not None
-                            and row["placeholder_runs"] == list(mm.image_token_counts))
+        counts = list(mm.image_token_counts) if mm else []
+        row["prompt_ok"] = (prompt == list(final.prompt_token_ids)
+                            and row["placeholder_runs"] == counts)
         data = (sent.get("multi_modal_data") or {}).get("image") or []
         uuids = (sent.get("multi_modal_uuids") or {}).get("image") or []
-        row["images_ok"] = (mm is not None and len(data) == len(mm.images)
-                            and list(uuids) == [i.sha256 for i in mm.images]
-                            and [im.size for im in data] == [i.image.size for i in mm.images])
+        row["images_ok"] = (not data and not uuids) if mm is None else (
+            len(data) == len(mm.images) and list(uuids) == [i.sha256 for i in mm.images]
+            and [im.size for im in data] == [i.image.size for i in mm.images])
         out_ = final.outputs[0]
         row["tokens_ok"] = (list(sample.response_ids) == [int(t) for t in out_.token_ids]
                             and len(item.artifacts[A.LOGPROBS]) == len(out_.token_ids))
@@ -166,6 +173,14 @@ def check(result: Any, recorder: Recorder, model: Any, processor: Any,
         response = list(sample.response_ids)
         reported = torch.tensor(item.artifacts[A.LOGPROBS], dtype=torch.float64)
         own = (reported - forward_logprobs(model, prompt, response, mm, pad)).abs()
+        row["rescore_max"], row["rescore_mean"] = float(own.max()), float(own.mean())
+        if mm is None:
+            row["rescore_ok"] = bool(own.max() <= TOLERANCE)
+            out.append(row)
+            continue
+        flat = (reported - forward_logprobs(model, prompt, response, mm, pad, False)).abs()
+        row["text_positions_max"], row["text_positions_mean"] = (float(flat.max()),
+                                                                 float(flat.mean()))
         swapped = mm.pixel_values.clone()
         first = processor.image_processor(images=[other_image.resize(mm.images[0].image.size)],
                                           return_tensors="pt")["pixel_values"]
@@ -175,7 +190,6 @@ def check(result: Any, recorder: Recorder, model: Any, processor: Any,
             swapped = torch.randn_like(swapped)
         wrong = (reported - forward_logprobs(model, prompt, response,
                                              _with_pixels(mm, swapped), pad)).abs()
-        row["rescore_max"], row["rescore_mean"] = float(own.max()), float(own.mean())
         row["other_image_max"], row["other_image_mean"] = float(wrong.max()), float(wrong.mean())
         row["rescore_ok"] = bool(own.max() <= TOLERANCE) and bool(wrong.max() > TOLERANCE)
         out.append(row)
@@ -196,12 +210,15 @@ def greedy_reference(model: Any, processor: Any, row: dict[str, Any], max_tokens
     from pipeline.multimodal import load_image
 
     content = row["messages"][0]["content"]
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
     images = [load_image(p["image_url"]["url"]).image for p in content
               if p["type"] == "image_url"]
     text = processor.apply_chat_template([{"role": "user", "content": [
         {"type": "image"} if p["type"] == "image_url" else p for p in content]}],
         tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=[text], images=images, return_tensors="pt").to(model.device)
+    inputs = processor(text=[text], images=images or None,
+                       return_tensors="pt").to(model.device)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
     prompt = inputs["input_ids"][0].tolist()
@@ -246,9 +263,14 @@ async def main(args: argparse.Namespace) -> None:
     summary["rescore_ok"] = sum(bool(r.get("rescore_ok")) for r in rows_sampled)
     summary["greedy_ok"] = sum(bool(r.get("greedy_ok")) for r in rows_greedy)
     summary["samples"], summary["sampled"] = len(every), len(rows_sampled)
-    summary["rescore_max"] = max((r.get("rescore_max", 0.0) for r in rows_sampled), default=None)
+    images = [r for r in rows_sampled if r.get("images")]
+    summary["rescore_max"] = max((r.get("rescore_max", 0.0) for r in images), default=None)
+    summary["text_only_rescore_max"] = max(
+        (r.get("rescore_max", 0.0) for r in rows_sampled if not r.get("images")), default=None)
+    summary["text_positions_min_of_max"] = min(
+        (r.get("text_positions_max", 0.0) for r in images), default=None)
     summary["other_image_min_of_max"] = min(
-        (r.get("other_image_max", 0.0) for r in rows_sampled), default=None)
+        (r.get("other_image_max", 0.0) for r in images), default=None)
     summary["passed"] = (all(summary[k] == len(every) for k in keys)
                          and summary["rescore_ok"] == len(rows_sampled)
                          and summary["greedy_ok"] == len(rows_greedy))
