@@ -30,7 +30,13 @@ from _model_fixtures import torch  # noqa: E402
 from pytest_asyncio import fixture as async_fixture  # noqa: E402
 from structlog.testing import capture_logs  # noqa: E402
 
-from pipeline import FinishReason, Pipeline, SamplingParams, Status  # noqa: E402
+from pipeline import (  # noqa: E402
+    AdaptiveConcurrency,
+    FinishReason,
+    Pipeline,
+    SamplingParams,
+    Status,
+)
 from pipeline.artifacts import RESPONSE_IDS  # noqa: E402
 from pipeline.engines.vllm import VLLMEngine  # noqa: E402
 from pipeline.stages import BuildPrompt, Generate, Loop  # noqa: E402
@@ -119,6 +125,17 @@ async def test_load_reads_vllm_scheduler_stats_while_requests_run(engine, tiny_t
     idle = engine.load()
     assert idle is not None and idle.running == 0 and idle.waiting == 0
     assert idle.preemptions == 0 and idle.sampled_tokens >= 6 * 300
+
+    # adaptive concurrency reads it: the controller steers on this engine (not "fixed")
+    pipeline = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tiny_tokenizer,
+                        sampling={"max_tokens": 32}, max_concurrency=4,
+                        adaptive_concurrency=AdaptiveConcurrency(interval_s=0.02))
+    result = await pipeline.run_batch([ROW] * 24)
+    assert {s.status for s in result.samples} == {Status.COMPLETED}
+    state = pipeline.flow_state()
+    assert state is not None and state["decision"] != "fixed"
+    assert state["engine_max_running"] == engine.llm.scheduler_config.max_num_seqs
+    assert state["kv_usage"] is not None
 
 
 async def test_killed_engine_core_restarts_with_current_weights_and_retries_turns(
