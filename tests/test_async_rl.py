@@ -167,7 +167,7 @@ async def test_an_update_while_a_sample_is_in_tools_versions_each_turn_by_its_we
     nt = verl["non_tensor_batch"]
     assert (nt["min_global_steps"][0], nt["max_global_steps"][0]) == (0, 1)
     [record] = to_xtuner([sample])
-    assert record["env"]["rollout"]["extra_info"]["token_versions"] == sample.token_versions
+    assert record["env"]["agent"]["extra_info"]["token_versions"] == sample.token_versions
     assert record["uid"]["version"] == 0
 
 

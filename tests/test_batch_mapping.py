@@ -203,6 +203,21 @@ def test_xtuner_records_match_the_doc(batch):
     assert [r["uid"] for r in again] == [r["uid"] for r in records]  # ids are stable
 
 
+def test_xtuner_rollout_extra_info_holds_only_xtuners_keys(batch):
+    """XTuner v1.0.1 types ``RLRolloutResponseItem.extra_info`` as a closed ``TypedDict``
+    (``routed_experts``, ``partial_rollout_input_ids``) under ``extra="forbid"``: any other key
+    there makes ``RLDataFlowItem.model_validate`` refuse the record (checked by hand with
+    XTuner's code, which is not on PyPI). The mask and versions ride in the agent's dict."""
+    records = to_xtuner(batch.samples, items=batch.items)
+    for sample, record in zip(batch.samples, records, strict=True):
+        assert set(record["env"]["rollout"]["extra_info"]) <= {"routed_experts",
+                                                               "partial_rollout_input_ids"}
+        agent = record["env"]["agent"]["extra_info"]
+        assert agent["response_mask"] == ([0] * len(sample.response_ids) if sample.masked
+                                          else sample.response_mask)
+        assert record["data"]["extra_info"]["train_prompt_ids"] == sample.prompt_ids
+
+
 def test_adapters_apply_the_routing_rule(batch):
     samples = [s.model_copy() for s in batch.samples]
     victim = next(s for s in samples if not s.masked)

@@ -73,12 +73,14 @@ def to_xtuner(
     Returns:
         Dicts ``{"uid": {...}, "data": {...}, "env": {"rollout": {...}, "judger": {...},
         "agent": {...}, "extra_info": {}}, "extra_info": {"retry_times": 0,
-        "extra_info": {}}}``; ``env.rollout.extra_info`` holds ``response_mask`` (XTuner's
-        record has no mask of its own; multi-turn samples need it) and, when the batch has
-        them, ``routed_experts`` as an array ``[prompt_len + response_len, num_layers,
-        topk]`` under the batch rules, and, when the sample tracks them, ``token_versions``
-        (the policy version of each response token, -1 on tool tokens) with
-        ``min_policy_version`` / ``max_policy_version``; ``uid.version`` is the oldest.
+        "extra_info": {}}}``. ``env.rollout.extra_info`` holds, when the batch has them,
+        ``routed_experts`` as an array ``[prompt_len + response_len, num_layers, topk]``
+        under the batch rules (XTuner v1.0.1 types that dict: nothing else may go there);
+        ``env.agent.extra_info`` holds ``tool_turns``, ``exit_reason``, ``response_mask``
+        (XTuner's record has no mask of its own; multi-turn samples need it) and, when the
+        sample tracks them, ``token_versions`` (the policy version of each response token,
+        -1 on tool tokens) with ``min_policy_version`` / ``max_policy_version``;
+        ``uid.version`` is the oldest.
         ``data.extra_info["train_prompt_ids"]`` is the prompt ids; ``data.multimodal_train_info``
         is None without images, else ``{"pixel_values": [patches, D], "image_grid_thw":
         [images, 3], "position_ids": [3, 1, prompt_len]}`` (torch tensors; every image of
@@ -102,15 +104,17 @@ def to_xtuner(
     records = []
     for i, (sample, arr) in enumerate(zip(samples, routes, strict=True)):
         item = items[i] if items is not None else None
-        rollout_extra: dict[str, Any] = {
-            "response_mask": [0] * len(sample.response_mask) if sample.masked
-            else list(sample.response_mask)}
+        rollout_extra: dict[str, Any] = {}
         if layout is not None:
             rollout_extra["routed_experts"] = filled_routes(sample, arr, layout)
+        agent_extra: dict[str, Any] = {
+            "tool_turns": sample.tool_turns, "exit_reason": sample.exit_reason,
+            "response_mask": [0] * len(sample.response_mask) if sample.masked
+            else list(sample.response_mask)}
         if sample.token_versions is not None:
-            rollout_extra["token_versions"] = list(sample.token_versions)
-            rollout_extra["min_policy_version"] = sample.policy_version
-            rollout_extra["max_policy_version"] = sample.max_policy_version
+            agent_extra["token_versions"] = list(sample.token_versions)
+            agent_extra["min_policy_version"] = sample.policy_version
+            agent_extra["max_policy_version"] = sample.max_policy_version
         reward = {**sample.reward_payload, "score": sample.reward}  # None when masked
         records.append({
             "uid": {"env": env, "root_id": int_id(sample.group_id),
@@ -143,8 +147,7 @@ def to_xtuner(
                 },
                 "judger": {"uid": sample.index, "reward": reward,
                            "extra_info": {"error": sample.error}},
-                "agent": {"extra_info": {"tool_turns": sample.tool_turns,
-                                         "exit_reason": sample.exit_reason}},
+                "agent": {"extra_info": agent_extra},
                 "extra_info": dict(sample.extra_fields),
             },
             "extra_info": {"retry_times": 0, "extra_info": {}},
