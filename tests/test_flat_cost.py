@@ -203,3 +203,21 @@ def test_a_plain_row_is_what_validation_makes_and_keeps_the_callers_messages():
     # Template options still go through their validator.
     with pytest.raises(RowError, match="chat_template_kwargs"):
         parse_row({"prompt": "q", "chat_template_kwargs": {"tools": []}}, 0)
+
+
+async def test_a_groups_samples_share_prompt_ids_and_prompt_messages():
+    pipe = two_stage_pipeline()
+    result = await pipe.run_batch([{"prompt": "q0"}, {"prompt": "q1"}], n=3)
+    assert result.stats.by_status == {"completed": 6}
+    first, second = result.items[:3], result.items[3:]
+    for group in (first, second):
+        ids = {id(item.artifacts[artifacts.PROMPT_IDS]) for item in group}
+        assert len(ids) == 1  # one list for the group
+        lists = [item.artifacts[artifacts.MESSAGES] for item in group]
+        assert len({id(messages) for messages in lists}) == 3  # a list of its own each
+        assert all(messages[0] is lists[0][0] for messages in lists)  # the same prompt message
+        assert all(len(messages) == 2 and messages[1].role == "assistant"
+                   for messages in lists)  # each with its own assistant turn only
+    assert first[0].artifacts[artifacts.PROMPT_IDS] != second[0].artifacts[artifacts.PROMPT_IDS]
+    assert first[0].artifacts[artifacts.MESSAGES][0].content == "q0"
+    assert second[0].artifacts[artifacts.MESSAGES][0].content == "q1"

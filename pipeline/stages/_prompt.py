@@ -10,7 +10,7 @@ from typing import Any
 
 from pipeline import artifacts as A
 from pipeline._data.messages import prompt_message
-from pipeline._data.models import AgentRolloutItem
+from pipeline._data.models import AgentMessage, AgentRolloutItem
 from pipeline._exceptions import ConfigError
 from pipeline._runner.context import Context
 from pipeline._text.encode import batch_encoder
@@ -42,6 +42,9 @@ class BuildPrompt:
     tokenizer (:mod:`pipeline._text.encode`: the prompts asked for in one loop iteration are
     encoded together, off the loop and over the machine's cores). The tokenizer is then used
     from that thread: do not change its padding or truncation settings while a batch runs.
+    The ``n`` samples of a prompt share one ``prompt_ids`` list (and their trainer views with
+    it) and their prompt messages (each sample has a ``messages`` list of its own): copy them
+    before changing them in place.
 
     With a ``processor`` (a vision-language model's), image parts of the messages (see
     :mod:`pipeline.multimodal`) are loaded, checked and rendered by it: the template's image
@@ -102,8 +105,10 @@ class BuildPrompt:
             ids = await self._encode(tokenizer, text)
             self._rendered.put(item.group_id, row, tokenizer, text, ids)
         item.artifacts[A.RAW_PROMPT] = text
-        item.artifacts[A.PROMPT_IDS] = list(ids)
-        item.artifacts[A.MESSAGES] = [prompt_message(m) for m in row.messages]
+        # The group's samples share one list (no stage changes prompt ids in place): a copy
+        # per sample was a tenth of what a finished sample keeps, and one more list to walk.
+        item.artifacts[A.PROMPT_IDS] = ids if type(ids) is list else list(ids)
+        item.artifacts[A.MESSAGES] = self._rendered.messages(item.group_id, row)
 
     async def _run_vision(self, item: AgentRolloutItem, ctx: Context) -> None:
         """Render a prompt with images: once per group, in a worker thread; the group's
@@ -182,6 +187,7 @@ class _RenderCache:
     def __init__(self, size: int = 1024) -> None:
         self.size = size
         self._entries: OrderedDict[str, tuple[Any, Any, str, list[int] | None]] = OrderedDict()
+        self._messages: OrderedDict[str, tuple[Any, list[AgentMessage]]] = OrderedDict()
 
     def get(self, group_id: str, row: Any, tokenizer: Any
             ) -> tuple[str, list[int] | None] | tuple[None, None]:
@@ -195,3 +201,14 @@ class _RenderCache:
         self._entries[group_id] = (row, tokenizer, text, ids)
         if len(self._entries) > self.size:
             self._entries.popitem(last=False)
+
+    def messages(self, group_id: str, row: Any) -> list[AgentMessage]:
+        """The row's messages as :class:`AgentMessage` objects, built once per group: its
+        samples share them (two objects per message and sample less to keep and walk), each
+        in a list of its own that its turns extend."""
+        entry = self._messages.get(group_id)
+        if entry is None or entry[0] is not row:
+            entry = self._messages[group_id] = (row, [prompt_message(m) for m in row.messages])
+            if len(self._messages) > self.size:
+                self._messages.popitem(last=False)
+        return list(entry[1])
