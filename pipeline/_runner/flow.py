@@ -70,7 +70,7 @@ SHRINK = 0.9
 """Factor applied when the engine thrashes (preempts)."""
 GAIN = 1.0
 """Share of a shortfall of the engine's queue (below its target) closed per turnover."""
-GAIN_DOWN = 0.25
+GAIN_DOWN = 0.1
 """Share of an excess of the engine's queue (above its target) closed per turnover: a
 queue that runs dry costs throughput at once, one too long only waiting, so the limit comes
 down slowly (it would otherwise follow the running count down and up again as long
@@ -84,6 +84,10 @@ READS_PER_TURNOVER = 8
 """The engine's load is read this often per turnover (at most every ``interval_s``)."""
 MIN_INTERVAL_S = 0.01
 """Never read the load more often than this."""
+ABSORBED = 0.5
+"""Growth holds for :data:`RUNNING_TURNOVERS` turnovers (and slow start ends) when the
+engine's requests grew by less than this share of the limit's growth over the last half
+turnover (both relative)."""
 LAG_S = 0.02
 """A reading later than twice its interval and this is a sign of an overloaded loop."""
 HISTORY = 4096
@@ -203,6 +207,9 @@ class ConcurrencyController:
         self.last_change: tuple[float, int, int, str] | None = None
         self._last_read: float | None = None
         self._interval = options.interval_s
+        self._probe: tuple[float, float, float] | None = None
+        self._held_until = -math.inf
+        self._in_engine = 0.0
         self._last_shrink = -math.inf
         self._pushed_back = False
         self._avg: tuple[float, float] | None = None
@@ -288,6 +295,8 @@ class ConcurrencyController:
             self._avg = (self._avg[0] + fast * (self.waiting - self._avg[0]),
                          self._avg[1] + slow * (running - self._avg[1]))
         waiting_avg, running_avg = self._avg
+        weight = 1.0 if self._in_engine <= 0 else min(0.5, dt / (turnover / 2))
+        self._in_engine += weight * (self.waiting + running - self._in_engine)
         target = options.queue_target * max(1.0, running_avg)
         # Full: no room for one more sequence now, or a queue longer than the target (the
         # head of the queue does not fit the KV left: the engine is backed up all the same).
@@ -302,7 +311,7 @@ class ConcurrencyController:
         # stage that blocks it), so admitted samples reach the engine late and its queue
         # runs short for want of CPU, not of samples: growing then only winds the limit up
         # (x2.4 in a minute on a 2-core machine at load 11, unwound slowly after).
-        lagging = dt > 2 * self._interval + LAG_S
+        lagging = dt > 2 * self._interval + LAG_S or self._unabsorbed(now, turnover)
         # Preemptions per running sequence per turnover, averaged like the queue: a count
         # per reading depended on how often the load was read, and a few preemptions are
         # the engine's normal way of filling its KV cache (it admits until full, then evicts
@@ -346,6 +355,40 @@ class ConcurrencyController:
                       + f"{running}{'' if cap is None else f'/{cap}'} running)")
         else:
             self.decision = "hold"
+
+    def _unabsorbed(self, now: float, turnover: float) -> bool:
+        """True while growth is held because the engine did not take what the last growth
+        admitted: half a turnover after a probe, with the limit grown by a tenth or more,
+        the engine's requests (running and waiting, averaged) must have grown by at least
+        :data:`ABSORBED` of that share. A sample admitted goes to the engine at once, or
+        after its tool call, so the engine's share of the admitted samples holds as the
+        limit grows; samples that the pipeline's own loop cannot get to the engine in time
+        (a loop that is the bottleneck: its CPU shared, a stage that computes) never
+        arrive, and the limit wound up x12 on them (256 -> 3,038 at 2 ms of CPU a sample,
+        the engine a fifth full)."""
+        if now < self._held_until:
+            return True
+        in_engine = self._in_engine
+        if self._probe is None or self._probe[2] <= 0:
+            self._probe = (now, float(self.slots.size), in_engine)
+            return False
+        since, size, before = self._probe
+        if now - since < turnover / 2:
+            return False
+        self._probe = None
+        grown = self.slots.size / size - 1
+        gained = in_engine / before - 1
+        if grown >= 0.1 and gained < ABSORBED * grown:
+            # As far as this pipeline can feed it, the engine is full: gentle growth from
+            # now on, and none for a while.
+            self._held_until = now + RUNNING_TURNOVERS * turnover
+            self._pushed_back = True
+            self.decision = "hold"
+            self.last_change = (now, int(size), self.slots.size,
+                                f"hold: {grown:.0%} more slots, {gained:+.0%} requests in the "
+                                "engine: samples wait for the CPU, not the engine")
+            return True
+        return False
 
     def _set(self, limit: float, why: str) -> None:
         self.limit = min(max(limit, self.options.min_concurrency), self.options.max_concurrency)
