@@ -508,7 +508,10 @@ class VLLMEngine:
             if Features.detect(llm).weight_versions:
                 with as_engine_error("setting the weight version"):
                     await llm.update_weight_version(str(version))
-                    reported = await llm.get_weight_version()
+            read = getattr(llm, "get_weight_version", None)  # vLLM 0.32 reads it back
+            if callable(read):
+                with as_engine_error("reading the weight version"):
+                    reported = await read()
                 if reported != str(version):
                     raise EngineError(f"the restarted engine reports weight version "
                                       f"{reported!r}, not {version}")
