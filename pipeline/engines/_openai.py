@@ -106,9 +106,10 @@ class OpenAIEngine:
         sticky_capacity: most sessions, and most groups, remembered for sticky routing
             (least recent dropped).
         affinity: False sends every request to the least busy server (no sticky routing).
-        overload_factor, overload_slack: a group's server takes no new session of it while
-            it has more than ``overload_factor`` x the requests in flight of the least busy
-            healthy server, plus ``overload_slack`` (:mod:`._routing`).
+        overload_factor: a group's server takes no new session of it while it has more
+            than ``overload_factor`` x the requests in flight of the least busy healthy
+            server, plus ``overload_slack`` (see ``pipeline/engines/_routing.py``).
+        overload_slack: the requests in flight added to that bound.
         extra_body: more fields for every completion request (e.g. ``{"min_p": 0.05}``).
         health_interval_s: seconds between health probes of every server.
         health_timeout_s: limit of one health probe.
