@@ -14,7 +14,8 @@ Same prompts, fixed output lengths (eos ignored), the same per-sample seeds on b
 - raw: the prompts are rendered and tokenized beforehand, then every request goes to
   ``engine.generate`` at once (``asyncio.gather``);
 - pipeline: ``Pipeline([BuildPrompt(), Generate(), Judge("exact_match")])`` on the same rows,
-  every sample in flight at once (``max_concurrency`` = number of prompts).
+  every sample in flight at once (``max_concurrency`` = number of prompts, fixed:
+  ``adaptive_concurrency=False``).
 
 Runs alternate raw / pipeline after a warm-up of each; per pair we report both throughputs and
 their ratio, and the median over pairs. The pipeline process's CPU time per sample
@@ -239,6 +240,9 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
     engine = Timeline(engine)
     pipeline = Pipeline([build, Generate(), Judge("exact_match")], engine=engine,
                         tokenizer=tokenizer, max_concurrency=count,
+                        # every sample in flight at once, as the raw side: a fixed limit
+                        # (the default controller would steer it by the engine's load)
+                        adaptive_concurrency=False,
                         sample_timeout_s=3600, seed=1,
                         sampling={"max_tokens": args.output_len, "temperature": 1.0})
     items = pipeline.make_items(data, n=1)

@@ -117,7 +117,9 @@ async def one_mode(url: str, mode: str, args: argparse.Namespace) -> dict[str, A
     pipe = Pipeline([generate], engine=engine, max_concurrency=64 if adaptive else int(mode),
                     sample_timeout_s=None, progress_log_s=None,
                     sampling=SamplingParams(max_tokens=args.output_len, temperature=1.0),
-                    adaptive_concurrency=AdaptiveConcurrency() if adaptive else None)
+                    # False: a fixed limit (None is the default controller on an engine that
+                    # reports its load, as this server does)
+                    adaptive_concurrency=AdaptiveConcurrency() if adaptive else False)
     before = await engine.load()
     started = time.monotonic()
     result = await pipe.run_batch([{"prompt": str(i)} for i in range(args.prompts)])
