@@ -2,7 +2,7 @@
 own: one restart task shared by every request of a dead core, the restart budget, a failed
 restart, the watch finding a dead idle core, cancelled waiters, ``aclose`` during a restart,
 the step clock that finds a hung core.
-The real vLLM engine core is killed in tests/test_vllm_restart.py; here the core is a flag,
+The real vLLM engine core is killed in tests/test_vllm_engine.py; here the core is a flag,
 so the orderings that are hard to hit there are exercised in milliseconds."""
 
 from __future__ import annotations
