@@ -37,10 +37,11 @@ import io
 import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from _common import write_result
-from engine_efficiency import commit
+from engine_efficiency import ROOT, commit
 from PIL import Image
 
 from pipeline import BuildPrompt, Generate, Pipeline
@@ -225,6 +226,22 @@ def greedy_reference(model: Any, processor: Any, row: dict[str, Any], max_tokens
     return prompt, out[0, len(prompt):].tolist()
 
 
+def wider_vision_model(width: int) -> Path:
+    """The tiny model with a vision tower ``width`` wide (2 heads; the tests' is 32, head
+    size 16), built under ``.cache``: tells a fault of the toy vision shape from a general
+    one."""
+    from pipeline.models import ModelKind
+    from pipeline.multimodal import TinyVLSpec, build_tiny_vl_model
+
+    target = ROOT / ".cache" / f"tiny-vl-vision{width}"
+    if not (target / "model.safetensors").exists():
+        processor = tiny_vl_processor()
+        processor.tokenizer.save_pretrained(str(target))
+        processor.image_processor.save_pretrained(str(target))
+        ModelKind.save_model(build_tiny_vl_model(TinyVLSpec(vision_hidden_size=width)), target)
+    return target
+
+
 async def main(args: argparse.Namespace) -> None:
     import torch
     import transformers
@@ -233,7 +250,8 @@ async def main(args: argparse.Namespace) -> None:
     from pipeline.engines.vllm import VLLMEngine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model_dir = ensure_tiny_vl_model()
+    model_dir = (ensure_tiny_vl_model() if args.vision_width is None
+                 else wider_vision_model(args.vision_width))
     processor = tiny_vl_processor(model_dir)
     data = rows()
     started = time.perf_counter()
@@ -277,6 +295,7 @@ async def main(args: argparse.Namespace) -> None:
     figures = {"engine": "vllm", "vllm_version": vllm.__version__, "device": device,
                "card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                "commit": commit(), "model": "tiny Qwen2.5-VL (random weights, float32)",
+               "vision_width": args.vision_width or 32,
                "engine_start_s": round(start_s, 1), "n": args.n, "tolerance": TOLERANCE,
                "summary": summary, "sampled": rows_sampled, "greedy": rows_greedy,
                "loadavg": os.getloadavg()}
@@ -289,4 +308,6 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the guard is requi
     parser.add_argument("--n", type=int, default=2, help="samples per image prompt")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--name", default=None, help="results file name")
+    parser.add_argument("--vision-width", type=int, default=None,
+                        help="a vision tower this wide instead of the tests' model (32)")
     asyncio.run(main(parser.parse_args()))
