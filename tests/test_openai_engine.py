@@ -1,5 +1,6 @@
 """OpenAIEngine: against a real vLLM OpenAI server on 127.0.0.1 (one per module, skipped where
-vLLM is not installed) and against small aiohttp servers for retries, routing and closing."""
+vLLM is not installed) and against small aiohttp servers for retries, routing and closing; the
+server's load read from its `/metrics` and adaptive concurrency steering on it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ import pytest
 from _vllm_server import MODEL, free_port, run_vllm_server
 from aiohttp import web
 
-from pipeline import EngineError, FinishReason, Pipeline, SamplingParams, Status
+from pipeline import (
+    AdaptiveConcurrency,
+    EngineError,
+    FinishReason,
+    Pipeline,
+    SamplingParams,
+    Status,
+)
+from pipeline.engines import EngineLoad
 from pipeline.engines._consistency import ConsistencyError, check_consistency
 from pipeline.engines._openai import OpenAIEngine, ServerError, pipeline_group_key
 from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model
@@ -352,5 +361,58 @@ async def test_factory_builds_a_checked_openai_engine(server, tiny_model_dir):
         gen = await engine.generate(tokenizer.encode("hi"), SamplingParams(max_tokens=3),
                                     "f-0-0")
         assert 1 <= len(gen.token_ids) <= 3
+    finally:
+        await engine.aclose()
+
+# ----- the server's load read from /metrics, adaptive concurrency on it (issue 38) --------
+# After the tests above, which want the server without other load.
+
+COUNT_ROWS = [{"messages": [{"role": "user", "content": f"Count to {i}."}]} for i in range(40)]
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_the_server_load_is_read_from_vllm_metrics(server, tiny_tokenizer):
+    engine = OpenAIEngine(server, model=MODEL, ignore_eos=True)
+    try:
+        idle = await engine.load()
+        assert isinstance(idle, EngineLoad)
+        assert idle.running == 0 and idle.waiting == 0
+        assert idle.kv_usage is not None and 0.0 <= idle.kv_usage <= 1.0
+        assert isinstance(idle.preemptions, int)
+        pipe = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tiny_tokenizer,
+                        sampling=SamplingParams(max_tokens=256), progress_log_s=None)
+        batch = asyncio.ensure_future(pipe.run_batch(COUNT_ROWS))
+        seen: list[EngineLoad] = []
+        while not batch.done() and len(seen) < 200:
+            load = await engine.load()
+            if load is not None:
+                seen.append(load)
+            await asyncio.sleep(0.05)
+        result = await batch
+        assert result.stats.by_status == {"completed": 40}
+        assert max(load.running for load in seen) > 1  # the server reported its batch
+        assert max(load.kv_usage or 0.0 for load in seen) > idle.kv_usage
+    finally:
+        await engine.aclose()
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_adaptive_concurrency_steers_on_the_server(server, tiny_tokenizer):
+    engine = OpenAIEngine(server, model=MODEL, ignore_eos=True)
+    try:
+        pipe = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tiny_tokenizer,
+                        sampling=SamplingParams(max_tokens=64), progress_log_s=None,
+                        max_concurrency=4,
+                        adaptive_concurrency=AdaptiveConcurrency(interval_s=0.05))
+        result = await pipe.run_batch(COUNT_ROWS * 2)
+        assert result.stats.by_status == {"completed": 80}
+        state = pipe.flow_state()
+        assert state is not None and state["decision"] != "fixed"  # it had signals
+        # The server had room (a tiny model, 1 GiB of KV): the limit grew from 4.
+        assert max(n for _, n in pipe._loop_state().flow.controller.history) > 4
     finally:
         await engine.aclose()
