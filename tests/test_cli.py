@@ -38,20 +38,6 @@ def test_unknown_scenario_lists_known_ones():
     assert "unknown scenario 'nope'; known: arith, arith-single" in proc.stderr
 
 
-def test_run_arith_on_the_tiny_model_with_tools(tmp_path):
-    """The main job's scenario on a real model (transformers engine; vLLM is tested apart)."""
-    out = tmp_path / "traj.jsonl"
-    proc = rollout("run", "arith", "--engine", "transformers", "--rows", "3", "--n", "2",
-                   "--max-tokens", "24", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "TransformersEngine" in proc.stdout or "WeightSyncedEngine" in proc.stdout
-    samples = read_trajectories(out).samples
-    assert len(samples) == 6
-    for sample in samples:
-        assert sample.status == "completed" and sample.response_len > 0
-        assert [r.name for r in sample.records][:3] == ["build_prompt", "loop", "generate"]
-
-
 def test_run_arith_on_the_simulated_engine_runs_the_tool_loop(tmp_path):
     """``rollout run arith --engine simulated`` (the scenario's docstring says it works):
     the scripted agent calls the calculator, then answers with its result."""

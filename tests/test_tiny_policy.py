@@ -15,6 +15,7 @@ from pipeline import Pipeline
 from pipeline.engines.transformers import TransformersEngine
 from pipeline.models import tiny_policy_dir, tiny_policy_info
 from pipeline.models._template import CHAT_TEMPLATE
+from pipeline.observability import read_trajectories
 from pipeline.tools import evaluate_arithmetic
 from scenarios import arith_tools
 from scenarios.train_tiny_policy import (
@@ -163,12 +164,20 @@ def test_training_script_writes_a_loadable_model(tmp_path):
 
 @pytest.mark.slow
 def test_main_job_shows_tool_calls_and_a_reward_in_range(tmp_path):
+    """The main job's scenario on the transformers engine (vLLM is tested apart): the report
+    and the trajectories it writes."""
     out = tmp_path / "traj.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "run", "arith", "--engine", "transformers",
          "--rows", "16", "--n", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TransformersEngine" in proc.stdout or "WeightSyncedEngine" in proc.stdout
+    samples = read_trajectories(out).samples
+    assert len(samples) == 32
+    for sample in samples:
+        assert sample.status == "completed" and sample.response_len > 0
+        assert [r.name for r in sample.records][:3] == ["build_prompt", "loop", "generate"]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("tool calls/errors"))
     calls = int(line.split()[-5])
     assert calls >= 20  # of 32 samples
