@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,23 @@ PARAMS = [pytest.param(block, id=block.id,
           for block in RUN]
 
 
+def policy_earns_its_reward(stdout: str) -> None:
+    """The set-up guide's tiny-policy example: on the rows it was trained on, the shipped
+    policy calls the calculator and earns a reward well above a bare prompt's few percent."""
+    found = re.search(r"reward mean ([\d.]+), tool calls (\d+)", stdout)
+    assert found, stdout
+    assert float(found[1]) >= 0.15 and int(found[2]) >= 40, stdout
+
+
+OUTPUT_CHECKS = {("guides/getting-started.md", "tiny_policy_dir()"): policy_earns_its_reward}
+"""What an example must print, beyond running: (page, a string of its code) -> a check."""
+
+
+def output_check(block: Block) -> Callable[[str], None] | None:
+    return next((check for (page, marker), check in OUTPUT_CHECKS.items()
+                 if block.page == page and marker in block.code), None)
+
+
 @pytest.mark.parametrize("block", PARAMS)
 def test_python_examples_run(tmp_path, block):
     proc = subprocess.run(
@@ -93,6 +111,9 @@ def test_python_examples_run(tmp_path, block):
         cwd=tmp_path
     )
     assert proc.returncode == 0, f"{block.page}:{block.line}\n{proc.stderr[-2000:]}"
+    check = output_check(block)
+    if check is not None:
+        check(proc.stdout)
 
 
 def test_blocks_marked_not_run_compile_and_say_why():
