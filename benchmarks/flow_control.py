@@ -27,8 +27,8 @@ drain (the last turnover, at any setting) are small shares: a run of a few turno
 short shape's 3,000 samples, about 3 s) cannot show convergence. ``--scale`` multiplies the
 sizes.
 
-Adaptive runs with no setting at all (``PipelineConfig()``'s defaults: auto, from
-``max_concurrency`` 256) and two batches on one pipeline (the limit carries over between
+Adaptive runs with ``AdaptiveConcurrency()``'s defaults and nothing else set (from the
+default ``max_concurrency``, 256) and two batches on one pipeline (the limit carries over between
 batches, as between a trainer's steps): the first is reported as ``cold_tokens_per_s``; the
 second is the one compared. The figures are noisy on a loaded machine: the load average is
 recorded beside each shape, and a shape's sweep and adaptive runs are compared within one
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import random
 import time
@@ -47,6 +48,7 @@ from typing import Any
 from _common import write_result
 
 from pipeline import (
+    AdaptiveConcurrency,
     Pipeline,
     PipelineConfig,
     SamplingParams,
@@ -109,10 +111,10 @@ async def run_once(shape_name: str, samples: int, concurrency: int | None,
     """One batch: fixed ``concurrency``, or adaptive (the defaults) when None."""
     shape = SHAPES[shape_name]
     eng = make_engine(shape, seed, **engine)
-    fixed: dict[str, Any] = ({} if concurrency is None
-                             else {"max_concurrency": concurrency, "adaptive_concurrency": False})
+    mode: dict[str, Any] = ({"adaptive_concurrency": AdaptiveConcurrency()} if concurrency is None
+                            else {"max_concurrency": concurrency, "adaptive_concurrency": False})
     config = PipelineConfig(sample_timeout_s=None, progress_log_s=None,
-                            sampling=SamplingParams(max_tokens=1024), **fixed)
+                            sampling=SamplingParams(max_tokens=1024), **mode)
     pipe = Pipeline([agent(shape)], engine=eng, tokenizer=ByteTokenizer(), config=config)
     rows = [{"prompt": f"q{i}"} for i in range(samples)]
     cold = None
@@ -123,6 +125,10 @@ async def run_once(shape_name: str, samples: int, concurrency: int | None,
         started = time.monotonic()
         first = await pipe.run_batch(rows)
         cold = round(first.stats.model_tokens / (time.monotonic() - started), 1)
+        del first  # the first batch's samples would otherwise weigh on the second's GC
+    # Every timed batch starts from a collected heap: the runs are CPU-bound on a loaded
+    # machine, and a full collection of one run's leftovers would land on the next.
+    gc.collect()
     before = eng.load().preemptions or 0
     started = time.monotonic()
     result = await pipe.run_batch(rows)

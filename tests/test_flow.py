@@ -110,7 +110,8 @@ async def test_with_tool_waits_the_limit_converges_past_the_engine_and_holds_sti
                              token_time_s=0.005, kv_capacity_tokens=4096)
     pipe = Pipeline([two_turns_with_a_tool], engine=engine, tokenizer=ByteTokenizer(),
                     max_concurrency=8, sample_timeout_s=None, progress_log_s=None,
-                    sampling=SamplingParams(max_tokens=256))  # adaptive: the default
+                    sampling=SamplingParams(max_tokens=256),
+                    adaptive_concurrency=AdaptiveConcurrency())
     running: list[int] = []
 
     async def watch() -> None:
@@ -151,7 +152,9 @@ async def test_the_dump_shows_the_controller():
     await batch
     await engine.aclose()
     flow = [f for f in snapshot.flow if "decision" in f]
-    assert flow and flow[0]["limit"] >= 16 and flow[0]["min"] == 4
+    # (A limit under its start of 16 is possible here: requests in transit at the start
+    # read as a queue longer than the running batch.)
+    assert flow and 4 == flow[0]["min"] <= flow[0]["limit"] <= flow[0]["max"]
     assert "flow control: pipeline=" in render_text(snapshot)
 
 

@@ -1,7 +1,8 @@
-"""Adaptive concurrency as the default, and flow control's state where a person looks: the
-progress line, the metrics and a real SIGUSR1 dump of a child process. The servers are real
-aiohttp servers on 127.0.0.1 answering as vLLM does (``/health``, ``/metrics``, token-id
-``/v1/completions``); one of two is not there at first (down), then comes up (re-admitted)."""
+"""Adaptive concurrency where the engine tells its load, and flow control's state where a
+person looks: the progress line, the metrics and a real SIGUSR1 dump of a child process. The
+servers are real aiohttp servers on 127.0.0.1 answering as vLLM does (``/health``,
+``/metrics``, token-id ``/v1/completions``); one of two is not there at first (down), then
+comes up (re-admitted)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from pipeline import ConfigError, Pipeline, PipelineConfig, SamplingParams, SimulatedEngine
+from pipeline import (
+    AdaptiveConcurrency,
+    ConfigError,
+    Pipeline,
+    PipelineConfig,
+    SamplingParams,
+    SimulatedEngine,
+)
 from pipeline.diagnostics import DUMP_DIR_ENV
 from pipeline.engines import OpenAIEngine
 from pipeline.observability import ProgressHeartbeat, batch_metrics
@@ -79,31 +87,34 @@ def capacity_engine() -> SimulatedEngine:
     return SimulatedEngine(max_running=16, token_time_s=0.002, kv_capacity_tokens=2048)
 
 
-async def test_adaptive_is_the_default_where_the_engine_tells_its_load():
+async def test_adaptive_where_the_engine_tells_its_load_fixed_otherwise():
     rows = [{"prompt": "q"}] * 300
     sampling = SamplingParams(max_tokens=24)
-    # No setting at all: the engine tells its load, so the limit follows it.
+    # The engine tells its load: the limit follows it.
     engine = capacity_engine()
     pipe = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=ByteTokenizer(),
-                    max_concurrency=8, progress_log_s=None, sampling=sampling)
+                    max_concurrency=8, progress_log_s=None, sampling=sampling,
+                    adaptive_concurrency=AdaptiveConcurrency())
     result = await pipe.run_batch(rows)
     await engine.aclose()
     assert result.stats.by_status == {"completed": 300}
     state = pipe.flow_state()
     assert state is not None and state["changes"] > 0 and state["limit"] > 8, state
     assert state["decision"] != "fixed" and state["last_change"], state
-    # False: the limit the user set, whatever the engine tells.
-    engine = capacity_engine()
-    fixed = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=ByteTokenizer(),
-                     max_concurrency=8, progress_log_s=None, sampling=sampling,
-                     adaptive_concurrency=False)
-    result = await fixed.run_batch(rows)
-    await engine.aclose()
-    assert result.stats.by_status == {"completed": 300}
-    assert fixed.flow_state() == {"limit": 8, "in_use": 0, "decision": "fixed"}
-    # An engine without load signals keeps the limit, with no setting either.
+    # False, and for now None (the default): the limit the user set, whatever the engine.
+    for setting in (False, None):
+        engine = capacity_engine()
+        fixed = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=ByteTokenizer(),
+                         max_concurrency=8, progress_log_s=None, sampling=sampling,
+                         adaptive_concurrency=setting)
+        result = await fixed.run_batch(rows)
+        await engine.aclose()
+        assert result.stats.by_status == {"completed": 300}
+        assert fixed.flow_state() == {"limit": 8, "in_use": 0, "decision": "fixed"}
+    # An engine without load signals keeps the limit, adaptive or not.
     latency = Pipeline([BuildPrompt(), Generate()], engine=SimulatedEngine(latency_s=0.001),
-                       tokenizer=ByteTokenizer(), max_concurrency=3, progress_log_s=None)
+                       tokenizer=ByteTokenizer(), max_concurrency=3, progress_log_s=None,
+                       adaptive_concurrency=AdaptiveConcurrency())
     await latency.run_batch(rows[:20])
     state = latency.flow_state()
     assert state is not None and state["limit"] == 3 and state["decision"] == "fixed"
@@ -115,7 +126,7 @@ def test_a_nonsense_adaptive_setting_is_a_config_error_naming_the_field(value):
     with pytest.raises(ConfigError) as caught:
         PipelineConfig(adaptive_concurrency=value)
     assert caught.value.field == "adaptive_concurrency"
-    assert "False (a fixed max_concurrency)" in str(caught.value)  # the three settings
+    assert "False (a fixed max_concurrency)" in str(caught.value)  # the settings
     with pytest.raises(ConfigError) as caught:
         PipelineConfig.from_dict({"adaptive_concurrency": {"kv_hi": 0.9}})
     assert caught.value.field == "adaptive_concurrency"
@@ -127,7 +138,8 @@ async def test_the_progress_line_and_metrics_show_the_controller_and_each_server
     engine = OpenAIEngine([up.url, late.url], model="m", backoff_s=0.01,
                           health_interval_s=0.05)
     pipe = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=ByteTokenizer(),
-                    max_concurrency=16, progress_log_s=None)
+                    max_concurrency=16, progress_log_s=None,
+                    adaptive_concurrency=AdaptiveConcurrency())
     lines: list[dict] = []
     try:
         with capture_logs() as logs:
@@ -181,7 +193,7 @@ CHILD = textwrap.dedent('''
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     from test_flow_visible import Server
-    from pipeline import Pipeline, asyncio_run
+    from pipeline import AdaptiveConcurrency, Pipeline, asyncio_run
     from pipeline.engines import OpenAIEngine
     from pipeline.stages import BuildPrompt, Generate
     from pipeline.testing import ByteTokenizer
@@ -191,7 +203,8 @@ CHILD = textwrap.dedent('''
         engine = OpenAIEngine([up.url, dead.url], model="m", backoff_s=0.01,
                               health_interval_s=0.05)
         pipe = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=ByteTokenizer(),
-                        max_concurrency=6, progress_log_s=None)
+                        max_concurrency=6, progress_log_s=None,
+                        adaptive_concurrency=AdaptiveConcurrency())
         batch = asyncio.create_task(pipe.run_batch([{"prompt": "q"}] * 50))
         for _ in range(600):  # bounded: 30 s
             await asyncio.sleep(0.05)

@@ -126,10 +126,9 @@ def check_template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
 
 
 class AdaptiveConcurrency(_RaisesConfigError):
-    """Adaptive concurrency (``PipelineConfig.adaptive_concurrency``; on by default, with
-    these defaults, where the engine tells its load): the number of samples admitted follows
-    the engine's own load (its waiting queue, preemptions, KV-cache use) between
-    ``min_concurrency`` and ``max_concurrency``, starting from the pipeline's
+    """Adaptive concurrency (``PipelineConfig.adaptive_concurrency``, opt-in): the number of
+    samples admitted follows the engine's own load (its waiting queue, preemptions, KV-cache
+    use) between ``min_concurrency`` and ``max_concurrency``, starting from the pipeline's
     ``max_concurrency``. The rule is in :mod:`pipeline._runner.flow`; an engine without load
     signals keeps the fixed limit.
 
@@ -195,13 +194,15 @@ class PipelineConfig(_RaisesConfigError):
             failed on an engine error, no new sample is admitted and ``run_batch`` raises
             :class:`~pipeline.EngineCircuitOpen` naming the engine and the last errors.
             None: off.
-        adaptive_concurrency: who sets the number of samples admitted. None (the
-            default, auto): the engine's own load, where the engine tells it (``load()``
-            with a KV-cache use or a running cap: vLLM in-process or behind its server, the
-            simulated engine's capacity model), from ``max_concurrency`` within the bounds of
-            a default :class:`AdaptiveConcurrency`; elsewhere ``max_concurrency`` is fixed.
-            An :class:`AdaptiveConcurrency`: the same with its bounds and options. False:
-            ``max_concurrency`` is fixed whatever the engine.
+        adaptive_concurrency: who sets the number of samples admitted. An
+            :class:`AdaptiveConcurrency`: the engine's own load, where the engine tells it
+            (``load()`` with a KV-cache use or a running cap: vLLM in-process or behind its
+            server, the simulated engine's capacity model), from ``max_concurrency`` within
+            its bounds; elsewhere ``max_concurrency`` is fixed. False: ``max_concurrency`` is
+            fixed whatever the engine. None (the default): fixed for now; it becomes "adapt
+            where the engine tells its load" once adaptive concurrency meets its goal on
+            every benchmark shape (``docs/guides/flow-control.md``): pass False to keep a
+            fixed limit then.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -234,9 +235,9 @@ class PipelineConfig(_RaisesConfigError):
                 return AdaptiveConcurrency.model_validate(value)
             except ValidationError as exc:
                 raise ValueError(describe_validation_error(exc, "adaptive_concurrency")) from None
-        raise ValueError("must be None (the default: adapt where the engine tells its load), "
-                         "AdaptiveConcurrency(...) (adapt, with these bounds) or False (a fixed "
-                         "max_concurrency)")
+        raise ValueError("must be AdaptiveConcurrency(...) (adapt to the engine's load, "
+                         "within these bounds), False (a fixed max_concurrency) or None (the "
+                         "default: fixed for now)")
 
     @field_validator("chat_template_kwargs")
     @classmethod

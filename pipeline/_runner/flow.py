@@ -2,11 +2,12 @@
 following the engine's load) and the circuit breaker that stops admitting after a run of
 engine errors.
 
-Adaptive concurrency is on by default where the engine tells its load
-(``PipelineConfig.adaptive_concurrency=None``: auto): ``engine.load()``
-(:class:`~pipeline.engines.EngineLoad`) with a KV-cache use or a running cap. An engine
-without ``load()``, or whose load has neither (the simulated engine's latency model, a server
-without metrics), keeps the fixed ``max_concurrency``, as does ``adaptive_concurrency=False``.
+Adaptive concurrency (``PipelineConfig.adaptive_concurrency=AdaptiveConcurrency(...)``; opt-in
+until it meets its goal on every benchmark shape, see :func:`adaptive_options`) follows
+``engine.load()`` (:class:`~pipeline.engines.EngineLoad`) where it has a KV-cache use or a
+running cap. An engine without ``load()``, or whose load has neither (the simulated engine's
+latency model, a server without metrics), keeps the fixed ``max_concurrency``, as does
+``adaptive_concurrency=None`` (the default) or ``False``.
 
 The rule, applied to each reading of the engine's load. The *turnover* is how long a sample
 holds its slot (the larger of the completed samples' running mean and Little's law, slots in
@@ -441,12 +442,14 @@ class ConcurrencyController:
 
 
 def adaptive_options(config: PipelineConfig) -> AdaptiveConcurrency | None:
-    """The adaptive controller's options for ``config``: its own, the defaults when it is
-    auto (None), or None when the limit is fixed (False)."""
+    """The adaptive controller's options for ``config``, or None when the limit is fixed:
+    ``False``, and for now ``None`` (the default) too. Adaptive becomes the default (None:
+    adapt where the engine tells its load) once it meets its goal on every benchmark shape:
+    within 5% of the best fixed setting's throughput and a swing under 10% over a run's
+    second half; measured 2026-11-27, the swing was 13-15% on two of the three shapes
+    (docs/guides/flow-control.md)."""
     adaptive = config.adaptive_concurrency
-    if adaptive is False:
-        return None
-    return AdaptiveConcurrency() if adaptive is None else adaptive
+    return adaptive if isinstance(adaptive, AdaptiveConcurrency) else None
 
 
 class Flow:
