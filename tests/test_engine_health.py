@@ -36,6 +36,7 @@ class VllmLike:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_status = 200
+        self.health_delay_s = 0.0  # a loaded server answers its probes late
         self.release = asyncio.Event()
         self.release.set()
         self.seen: list[tuple[str, list[int]]] = []
@@ -47,6 +48,7 @@ class VllmLike:
         self.runner: web.AppRunner | None = None
 
     async def health(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_delay_s)
         return web.Response(status=self.health_status)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -262,8 +264,37 @@ async def test_a_server_back_from_a_restart_gets_the_current_weights_before_any_
         await b.stop()
 
 
+async def test_a_busy_server_whose_probes_time_out_stays_up_until_it_goes_silent():
+    """Slow is not dead: probes that time out while the server still answers requests keep it
+    routed (an H200 server at 4,096 requests in flight answered /health late and was taken
+    out for 6-12 s each time); only silence for health_silence_s takes it out."""
+    a, b = await VllmLike().start(), await VllmLike().start()
+    engine = OpenAIEngine([a.url, b.url], model="m", health_interval_s=0.05,
+                          health_timeout_s=0.05, health_silence_s=1.0, affinity=False)
+    try:
+        await engine.generate([1], SamplingParams(), "warm-0-0")  # starts the watch
+        a.health_delay_s = 0.5  # every probe of a times out
+        for k in range(8):  # a keeps answering its share of the requests meanwhile
+            await asyncio.gather(*(engine.generate([k], SamplingParams(), f"g{k}-{j}-0")
+                                   for j in range(2)))
+            await asyncio.sleep(0.05)
+        state = engine.health.state()[a.url]
+        assert state["healthy"] and state["downs"] == 0 and state["late_probes"] > 0
+        a.release.clear()  # now a answers nothing: neither probes in time nor requests
+        before = engine.health.probes
+        await until(lambda: not engine.health.is_healthy(a.url), limit_s=10)
+        assert engine.health.probes - before >= 5  # late probes first, then silence
+        assert "no answer for 1 s" in engine.health.state()[a.url]["error"]
+    finally:
+        a.release.set()
+        await engine.aclose()
+        await a.stop()
+        await b.stop()
+
+
 def test_bad_health_settings_name_the_field():
-    for field in ("health_interval_s", "health_timeout_s"):
+    for field, bad in (("health_interval_s", 0), ("health_timeout_s", 0),
+                       ("health_silence_s", -1)):
         with pytest.raises(ConfigError, match=field) as info:
-            OpenAIEngine("http://127.0.0.1:1", model="m", **{field: 0})
+            OpenAIEngine("http://127.0.0.1:1", model="m", **{field: bad})
         assert info.value.field == field

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -89,6 +89,10 @@ class _ServerState:
     down_since: float | None = None
     downs: int = 0
     held: bool = False
+    last_answer: float = field(default_factory=time.monotonic)
+    """When the server last answered anything (a probe, a request); monotonic clock."""
+    late_probes: int = 0
+    """Probes timed out in a row while the server was not silent."""
 
 
 class ServerHealth:
@@ -101,11 +105,17 @@ class ServerHealth:
     generation slot, unlike a one-token completion, which would also queue behind a full
     batch and read a loaded server as dead. A hung-but-alive core is left to the request
     timeouts. A server is marked down by a failed probe (an error status other than 404 or
-    405, which a live server without the endpoint answers; a connection error; the timeout)
-    or by the engine when a real request hit a connection error or a timeout there, or a 5xx
-    answer followed by a failed probe; it is re-admitted when a probe answers again and
-    ``readmit`` lets it in. Servers start healthy: the first request does not wait for a
-    probe.
+    405, which a live server without the endpoint answers; a connection error) or by the
+    engine when a real request hit a connection error there, or a 5xx answer followed by a
+    failed probe; it is re-admitted when a probe answers again and ``readmit`` lets it in.
+    Servers start healthy: the first request does not wait for a probe.
+
+    A *timeout* (of a probe or a request) is not death: a server streaming thousands of
+    requests can answer ``/health`` late (seen on an H200 at 4,096 requests in flight: the
+    server was marked down for 6-12 s each time, and the batch lost that time). A timeout
+    marks the server down only once it has been silent, answering neither a probe nor a
+    request (the engine reports its answers: :meth:`answered`), for ``silence_s`` (slime's
+    default: 30 s without an answer).
 
     The probes use a small connection pool of their own, so a request pool saturated by a
     large batch cannot delay them into a false "down".
@@ -114,13 +124,14 @@ class ServerHealth:
         urls: the servers' base URLs.
         interval_s: seconds between rounds of probes.
         timeout_s: limit of one probe.
+        silence_s: seconds without any answer after which a timeout marks a server down.
         path: the probe's path.
         readmit: asked before a down server that answers is routed to again; returns why
             it must stay out (its weights are not the current ones), or None.
     """
 
     def __init__(self, urls: Sequence[str], *, interval_s: float = 5.0,
-                 timeout_s: float = 2.0, path: str = "/health",
+                 timeout_s: float = 2.0, silence_s: float = 30.0, path: str = "/health",
                  readmit: Callable[[str], Awaitable[str | None]] | None = None) -> None:
         if interval_s <= 0:
             raise ConfigError(f"health_interval_s must be > 0, got {interval_s!r}",
@@ -128,8 +139,12 @@ class ServerHealth:
         if timeout_s <= 0:
             raise ConfigError(f"health_timeout_s must be > 0, got {timeout_s!r}",
                               field="health_timeout_s")
+        if silence_s < 0:
+            raise ConfigError(f"health_silence_s must be >= 0, got {silence_s!r}",
+                              field="health_silence_s")
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.silence_s = silence_s
         self.path = path
         self.readmit = readmit
         self.probes = 0
@@ -153,6 +168,26 @@ class ServerHealth:
         """The URLs that are up, in the engine's order."""
         return [url for url, state in self._states.items() if state.healthy]
 
+    def answered(self, url: str) -> None:
+        """Record that ``url`` answered a request (evidence that it is alive, however slow
+        its probes are)."""
+        state = self._states.get(url)
+        if state is not None:
+            state.last_answer = time.monotonic()
+            state.late_probes = 0
+
+    def timed_out(self, url: str, reason: str) -> bool:
+        """A probe or a request to ``url`` timed out: mark it down if it has been silent for
+        ``silence_s``, else count the late probe. True when it is (now) down."""
+        state = self._states[url]
+        if time.monotonic() - state.last_answer >= self.silence_s:
+            self.mark_down(url, f"{reason} (no answer for {self.silence_s:g} s)")
+        else:
+            state.late_probes += 1
+            if state.late_probes == 1:
+                _logger.info("engine server slow to answer, kept", url=url, reason=reason)
+        return not state.healthy
+
     def mark_down(self, url: str, reason: str) -> None:
         """Take ``url`` out of routing until a probe answers again."""
         state = self._states[url]
@@ -175,9 +210,11 @@ class ServerHealth:
 
     def state(self) -> dict[str, dict[str, Any]]:
         """Per URL: ``healthy``, the last ``error``, ``down_since`` (wall clock), ``downs``
-        (times it went down) and ``held_out``; a plain dict for logs, dumps and metrics."""
+        (times it went down), ``held_out`` and ``late_probes`` (timed out in a row while the
+        server still answered requests); a plain dict for logs, dumps and metrics."""
         return {url: {"healthy": s.healthy, "error": s.error, "down_since": s.down_since,
-                      "downs": s.downs, "held_out": s.held} for url, s in self._states.items()}
+                      "downs": s.downs, "held_out": s.held, "late_probes": s.late_probes}
+                for url, s in self._states.items()}
 
     async def probe(self, url: str) -> bool:
         """Probe ``url`` once and record the outcome; True when it is up."""
@@ -191,13 +228,17 @@ class ServerHealth:
                 # 404/405: a server with no health endpoint answered, so it is alive.
                 alive = resp.status in (200, 404, 405)
                 reason = f"GET {url}{self.path} answered {resp.status}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except TimeoutError:
+            return not self.timed_out(url, f"GET {url}{self.path} took over "
+                                           f"{self.timeout_s:g} s")
+        except aiohttp.ClientError as exc:
             alive, reason = False, f"GET {url}{self.path} failed: {type(exc).__name__}: {exc}"
         if alive and not self.is_healthy(url) and self.readmit is not None:
             refused = await self.readmit(url)  # outside the probe's limit: it may reload
             alive, reason = refused is None, refused or reason
             self._states[url].held = refused is not None
         if alive:
+            self.answered(url)
             self.mark_up(url)
         else:
             self.mark_down(url, reason)

@@ -113,6 +113,8 @@ class OpenAIEngine:
         extra_body: more fields for every completion request (e.g. ``{"min_p": 0.05}``).
         health_interval_s: seconds between health probes of every server.
         health_timeout_s: limit of one health probe.
+        health_silence_s: a timeout (probe or request) marks a server down only after this
+            long without any answer from it (a loaded server answers probes late).
     """
 
     enforces = FORMAT_CONSTRAINTS | (TOOL_CONSTRAINTS if XGRAMMAR else frozenset())
@@ -134,7 +136,8 @@ class OpenAIEngine:
                  server_control: bool = True, sticky_capacity: int = 65536,
                  affinity: bool = True, overload_factor: float = 2.0, overload_slack: int = 8,
                  extra_body: Mapping[str, Any] | None = None,
-                 health_interval_s: float = 5.0, health_timeout_s: float = 2.0) -> None:
+                 health_interval_s: float = 5.0, health_timeout_s: float = 2.0,
+                 health_silence_s: float = 30.0) -> None:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ConfigError("OpenAIEngine needs at least one server URL")
@@ -163,6 +166,7 @@ class OpenAIEngine:
         """Requests sent to a second server after the first one could not be reached."""
         self.health = ServerHealth([s.url for s in self.servers],
                                    interval_s=health_interval_s, timeout_s=health_timeout_s,
+                                   silence_s=health_silence_s,
                                    readmit=self._readmit)
         """Which servers are up (routing asks it); see :class:`ServerHealth`."""
         self.control = ServerControl(self.servers, self.health, self._call,
@@ -232,7 +236,8 @@ class OpenAIEngine:
                     failover: bool = False) -> dict[str, Any]:
         """One JSON call with bounded retries on connection errors and 5xx answers.
 
-        A connection error or a timeout marks the server down, and so does a 5xx answer
+        A connection error marks the server down (a timeout only after ``health_silence_s``
+        without an answer), and so does a 5xx answer
         after which the server fails a health probe (vLLM answers 500 to the requests in
         flight when its engine core dies, and 503 to ``/health``). With ``failover`` the
         error of a server that is down is raised at once while another server is healthy
@@ -243,6 +248,7 @@ class OpenAIEngine:
         for attempt in range(attempts):
             try:
                 async with session.request(method, server.url + path, json=body) as resp:
+                    self.health.answered(server.url)
                     if resp.status < 400:
                         if resp.content_type != "application/json":
                             return {}
@@ -257,7 +263,10 @@ class OpenAIEngine:
                     TimeoutError) as exc:
                 error = ServerError(f"{method} {server.url}{path} failed: "
                                     f"{type(exc).__name__}: {exc}", status=None, url=server.url)
-                self.health.mark_down(server.url, str(error))
+                if isinstance(exc, TimeoutError):  # slow is not dead: see ServerHealth
+                    self.health.timed_out(server.url, str(error))
+                else:
+                    self.health.mark_down(server.url, str(error))
             server.failures += 1
             if failover and (error.status is None or not await self.health.probe(server.url)) \
                     and any(self.health.is_healthy(s.url) for s in self.servers):
