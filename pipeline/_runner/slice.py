@@ -24,8 +24,6 @@ import collections
 import time
 import weakref
 
-from pipeline._concurrency.slots import wait_in_line
-
 SLICE_S = 0.005
 """How long one loop iteration may run stages before samples start parking (seconds)."""
 
@@ -54,8 +52,19 @@ class LoopSlice:
         return now - self._started > SLICE_S
 
     async def wait_turn(self) -> None:
-        """Park until a later iteration lets this sample go (FIFO)."""
-        await wait_in_line(self._parked, self._release_one)
+        """Park until a later iteration lets this sample go (FIFO); a sample cancelled after
+        it was let go passes its turn on."""
+        # Not through slots.wait_in_line: its pass-on callback, a bound method made per
+        # parked sample, and its coroutine frame were two more objects per parked sample for
+        # the collector (thousands park at once in a large batch).
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._parked.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._release(1)
+            raise
 
     def _mark(self, now: float) -> None:
         self._marked = True
@@ -75,9 +84,6 @@ class LoopSlice:
         self._release(self._release_size)
         if self._parked:  # nobody else may check this iteration: keep them moving
             self._mark(now)
-
-    def _release_one(self) -> None:
-        self._release(1)
 
     def _release(self, count: int) -> None:
         while count and self._parked:
