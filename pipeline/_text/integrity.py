@@ -42,7 +42,9 @@ MARKS = "_token_integrity_marks"
 """Private artifact of the loop's prefix check: ``(id of the prompt list, prompt length, prompt
 end token, hash of the prompt ids, then position and token of each turn boundary in the
 response ...)``. A flat tuple of ints, which the cyclic collector stops tracking: a finished
-sample keeps it, and a list (holding the prompt list) was one more object to walk per sample."""
+sample keeps it, and a list (holding the prompt list) was one more object to walk per sample.
+A prompt list with another id must hash the same; one that reuses a freed list's address is
+checked by its length and end token only, as the same list changed in place always was."""
 
 
 def decode_mismatch(decoded: str, seen: str, *, prefix: bool = False) -> str | None:
