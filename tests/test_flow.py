@@ -9,7 +9,7 @@ import asyncio
 import random
 
 from pipeline import AdaptiveConcurrency, Pipeline, SamplingParams, SimulatedEngine, artifacts
-from pipeline._runner.flow import SLOW_START
+from pipeline._runner.adaptive import SLOW_START
 from pipeline.diagnostics import capture_snapshot, render_text
 from pipeline.observability import ProgressHeartbeat, batch_metrics
 from pipeline.testing import ByteTokenizer
@@ -51,12 +51,12 @@ async def test_the_limit_converges_holds_still_and_does_not_overshoot():
     pipe = adaptive_pipeline(engine)
     beat = ProgressHeartbeat(pipe, interval_s=60)
     async with beat:
-        batch = asyncio.ensure_future(pipe.run_batch([{"prompt": "q"}] * 1200))
+        batch = asyncio.ensure_future(pipe.run_batch([{"prompt": "q"}] * 2400))
         await asyncio.sleep(1.0)
         progress = beat.fields()["concurrency"]
         result = await batch
     await engine.aclose()
-    assert result.stats.by_status == {"completed": 1200}
+    assert result.stats.by_status == {"completed": 2400}
     controller = pipe._loop_state().flow.controller
     assert controller is not None
     history = controller.history

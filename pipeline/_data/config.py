@@ -129,7 +129,7 @@ class AdaptiveConcurrency(_RaisesConfigError):
     """Adaptive concurrency (``PipelineConfig.adaptive_concurrency``, opt-in): the number of
     samples admitted follows the engine's own load (its waiting queue, preemptions, KV-cache
     use) between ``min_concurrency`` and ``max_concurrency``, starting from the pipeline's
-    ``max_concurrency``. The rule is in :mod:`pipeline._runner.flow`; an engine without load
+    ``max_concurrency``. The rule is in :mod:`pipeline._runner.adaptive`; an engine without load
     signals keeps the fixed limit.
 
     Attributes:

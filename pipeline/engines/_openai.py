@@ -364,7 +364,7 @@ class OpenAIEngine:
     async def load(self) -> EngineLoad | None:
         """The servers' load from their Prometheus ``/metrics`` (vLLM's figures: requests
         running and waiting, KV-cache use, preemptions; summed over the servers), or None
-        when none reports them. Read by adaptive concurrency (:mod:`pipeline._runner.flow`).
+        when none reports them. Read by adaptive concurrency (:mod:`pipeline._runner.adaptive`).
         Servers that are down are not asked (a hung one would hold the reading for the
         scrape's timeout); with none up, there is no reading.
         """
