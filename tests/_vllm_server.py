@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _ports import free_port
 
 from pipeline.engines.vllm import vllm_env
 
@@ -26,11 +26,6 @@ CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
 MODEL = "tiny"
 """The name the server serves the model under."""
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
+from _ports import free_port
 from aiohttp import web
 
 from pipeline import EngineCircuitOpen, Pipeline, SimulatedEngine
@@ -15,11 +14,6 @@ from pipeline.testing import ByteTokenizer
 
 ROWS = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(50)]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Broken:

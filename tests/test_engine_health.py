@@ -6,11 +6,11 @@ would cost more of the CI budget than the issue leaves (see docs/guides/flow-con
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from _ports import free_port
 from aiohttp import web
 
 from pipeline import ConfigError, EngineCircuitOpen, EngineError, Pipeline, SamplingParams
@@ -20,11 +20,6 @@ from pipeline.testing import ByteTokenizer
 
 ROWS = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(12)]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class VllmLike:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _ports import free_port
 from aiohttp import web
 from structlog.testing import capture_logs
 
@@ -37,11 +37,6 @@ from pipeline.testing import ByteTokenizer
 METRICS = ("vllm:num_requests_running 3\nvllm:num_requests_waiting 40\n"
            "vllm:kv_cache_usage_perc 0.97\nvllm:num_preemptions_total 0\n")
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Server:

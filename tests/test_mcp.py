@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _ports import free_port
 
 from pipeline import AgentMessage, Pipeline, ToolCall, ToolFunction, artifacts
 from pipeline.stages import CallTools
@@ -109,9 +110,7 @@ async def test_stdio_server_tools_limits_and_failures():
 
 @pytest.fixture
 def http_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, SERVER, "--http", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -14,7 +14,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from _vllm_server import MODEL, free_port, run_vllm_server
+from _ports import free_port
+from _vllm_server import MODEL, run_vllm_server
 from aiohttp import web
 
 from pipeline import (

@@ -13,12 +13,12 @@ on two real ones).
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import pytest
+from _ports import free_port
 from aiohttp import web
 
 from pipeline import ConfigError, SamplingParams
@@ -36,9 +36,7 @@ class Server:
     port."""
 
     def __init__(self) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = int(sock.getsockname()[1])
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.seen: list[str] = []
         self.hold: tuple[str, ...] = ()
