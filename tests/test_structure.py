@@ -27,7 +27,8 @@ PUBLIC_MODULES = {
     "pipeline.distributed", "pipeline.families", "pipeline.multimodal",
     # importing the module is the point: a heavy optional dependency, a command, test helpers
     "pipeline.engines.vllm", "pipeline.engines.transformers", "pipeline.engines.moe",
-    "pipeline.cli", "pipeline.models.tiny", "pipeline.models.tiny.__main__",
+    "pipeline.cli", "pipeline.cli.__main__", "pipeline.models.tiny",
+    "pipeline.models.tiny.__main__",
     "pipeline.testing", "pipeline.judgers.testing", "pipeline.artifacts",
     "pipeline.integrations.verl",
 }
@@ -203,7 +204,9 @@ def current_api() -> str:
     lines = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for name in sorted(PUBLIC_MODULES - {"pipeline.models.tiny.__main__"}):
+        # (importing a __main__ runs its command)
+        for name in sorted(PUBLIC_MODULES - {"pipeline.models.tiny.__main__",
+                                             "pipeline.cli.__main__"}):
             module = importlib.import_module(name)
             exported = getattr(module, "__all__", None)
             if exported is None:

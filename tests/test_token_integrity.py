@@ -26,7 +26,7 @@ from pipeline import (
     artifacts,
 )
 from pipeline._text import integrity
-from pipeline.cli import _summary
+from pipeline.cli._report import summary
 from pipeline.observability import ALWAYS_KEYS, batch_metrics
 from pipeline.proxy import ProxyServer, RemoteAgent
 from pipeline.proxy._history import History
@@ -123,7 +123,7 @@ def assert_only_bad_quarantined(result: Any, reason: str, turn: int) -> str:
     metrics = batch_metrics(result)
     assert metrics[f"rollout/token_integrity/{reason}"] == 1.0
     assert sum(metrics[f"rollout/token_integrity/{r}"] for r in integrity.REASONS) == 1.0
-    assert "token integrity failed" in _summary(result)
+    assert "token integrity failed" in summary(result)
     for sample in result.samples[:2] + result.samples[3:]:
         assert sample.tool_turns == 1 and not sample.masked
     return bad.error
@@ -175,7 +175,7 @@ async def test_clean_simulated_tool_loop_has_no_mismatch_and_zero_counters():
     for reason in integrity.REASONS:
         assert f"rollout/token_integrity/{reason}" in ALWAYS_KEYS
         assert metrics[f"rollout/token_integrity/{reason}"] == 0.0
-    assert "token integrity" not in _summary(result)
+    assert "token integrity" not in summary(result)
 
 
 def test_error_names_reason_turn_and_detail():
