@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.proxy import FINAL_ANSWER, SEGMENTS, Constraints, ProxyServer
-from pipeline.proxy._policy import MESSAGES_EXTENSION_FIELDS, MESSAGES_FIELDS
+from pipeline.proxy._policy_messages import MESSAGES_EXTENSION_FIELDS, MESSAGES_FIELDS
 
 anthropic = pytest.importorskip("anthropic")  # the dev extra
 

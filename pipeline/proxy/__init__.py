@@ -26,6 +26,7 @@ from pipeline.proxy._agent import (
     Command,
     RemoteAgent,
 )
+from pipeline.proxy._compare import message_key
 from pipeline.proxy._config import ProxyConfig
 from pipeline.proxy._errors import (
     ProxyAuthError,
@@ -35,7 +36,7 @@ from pipeline.proxy._errors import (
     RemoteAgentError,
     SessionNotFound,
 )
-from pipeline.proxy._history import SPLIT_REASONS, History, Segment, message_key
+from pipeline.proxy._history import SPLIT_REASONS, History, Segment
 from pipeline.proxy._policy import ENFORCEABLE, Constraints
 from pipeline.proxy._records import SegmentRecord, SessionRecord, TurnRecord
 from pipeline.proxy._reward import AgentReward

@@ -96,4 +96,4 @@ SESSION_ROUTES = frozenset(name for name in ROUTE_ACCESS if name.startswith("ses
 """Routes with a ``{sid}``: ``own`` is that session's key."""
 
 ANTHROPIC_ROUTES = frozenset({"messages", "session_messages"})
-"""Routes that answer errors in Anthropic's shape (``_messages.error_body``)."""
+"""Routes that answer errors in Anthropic's shape (``_messages_reply.error_body``)."""

@@ -64,8 +64,8 @@ from pipeline._data.models import AgentMessage, AgentRolloutItem, ExitReason, Fi
 from pipeline._exceptions import TokenIntegrityError
 from pipeline._runner.context import Context
 from pipeline.multimodal import SampleImages
+from pipeline.proxy._compare import content_text
 from pipeline.proxy._errors import RemoteAgentError
-from pipeline.proxy._history import content_text
 from pipeline.proxy._records import SessionRecord, session_record
 from pipeline.proxy._server import ProxyServer
 from pipeline.proxy._sessions import Session

@@ -19,18 +19,18 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel
 
-from pipeline.proxy import _messages
+from pipeline.proxy import _messages, _messages_reply
 from pipeline.proxy._errors import FinalError
 from pipeline.proxy._http import ProxyHost, event_stream, json_response
 from pipeline.proxy._policy import (
     CHAT_FIELDS,
-    MESSAGES_FIELDS,
     RESPONSES_FIELDS,
     Constraints,
     FieldRule,
     check_fields,
     read_hints,
 )
+from pipeline.proxy._policy_messages import MESSAGES_FIELDS
 from pipeline.proxy._responses import (
     ResponseLink,
     ResponsesRequest,
@@ -147,14 +147,14 @@ async def serve_messages(host: ProxyHost, request: web.Request, session: Session
         outcome.turn.request.update(api="messages")
         outcome.turn.ignored_fields = (*ignored, *(p for p in extra if p not in ignored))
         stop_string = outcome.turn.stop_string
-    final = _messages.message_body(
-        message_id=_messages.new_message_id(), model=host.config.model_name,
+    final = _messages_reply.message_body(
+        message_id=_messages_reply.new_message_id(), model=host.config.model_name,
         reply=outcome.reply, finish_reason=outcome.finish_reason, stop_string=stop_string,
-        usage=_messages.usage_body(outcome.prompt_tokens, len(outcome.reply.token_ids or ()),
+        usage=_messages_reply.usage_body(outcome.prompt_tokens, len(outcome.reply.token_ids or ()),
                                    outcome.cached_tokens))
     if not spec.stream:
         return json_response(final)
-    return await _write_events(request, _messages.stream_events(final))
+    return await _write_events(request, _messages_reply.stream_events(final))
 
 
 def _messages_format(data: dict[str, Any]) -> dict[str, Any] | None:

@@ -24,17 +24,11 @@ bytes), rendered as the template's placeholders and expanded by the processor, e
 sequence, in order, and hands them to the engine with each turn. An image part is compared by
 a digest of its URL, so the history sent back matches the recorded turn and its image tokens
 are reused, never rendered again.
-
-Messages are compared in a normalised form (``developer`` = ``system``, ``None`` content = ``""``,
-assistant text stripped, tool-call arguments compared as parsed JSON, call ids ignored), and
-once a message matched, the agent's own dict for it is kept so the next request compares with
-one dict equality.
+Messages are compared in a normalised form (:func:`~pipeline.proxy._compare.message_key`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +37,7 @@ from pipeline._data.models import AgentMessage, FinishReason
 from pipeline._text.render import chat_form, render, render_prompt, render_turn_delta
 from pipeline._text.tokenizer import Tokenizer
 from pipeline.multimodal import ImageError, MultiModalInputs, VisionProcessor
+from pipeline.proxy._compare import message_key, same_tools
 from pipeline.proxy._errors import FinalError, ProxyRequestError
 from pipeline.proxy._wire import WireMessage, parse_message
 
@@ -247,7 +242,7 @@ class History:
         order += [s for s in reversed(self.segments) if s is not self.current]
         base, common = None, -1
         for segment in order:
-            if not _same_tools(segment.tools, tools) or segment.options != options:
+            if not same_tools(segment.tools, tools) or segment.options != options:
                 continue
             count = len(segment.entries)
             shared = self._common(messages, segment.entries, min(len(messages), count))
@@ -448,29 +443,6 @@ class History:
         return seg
 
 
-def message_key(message: WireMessage | AgentMessage) -> tuple[Any, ...]:
-    """The normalised form two messages are compared in (see the module doc)."""
-    role = "system" if message.role == "developer" else message.role
-    text = content_text(message.content)
-    # an image part by its place among the parts (text before or after it renders
-    # differently) and its URL's digest
-    images = tuple((j, _digest(p.url)) for j, p in message.image_parts()) if isinstance(
-        message, WireMessage) else ()
-    calls: tuple[tuple[str, str], ...] = ()
-    if message.tool_calls:
-        calls = tuple((c.function.name, _canonical_arguments(c.function.arguments))
-                      for c in message.tool_calls)
-    if role == "assistant":
-        return (role, text.strip(), calls)
-    return (role, text, calls, message.tool_call_id, message.name, images)
-
-
-def _digest(url: str) -> str:
-    """What an image part is compared by: the digest of its URL (the key never holds the
-    image)."""
-    return hashlib.sha256(url.encode()).hexdigest()
-
-
 def _joined(before: MultiModalInputs | None,
             added: MultiModalInputs | None) -> MultiModalInputs | None:
     """The images of a prompt: those of the reused sequence, then the turn's own."""
@@ -492,37 +464,6 @@ def _ends(ids: list[int], offset: int, added: MultiModalInputs | None,
         raise ImageError(f"the rendered turn holds {len(ends)} runs of image tokens for "
                          f"{len(added.images)} images", field="messages")
     return ends
-
-
-def content_text(content: Any) -> str:
-    """The text of a message content: a string, ``None`` (``""``) or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(str(p.get("text", "") if isinstance(p, dict) else getattr(p, "text", ""))
-                   for p in content)
-
-
-def _canonical_arguments(arguments: str | dict[str, Any]) -> str:
-    value: Any = arguments
-    if isinstance(arguments, str):
-        try:
-            value = json.loads(arguments)
-        except (ValueError, RecursionError):
-            return arguments.strip()
-    try:
-        return json.dumps(value, sort_keys=True, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError):
-        return repr(arguments)
-
-
-def _same_tools(recorded: list[dict[str, Any]] | None, sent: list[dict[str, Any]] | None) -> bool:
-    if recorded == sent:
-        return True
-    if not recorded or not sent:
-        return not recorded and not sent
-    return json.dumps(recorded, sort_keys=True) == json.dumps(sent, sort_keys=True)
 
 
 def _validated(messages: list[dict[str, Any]],

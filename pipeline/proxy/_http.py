@@ -19,7 +19,7 @@ from aiohttp import web
 from pipeline._data.config import SamplingParams
 from pipeline.proxy._config import ProxyConfig
 from pipeline.proxy._errors import ProxyError, ProxyRequestError
-from pipeline.proxy._messages import error_body
+from pipeline.proxy._messages_reply import error_body
 from pipeline.proxy._records import SessionRecord
 from pipeline.proxy._sessions import Session, SessionStore
 from pipeline.proxy._turns import TurnRunner

@@ -88,11 +88,11 @@ def engine_enforces(engine: Any) -> frozenset[str]:
 
 
 # A check gets (value, body) and returns None (served as is), a constraint name or several
-# (needs the engine), or raises _Refuse with the reason.
+# (needs the engine), or raises Refuse with the reason.
 Check = Callable[[Any, Mapping[str, Any]], str | tuple[str, ...] | None]
 
 
-class _Refuse(Exception):
+class Refuse(Exception):
     pass
 
 
@@ -183,12 +183,12 @@ def read_hints(body: Mapping[str, Any], rules: Mapping[str, FieldRule],
     return Hints(tuple(ignored), options)
 
 
-def _whole(name: str, value: Any) -> dict[str, Any]:
+def whole_hint(name: str, value: Any) -> dict[str, Any]:
     """The whole value is the hint (any value but null)."""
     return {} if value is None else {name: value}
 
 
-def _parts(*keys: str) -> HintParts:
+def hint_parts(*keys: str) -> HintParts:
     """The hint parts of an object value: its ``keys`` that are not null."""
     def parts(name: str, value: Any) -> dict[str, Any]:
         if not isinstance(value, Mapping):
@@ -202,7 +202,7 @@ def _include_hints(name: str, value: Any) -> dict[str, Any]:
     return {f"{name}.{wanted}": True} if wanted in (value or ()) else {}
 
 
-def _one_of(allowed: tuple[str, ...]) -> Check:
+def one_of(allowed: tuple[str, ...]) -> Check:
     """Null or one of ``allowed`` (any other value is a 400 naming the field)."""
     def check(value: Any, body: Mapping[str, Any]) -> str | None:
         if value is not None and value not in allowed:
@@ -211,7 +211,7 @@ def _one_of(allowed: tuple[str, ...]) -> Check:
     return check
 
 
-def _served(value: Any, body: Mapping[str, Any]) -> str | None:
+def check_served(value: Any, body: Mapping[str, Any]) -> str | None:
     return None
 
 
@@ -220,7 +220,7 @@ def _only(*allowed: Any, why: str) -> Check:
     def check(value: Any, body: Mapping[str, Any]) -> str | None:
         if value is None or value in allowed:
             return None
-        raise _Refuse(why)
+        raise Refuse(why)
     return check
 
 
@@ -229,7 +229,7 @@ def _falsy(why: str) -> Check:
     def check(value: Any, body: Mapping[str, Any]) -> str | None:
         if not value:
             return None
-        raise _Refuse(why)
+        raise Refuse(why)
     return check
 
 
@@ -239,7 +239,7 @@ def _format_need(fmt: Any) -> str | None:
         return None
     if kind in (JSON_OBJECT, JSON_SCHEMA):
         return str(kind)
-    raise _Refuse(f"format {kind!r} is not known")
+    raise Refuse(f"format {kind!r} is not known")
 
 
 def _response_format(value: Any, body: Mapping[str, Any]) -> str | None:
@@ -250,8 +250,8 @@ def _text(value: Any, body: Mapping[str, Any]) -> str | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise _Refuse("text must be an object")
-    _one_of(VERBOSITIES)(value.get("verbosity"), body)
+        raise Refuse("text must be an object")
+    one_of(VERBOSITIES)(value.get("verbosity"), body)
     return _format_need(value.get("format"))
 
 
@@ -265,7 +265,7 @@ def _tool_choice(value: Any, body: Mapping[str, Any]) -> str | None:
         if not isinstance(named, Mapping) or not isinstance(named.get("name"), str):
             raise ValueError("a named tool_choice needs a string name")  # a 400
         return TOOL_NAMED
-    raise _Refuse(f"tool_choice {value!r} names no function tool the proxy serves")
+    raise Refuse(f"tool_choice {value!r} names no function tool the proxy serves")
 
 
 def _parallel(value: Any, body: Mapping[str, Any]) -> str | None:
@@ -276,17 +276,17 @@ def _stream_options(value: Any, body: Mapping[str, Any]) -> str | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise _Refuse("stream_options must be an object")
+        raise Refuse("stream_options must be an object")
     unknown = set(value) - {"include_usage", "include_obfuscation"}
     if unknown:
-        raise _Refuse(f"stream_options {sorted(unknown)} are not known")
+        raise Refuse(f"stream_options {sorted(unknown)} are not known")
     return None
 
 
 def _include(value: Any, body: Mapping[str, Any]) -> str | None:
     unknown = set(value or ()) - {"message.output_text.logprobs", "reasoning.encrypted_content"}
     if unknown:
-        raise _Refuse(f"include {sorted(unknown)}: the proxy serves no hosted tools or images")
+        raise Refuse(f"include {sorted(unknown)}: the proxy serves no hosted tools or images")
     return None
 
 
@@ -300,23 +300,23 @@ def _reasoning(value: Any, body: Mapping[str, Any]) -> str | None:
         raise ValueError("expected an object")
     unknown = set(value) - set(_REASONING_KEYS)
     if unknown:
-        raise _Refuse(f"reasoning {sorted(unknown)} are not known")
+        raise Refuse(f"reasoning {sorted(unknown)} are not known")
     if value.get("effort") is not None and value["effort"] not in EFFORTS:
         raise ValueError(f"effort: expected one of {', '.join(EFFORTS)}")
     return None
 
 
-_NO_EFFECT = ("accepted and listed in ignored_fields; refused with strict_fields")
-_EFFORT = ("a chat-template option where the template reads reasoning_effort (gpt-oss's), "
+NO_EFFECT_NOTE = ("accepted and listed in ignored_fields; refused with strict_fields")
+EFFORT_NOTE = ("a chat-template option where the template reads reasoning_effort (gpt-oss's), "
            "else accepted and listed in ignored_fields; refused with strict_fields")
-_SUPPORTED = FieldRule("supported", "", _served)
+SUPPORTED = FieldRule("supported", "", check_served)
 
 
-def _no_effect(note: str = _NO_EFFECT) -> FieldRule:
-    return FieldRule("no effect", note, _served, _whole)
+def no_effect_rule(note: str = NO_EFFECT_NOTE) -> FieldRule:
+    return FieldRule("no effect", note, check_served, whole_hint)
 
 
-def _refused(note: str, check: Check | None = None) -> FieldRule:
+def refused_rule(note: str, check: Check | None = None) -> FieldRule:
     return FieldRule("refused", note, check or _falsy(note))
 
 
@@ -325,47 +325,47 @@ _ENFORCED_CHOICE = ("none / auto supported; required and a named function: enfor
                     "engine, else refused")
 _ENFORCED_PARALLEL = ("true / null supported; false (with tools): enforced by the engine, "
                       "else refused")
-_COMMON: dict[str, FieldRule] = {
+COMMON_FIELDS: dict[str, FieldRule] = {
     "model": FieldRule("supported", "any name: the proxy serves its one model, and its "
                        "replies name it"),
-    "temperature": _SUPPORTED, "top_p": _SUPPORTED, "stream": _SUPPORTED,
-    "tools": _SUPPORTED,
+    "temperature": SUPPORTED, "top_p": SUPPORTED, "stream": SUPPORTED,
+    "tools": SUPPORTED,
     "tool_choice": FieldRule("enforced", _ENFORCED_CHOICE, _tool_choice),
     "parallel_tool_calls": FieldRule("enforced", _ENFORCED_PARALLEL, _parallel),
     "stream_options": FieldRule("supported", "include_usage supported; include_obfuscation "
                                 "has no effect (listed in ignored_fields)", _stream_options,
-                                _parts("include_obfuscation")),
-    "top_logprobs": _refused("top_logprobs > 0: the engine returns the sampled token's "
+                                hint_parts("include_obfuscation")),
+    "top_logprobs": refused_rule("top_logprobs > 0: the engine returns the sampled token's "
                              "logprob only"),
-    "metadata": _no_effect(), "user": _no_effect(), "safety_identifier": _no_effect(),
-    "service_tier": _no_effect(), "store": _no_effect(
+    "metadata": no_effect_rule(), "user": no_effect_rule(), "safety_identifier": no_effect_rule(),
+    "service_tier": no_effect_rule(), "store": no_effect_rule(
         "accepted (every response of a session is kept for previous_response_id anyway) and "
         "listed in ignored_fields; refused with strict_fields"),
-    "prompt_cache_key": _no_effect(), "prompt_cache_retention": _no_effect(),
-    "prompt_cache_options": _no_effect(),
-    "moderation": _refused("moderation: the proxy runs no moderation policy"),
+    "prompt_cache_key": no_effect_rule(), "prompt_cache_retention": no_effect_rule(),
+    "prompt_cache_options": no_effect_rule(),
+    "moderation": refused_rule("moderation: the proxy runs no moderation policy"),
 }
 
 CHAT_FIELDS: dict[str, FieldRule] = {
-    **_COMMON,
-    "messages": _SUPPORTED, "seed": _SUPPORTED, "stop": _SUPPORTED, "logprobs": _SUPPORTED,
-    "max_tokens": _SUPPORTED, "max_completion_tokens": _SUPPORTED,
-    "n": _refused("n > 1: each choice would be one recorded turn", _only(1, why="n > 1: each "
+    **COMMON_FIELDS,
+    "messages": SUPPORTED, "seed": SUPPORTED, "stop": SUPPORTED, "logprobs": SUPPORTED,
+    "max_tokens": SUPPORTED, "max_completion_tokens": SUPPORTED,
+    "n": refused_rule("n > 1: each choice would be one recorded turn", _only(1, why="n > 1: each "
                   "choice would be one recorded turn")),
     "response_format": FieldRule("enforced", _ENFORCED_FORMAT, _response_format),
-    "functions": _refused("legacy functions: use tools (the reply's legacy function_call "
+    "functions": refused_rule("legacy functions: use tools (the reply's legacy function_call "
                           "form is not produced)"),
-    "function_call": _refused("legacy function_call: use tools and tool_choice"),
-    "frequency_penalty": _refused("frequency_penalty: the engine protocol has no penalties"),
-    "presence_penalty": _refused("presence_penalty: the engine protocol has no penalties"),
-    "logit_bias": _refused("logit_bias: the engine protocol has no logit bias"),
-    "reasoning_effort": FieldRule("no effect", _EFFORT, _one_of(EFFORTS), _whole),
-    "verbosity": FieldRule("no effect", _NO_EFFECT, _one_of(VERBOSITIES), _whole),
-    "modalities": _refused("modalities other than text", _only(
+    "function_call": refused_rule("legacy function_call: use tools and tool_choice"),
+    "frequency_penalty": refused_rule("frequency_penalty: the engine protocol has no penalties"),
+    "presence_penalty": refused_rule("presence_penalty: the engine protocol has no penalties"),
+    "logit_bias": refused_rule("logit_bias: the engine protocol has no logit bias"),
+    "reasoning_effort": FieldRule("no effect", EFFORT_NOTE, one_of(EFFORTS), whole_hint),
+    "verbosity": FieldRule("no effect", NO_EFFECT_NOTE, one_of(VERBOSITIES), whole_hint),
+    "modalities": refused_rule("modalities other than text", _only(
         ["text"], why="only text output is served")),
-    "audio": _refused("audio output"),
-    "prediction": _refused("predicted outputs"),
-    "web_search_options": _refused("web search: the proxy serves no hosted tools"),
+    "audio": refused_rule("audio output"),
+    "prediction": refused_rule("predicted outputs"),
+    "web_search_options": refused_rule("web search: the proxy serves no hosted tools"),
     "chat_template_kwargs": FieldRule(
         "supported", "the chat template's own options (vLLM's extension: enable_thinking, "
         "...); a change starts a new segment (tools_changed)"),
@@ -377,8 +377,8 @@ EXTENSION_FIELDS = frozenset({"chat_template_kwargs"})
 official SDK sends them through ``extra_body``)."""
 
 RESPONSES_FIELDS: dict[str, FieldRule] = {
-    **_COMMON,
-    "input": _SUPPORTED, "instructions": _SUPPORTED, "max_output_tokens": _SUPPORTED,
+    **COMMON_FIELDS,
+    "input": SUPPORTED, "instructions": SUPPORTED, "max_output_tokens": SUPPORTED,
     "previous_response_id": FieldRule("supported", "responses of the same session"),
     "include": FieldRule("supported", "message.output_text.logprobs supported; "
                          "reasoning.encrypted_content has no effect (no reasoning items; "
@@ -386,137 +386,24 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
                          _include_hints),
     "text": FieldRule("enforced", "format text supported; json_object / json_schema: enforced "
                       "by the engine, else refused; verbosity has no effect (listed in "
-                      "ignored_fields)", _text, _parts("verbosity")),
-    "max_tool_calls": _no_effect("accepted (it limits hosted tools, and none are served) and "
+                      "ignored_fields)", _text, hint_parts("verbosity")),
+    "max_tool_calls": no_effect_rule("accepted (it limits hosted tools, and none are served) and "
                                  "listed in ignored_fields; refused with strict_fields"),
-    "truncation": _refused("truncation auto: a prompt over the context is an error instead",
+    "truncation": refused_rule("truncation auto: a prompt over the context is an error instead",
                            _only("disabled", why="truncation auto is not served: a prompt "
                                  "over the context is an error")),
-    "reasoning": FieldRule("no effect", "effort: " + _EFFORT + "; summary: no effect (no "
+    "reasoning": FieldRule("no effect", "effort: " + EFFORT_NOTE + "; summary: no effect (no "
                            "reasoning items), listed likewise", _reasoning,
-                           _parts(*_REASONING_KEYS)),
-    "conversation": _refused("conversation objects: use previous_response_id"),
-    "background": _refused("background responses"),
-    "background_options": _refused("background responses"),
-    "prompt": _refused("stored prompt templates"),
-    "context_management": _refused("server-side context compaction"),
-    "access_programs": _refused("hosted tool programs"),
-    "image": _refused("image generation"),
+                           hint_parts(*_REASONING_KEYS)),
+    "conversation": refused_rule("conversation objects: use previous_response_id"),
+    "background": refused_rule("background responses"),
+    "background_options": refused_rule("background responses"),
+    "prompt": refused_rule("stored prompt templates"),
+    "context_management": refused_rule("server-side context compaction"),
+    "access_programs": refused_rule("hosted tool programs"),
+    "image": refused_rule("image generation"),
 }
 """Every field of ``POST /v1/responses``."""
-
-ANTHROPIC_EFFORTS = ("low", "medium", "high", "max")
-"""The efforts Anthropic's ``output_config.effort`` names."""
-
-
-def _anthropic_tool_choice(value: Any, body: Mapping[str, Any]) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise ValueError("expected an object")
-    kind = value.get("type")
-    if kind not in ("auto", "any", "tool", "none"):
-        raise ValueError("type: expected one of auto, any, tool, none")
-    if kind == "tool" and not isinstance(value.get("name"), str):
-        raise ValueError("a tool choice of type tool needs a string name")
-    unknown = set(value) - {"type", "name", "disable_parallel_tool_use"}
-    if unknown:
-        raise _Refuse(f"tool_choice {sorted(unknown)} are not known")
-    needs: tuple[str, ...] = {"any": (TOOL_REQUIRED,), "tool": (TOOL_NAMED,)}.get(
-        str(kind), ())
-    if value.get("disable_parallel_tool_use") and body.get("tools") and kind != "none":
-        needs += (SINGLE_CALL,)
-    return needs or None
-
-
-def _anthropic_format(fmt: Any) -> str | None:
-    if fmt is None:
-        return None
-    if not isinstance(fmt, Mapping) or fmt.get("type") != JSON_SCHEMA:
-        raise _Refuse("format: only json_schema is known")
-    if not isinstance(fmt.get("schema"), Mapping):
-        raise ValueError("format.schema: expected an object")
-    return JSON_SCHEMA
-
-
-def _output_config(value: Any, body: Mapping[str, Any]) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise ValueError("expected an object")
-    unknown = set(value) - {"effort", "format"}
-    if unknown:
-        raise _Refuse(f"output_config {sorted(unknown)} are not known")
-    _one_of(ANTHROPIC_EFFORTS)(value.get("effort"), body)
-    return _anthropic_format(value.get("format"))
-
-
-def _context_management(value: Any, body: Mapping[str, Any]) -> str | None:
-    """Only ``clear_thinking_*`` edits: the proxy renders earlier replies from the tokens it
-    recorded, thinking included, whatever a client asks to clear (clearing tool results would
-    change the prompt: refused)."""
-    if value is None:
-        return None
-    edits = value.get("edits") if isinstance(value, Mapping) else None
-    if not isinstance(edits, list) or set(value) - {"edits"}:
-        raise ValueError("expected an object with a list of edits")
-    for edit in edits:
-        kind = edit.get("type") if isinstance(edit, Mapping) else None
-        if not isinstance(kind, str) or not kind.startswith("clear_thinking"):
-            raise _Refuse(f"edit {kind!r}: only clear_thinking edits are accepted (the proxy "
-                          "keeps the recorded tokens; other edits would change the prompt)")
-    return None
-
-
-def _thinking(value: Any, body: Mapping[str, Any]) -> str | None:
-    if value is not None and (not isinstance(value, Mapping) or value.get("type") not in (
-            "enabled", "disabled", "adaptive")):
-        raise ValueError("type: expected one of enabled, disabled, adaptive")
-    return None
-
-
-MESSAGES_FIELDS: dict[str, FieldRule] = {
-    "model": _COMMON["model"],
-    "messages": _SUPPORTED, "system": _SUPPORTED, "max_tokens": _SUPPORTED,
-    "stop_sequences": _SUPPORTED, "stream": _SUPPORTED, "temperature": _SUPPORTED,
-    "top_p": _SUPPORTED,
-    "tools": FieldRule("supported", "client tools (name, description, input_schema); server "
-                       "tools refused"),
-    "tool_choice": FieldRule("enforced", "auto / none supported; any, tool (named) and "
-                             "disable_parallel_tool_use: enforced by the engine, else refused",
-                             _anthropic_tool_choice),
-    "output_config": FieldRule("enforced", "format json_schema: enforced by the engine, else "
-                               "refused; effort: " + _EFFORT, _output_config,
-                               _parts("effort")),
-    "output_format": FieldRule("enforced", "json_schema (the older beta of "
-                               "output_config.format): enforced by the engine, else refused",
-                               lambda value, body: _anthropic_format(value)),
-    "cache_control": FieldRule("no effect", "accepted (on blocks too: Claude Code sends it on "
-                               "every request) and listed in ignored_fields; refused with "
-                               "strict_fields", _served, _whole),
-    "metadata": _no_effect(), "service_tier": _no_effect(), "inference_geo": _no_effect(),
-    "user_profile_id": _no_effect(), "workspace_id": _no_effect(),
-    "speed": FieldRule("no effect", "standard / fast: " + _NO_EFFECT,
-                       _one_of(("standard", "fast")), _whole),
-    "diagnostics": _refused("diagnostics: the proxy reports no prompt-cache divergence"),
-    "thinking": FieldRule("no effect", "enabled / disabled / adaptive: " + _NO_EFFECT,
-                          _thinking, _whole),
-    "top_k": _refused("the proxy serves no top_k (sampling is the session's)"),
-    "container": _refused("containers: the proxy serves no server tools"),
-    "mcp_servers": _refused("MCP servers: the proxy serves no server tools"),
-    "context_management": FieldRule(
-        "no effect", "clear_thinking edits (Claude Code sends one on every request): the "
-        "recorded tokens are kept, listed in ignored_fields, refused with strict_fields; other "
-        "edits refused", _context_management, _whole),
-}
-"""Every field of ``POST /v1/messages`` (Anthropic's Messages API), and
-:data:`MESSAGES_EXTENSION_FIELDS`."""
-
-MESSAGES_EXTENSION_FIELDS = frozenset({"stream", "temperature", "top_p", "top_k",
-                                       "output_format", "mcp_servers", "context_management"})
-"""Messages fields the ``anthropic`` SDK's create parameters no longer type (sampling knobs,
-older betas) that clients still send."""
-
 
 def check_fields(body: Mapping[str, Any], rules: Mapping[str, FieldRule],
                  enforces: frozenset[str]) -> frozenset[str]:
@@ -532,10 +419,10 @@ def check_fields(body: Mapping[str, Any], rules: Mapping[str, FieldRule],
         if rule is None:
             raise FinalError(f"unknown request field {name!r}: the proxy refuses what it "
                              "cannot honour", param=name, code="unsupported_parameter")
-        check = rule.check or _served
+        check = rule.check or check_served
         try:
             need = check(value, body)
-        except _Refuse as exc:
+        except Refuse as exc:
             raise FinalError(f"{name}: {exc} (refused by the proxy)", param=name,
                              code="unsupported_parameter") from None
         except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong shape
