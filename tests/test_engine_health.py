@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _ports import free_port
+from _fake_vllm import FakeVllm, completion
 from aiohttp import web
 
 from pipeline import ConfigError, EngineCircuitOpen, EngineError, Pipeline, SamplingParams
@@ -22,14 +22,13 @@ ROWS = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in ra
 
 
 
-class VllmLike:
+class VllmLike(FakeVllm):
     """A server with vLLM's ``/health`` and token-id ``/v1/completions``; completions wait
     while ``release`` is clear. ``stop`` kills it (open connections are cut), ``start`` brings it
     back on the same port."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
         self.health_status = 200
         self.health_delay_s = 0.0  # a loaded server answers its probes late
         self.release = asyncio.Event()
@@ -40,7 +39,6 @@ class VllmLike:
         self.weight_version = "0"  # what a (re)started vLLM server reports
         self.reloads: list[str] = []
         self.reload_status = 200
-        self.runner: web.AppRunner | None = None
 
     async def health(self, request: web.Request) -> web.Response:
         await asyncio.sleep(self.health_delay_s)
@@ -69,14 +67,9 @@ class VllmLike:
         await self.release.wait()
         if self.completion_status != 200:
             return web.Response(status=self.completion_status, text="EngineDeadError")
-        tokens = [5, 6, 2]
-        return web.json_response({"choices": [{
-            "index": 0, "text": "", "token_ids": tokens, "prompt_token_ids": body["prompt"],
-            "finish_reason": "stop", "stop_reason": None,
-            "logprobs": {"token_logprobs": [-0.5] * len(tokens)}}]})
+        return completion(body, [5, 6, 2])
 
-    async def start(self) -> VllmLike:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/weight_info", self.control)
@@ -84,15 +77,6 @@ class VllmLike:
                      "/update_weight_version"):
             app.router.add_post(path, self.control)
         app.router.add_post("/v1/completions", self.complete)
-        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.05)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-        return self
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            runner, self.runner = self.runner, None
-            await runner.cleanup()
 
 
 async def until(condition: Callable[[], bool], limit_s: float = 20.0) -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _ports import free_port
+from _fake_vllm import FakeVllm, completion
 from aiohttp import web
 from structlog.testing import capture_logs
 
@@ -39,15 +39,13 @@ METRICS = ("vllm:num_requests_running 3\nvllm:num_requests_waiting 40\n"
 
 
 
-class Server:
+class Server(FakeVllm):
     """vLLM's ``/health``, ``/metrics`` (a full KV cache) and ``/v1/completions`` (three
     tokens after ``delay_s``) on a port chosen now, started later."""
 
     def __init__(self, delay_s: float = 0.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
         self.delay_s = delay_s
-        self.runner: web.AppRunner | None = None
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -58,24 +56,12 @@ class Server:
     async def complete(self, request: web.Request) -> web.Response:
         body = await request.json()
         await asyncio.sleep(self.delay_s)
-        return web.json_response({"choices": [{
-            "index": 0, "text": "", "token_ids": [5, 6, 2], "prompt_token_ids": body["prompt"],
-            "finish_reason": "stop", "stop_reason": None,
-            "logprobs": {"token_logprobs": [-0.5] * 3}}]})
+        return completion(body, [5, 6, 2])
 
-    async def start(self) -> Server:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.complete)
-        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.05)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-        return self
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
 
 
 def capacity_engine() -> SimulatedEngine:

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from _ports import free_port
+from _fake_vllm import FakeVllm, completion
 from aiohttp import web
 
 from pipeline import ConfigError, SamplingParams
@@ -30,18 +30,16 @@ TOK = ByteTokenizer()
 REPLY = [*TOK.encode("done"), TOK.eos_token_id]
 
 
-class Server:
+class Server(FakeVllm):
     """vLLM's ``/health`` and ``/v1/completions``; a request whose id starts with one of
     ``hold`` waits for ``release``. ``stop`` cuts it off; ``start`` brings it back on the same
     port."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
         self.seen: list[str] = []
         self.hold: tuple[str, ...] = ()
         self.release = asyncio.Event()
-        self.runner: web.AppRunner | None = None
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -51,24 +49,11 @@ class Server:
         self.seen.append(body["request_id"])
         if body["request_id"].startswith(self.hold):
             await self.release.wait()
-        return web.json_response({"choices": [{
-            "index": 0, "text": "", "token_ids": REPLY, "prompt_token_ids": body["prompt"],
-            "finish_reason": "stop", "stop_reason": None,
-            "logprobs": {"token_logprobs": [-0.5] * len(REPLY)}}]})
+        return completion(body, REPLY)
 
-    async def start(self) -> Server:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/health", self.health)
         app.router.add_post("/v1/completions", self.complete)
-        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.05)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-        return self
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            runner, self.runner = self.runner, None
-            await runner.cleanup()
 
     def sessions(self) -> set[str]:
         """The proxy sessions whose requests (``{session}-{n}``) came here."""
