@@ -6,11 +6,11 @@ would cost more of the CI budget than the issue leaves (see docs/guides/flow-con
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 from _fake_vllm import FakeVllm, completion
+from _waits import until
 from aiohttp import web
 
 from pipeline import ConfigError, EngineCircuitOpen, EngineError, Pipeline, SamplingParams
@@ -77,15 +77,6 @@ class VllmLike(FakeVllm):
                      "/update_weight_version"):
             app.router.add_post(path, self.control)
         app.router.add_post("/v1/completions", self.complete)
-
-
-async def until(condition: Callable[[], bool], limit_s: float = 20.0) -> None:
-    """Poll ``condition`` every 10 ms, for at most ``limit_s`` seconds."""
-    for _ in range(int(limit_s * 100)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 def pipeline_on(engine: OpenAIEngine, **config: Any) -> Pipeline:

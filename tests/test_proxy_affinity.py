@@ -13,12 +13,13 @@ on two real ones).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 from _fake_vllm import FakeVllm, completion
+from _waits import until
 from aiohttp import web
 
 from pipeline import ConfigError, SamplingParams
@@ -58,15 +59,6 @@ class Server(FakeVllm):
     def sessions(self) -> set[str]:
         """The proxy sessions whose requests (``{session}-{n}``) came here."""
         return {rid.rsplit("-", 1)[0] for rid in self.seen}
-
-
-async def until(condition: Callable[[], bool], limit_s: float = 20.0) -> None:
-    """Poll ``condition`` every 10 ms, for at most ``limit_s`` seconds."""
-    for _ in range(int(limit_s * 100)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 class Setup:
