@@ -1,4 +1,6 @@
-"""The sample runner: the one place where stage errors, timeouts and aborts become a status."""
+"""The :class:`Pipeline`: batches and streams of samples over a stage list, each sample run by
+:class:`~pipeline._runner.sample_runner.SampleRunner` (the one place where stage errors,
+timeouts and aborts become a status)."""
 
 from __future__ import annotations
 
@@ -13,41 +15,25 @@ from typing import Any
 
 import structlog
 
-from pipeline._concurrency.callables import check_callable, plain_result
+from pipeline._concurrency.callables import check_callable
 from pipeline._concurrency.cancel import stage_grace
 from pipeline._data.config import PipelineConfig, merge_config
-from pipeline._data.construct import set_fields
 from pipeline._data.items import make_items
-from pipeline._data.models import (
-    AgentRolloutItem,
-    ProduceBatchResult,
-    RolloutSample,
-    Status,
-)
+from pipeline._data.models import AgentRolloutItem, ProduceBatchResult, RolloutSample
 from pipeline._data.rows import DatasetRow
 from pipeline._data.stats import safe_stats
 from pipeline._exceptions import ConfigError
 from pipeline._logging import log_batch_done
-from pipeline._runner.cleanup import cleanup_steps, run_cleanups
 from pipeline._runner.context import Context, Resources, Stage
 from pipeline._runner.contracts import check_chain
-from pipeline._runner.deadline import disarm
 from pipeline._runner.dynamic import DynamicSampling, GroupResult, StreamReport
-from pipeline._runner.fill import SampleBuilder, build_sample, fill_sample
+from pipeline._runner.fill import SampleBuilder, fill_sample
 from pipeline._runner.heartbeat import ProgressHeartbeat
 from pipeline._runner.host import InflightSample
 from pipeline._runner.loop_state import LoopState
-from pipeline._runner.outcome import (
-    BATCH_CANCELLED,
-    ENOUGH,
-    OUTSIDE_CANCEL,
-    end,
-    force_end,
-    settle,
-    uncancel,
-)
-from pipeline._runner.producer import Batch, Producer, SampleCallback, SampleRun, check_callback
-from pipeline._runner.stage import as_stages, check_stage_budgets, run_stage
+from pipeline._runner.producer import Producer, SampleCallback, check_callback
+from pipeline._runner.sample_runner import SampleRunner
+from pipeline._runner.stage import as_stages, check_stage_budgets
 from pipeline._runner.stream import (
     RolloutStream,
     RowSource,
@@ -74,7 +60,7 @@ def running_pipelines() -> list[Pipeline]:
     return [p for p in list(_RUNNING) if p._active_batches]
 
 
-class Pipeline:
+class Pipeline(SampleRunner):
     """A list of stages run on every sample, with per-sample failure isolation.
 
     Args:
@@ -122,20 +108,7 @@ class Pipeline:
         self._active_batches = 0
         self._lock = threading.Lock()  # counters: one pipeline may serve several loops
         self.samples_done = 0
-        """Samples finished by this pipeline so far (any status)."""
-        self.last_sample_done: float | None = None
-        """``time.monotonic()`` when the last sample finished (stall detection reads it)."""
-
-    @property
-    def pad_token_id(self) -> int:
-        """Pad id for failure outputs: config, else the tokenizer's pad or eos id, else 0."""
-        if self.config.pad_token_id is not None:
-            return self.config.pad_token_id
-        tok = self.resources.tokenizer
-        for candidate in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None)):
-            if isinstance(candidate, int):
-                return candidate
-        return 0
+        self.last_sample_done = None
 
     def make_items(self, rows: Iterable[Any], n: int | None = None) -> list[AgentRolloutItem]:
         """Validate rows and expand each to ``n`` items sharing a ``group_id``.
@@ -317,43 +290,12 @@ class Pipeline:
             with self._lock:
                 self._active_batches -= 1
 
-    def _loop_state(self) -> LoopState:
-        """The slots, flow control and deadlines of this pipeline on the running loop."""
-        loop = asyncio.get_running_loop()
-        state = self._loops.get(loop)
-        if state is None:
-            state = self._loops[loop] = LoopState(loop, self.config)
-        return state
-
     def flow_state(self) -> dict[str, Any] | None:
         """Flow control as plain data: the concurrency limit, samples admitted, and the
         adaptive controller's and circuit breaker's state when on (of the loop this
         pipeline ran on last); None before any sample ran. Safe from any thread."""
         states = list(self._loops.values())
         return states[-1].flow.state() if states else None
-
-    def sample_of(self, run: SampleRun) -> RolloutSample:
-        """The sample a finished run produced; a task that ended without one (cancelled
-        from outside, or raised through every guard) still yields a masked sample."""
-        if run.sample is not None:
-            return run.sample
-        task = run.task
-        if task is None:  # its batch was cancelled before its task was made
-            force_end(run.item, Status.ABORTED, BATCH_CANCELLED)
-            return self._build_sample(run.item, run.ctx)
-        if task.done() and not task.cancelled():
-            exc = task.exception()
-            if exc is None:
-                return task.result()
-            error = f"the sample's task raised {type(exc).__name__}: {exc}"
-        elif task.done() and run.item.status is Status.ABORTED:
-            # The runner ended it as aborted, then let its batch's cancellation (a closed
-            # stream) end the task: that status stands.
-            return self._build_sample(run.item, run.ctx)
-        else:
-            error = "the sample's task was cancelled from outside the pipeline"
-        force_end(run.item, Status.FAILED, error)
-        return self._build_sample(run.item, run.ctx)
 
     def inflight(self) -> list[InflightSample]:
         """The samples running now, with their current stage and how long they have run."""
@@ -369,132 +311,3 @@ class Pipeline:
             )
             for ctx in list(self._inflight.values())
         ]
-
-    async def _run_sample(
-        self, run: SampleRun, batch: Batch, on_done: SampleCallback | None
-    ) -> RolloutSample:
-        """Run one sample to a status and build its trainer view. Raises only
-        ``CancelledError`` when the batch itself is cancelled (and ``BaseException``s that
-        are not ours to stop, such as ``KeyboardInterrupt``)."""
-        item = run.item
-        set_fields(item, {"queued_at": time.monotonic()})
-        loop = asyncio.get_running_loop()
-        state = self._loop_state()
-        breaker = state.flow.breaker
-        if run.abort_requested:  # over-sampling had enough before this task was made
-            force_end(item, Status.ABORTED, ENOUGH)
-        else:
-            try:
-                if not state.slots.take_now():
-                    await state.slots.wait()
-                try:
-                    if breaker.opened:  # admitted no more: the batch ends on the breaker
-                        force_end(item, Status.FAILED, f"not run: {breaker.error()}")
-                    else:
-                        await self._execute(run, batch, loop, state)
-                finally:
-                    if not run.abandoned:  # an abandoned run gave its slot back already
-                        state.slots.release()
-            except asyncio.CancelledError:
-                # Cancelled while queued for a slot (no stage ran yet), or re-raised by _settle
-                # because the batch itself was cancelled.
-                if batch.cancelled:
-                    if item.status is None:
-                        force_end(item, Status.ABORTED, BATCH_CANCELLED)
-                    raise
-                uncancel()
-                if item.status is None:
-                    force_end(item, Status.ABORTED,
-                               ENOUGH if run.abort_requested else OUTSIDE_CANCEL)
-        if run.abandoned and run.sample is not None:  # handed over when it was abandoned
-            return run.sample
-        return self._finish(run, batch, on_done)
-
-    def _finish(self, run: SampleRun, batch: Batch, on_done: SampleCallback | None,
-                still_running: bool = False) -> RolloutSample:
-        """Build the ended sample's trainer view, count it, and tell ``on_done``.
-
-        ``still_running``: its stages run on (abandoned); the sample then gets copies of the
-        item's lists, which the default builder otherwise shares, so that what those stages
-        still write cannot change a sample already handed to the trainer."""
-        item = run.item
-        sample = self._build_sample(item, run.ctx)
-        if still_running:
-            sample = sample.model_copy(deep=True)
-        with self._lock:
-            self.samples_done += 1
-            self.last_sample_done = time.monotonic()
-        if item.status is Status.COMPLETED and batch.num_needed is not None:
-            batch.completed += 1
-            if batch.completed >= batch.num_needed:
-                batch.abort_rest()
-        if on_done is not None:
-            try:
-                plain_result(on_done(item, sample), "on_sample_done")
-            except BaseException as exc:  # a progress bar or writer must never cost the batch
-                _logger.error("on_sample_done_failed", uid=item.uid, error=repr(exc))
-        return sample
-
-    def _give_up(self, run: SampleRun, batch: Batch, status: Status, error: str,
-                 on_done: SampleCallback | None) -> RolloutSample:
-        """End a sample whose stages ignore their cancellation now (the producer abandons
-        its task): its slot is freed, its status set, its sample built and handed over."""
-        state = self._loops.get(asyncio.get_running_loop())
-        if state is not None:
-            state.slots.release()
-        self._inflight.pop(run.item.uid, None)
-        force_end(run.item, status, error)
-        return self._finish(run, batch, on_done, still_running=True)
-
-    async def _execute(self, run: SampleRun, batch: Batch, loop: asyncio.AbstractEventLoop,
-                       state: LoopState) -> None:
-        item = run.item
-        timeout = self.config.sample_timeout_s
-        deadline = None if timeout is None else loop.time() + timeout
-        ctx = run.ctx = Context(self.resources, self.config, item, deadline)
-        ctx.abort_requested = run.abort_requested
-        ctx.loop_slice = state.slice
-        set_fields(item, {"started_at": time.monotonic()})
-        self._inflight[item.uid] = ctx
-        try:
-            task = run.task
-            window = None
-            if deadline is not None and task is not None:
-                window = state.deadlines.arm(ctx, run)
-            run.in_stages = True
-            try:
-                try:
-                    stages = self.stages
-                    # By index: a list iterator held across every await would be one more
-                    # object per sample in flight for the collector (a range's is untracked).
-                    for i in range(len(stages)):
-                        await run_stage(stages[i], item, ctx)
-                finally:
-                    run.in_stages = False
-                    if window is not None:
-                        disarm(window, ctx)
-                    if ctx.timed_out and task is not None:
-                        task.uncancel()  # the deadline's cancel, taken back as asyncio.timeout does
-            except BaseException as exc:  # SystemExit in a tool fails its sample, not the batch
-                if not run.abandoned:
-                    settle(exc, run, batch, ctx.deadline_passed(), self.config.sample_timeout_s)
-                    if item.status is Status.FAILED:
-                        state.flow.breaker.failed(item, exc, self.resources.engine)
-            else:
-                if not run.abandoned:
-                    end(item, Status.COMPLETED, None)
-                    state.flow.sample_completed(item)
-        finally:
-            try:
-                steps = cleanup_steps(item, ctx)
-                if steps:
-                    await run_cleanups(steps, item, ctx, self.config.cleanup_timeout_s)
-            finally:
-                set_fields(item, {"ended_at": time.monotonic()})
-                self._inflight.pop(item.uid, None)
-        if item.status is not Status.COMPLETED and item.status is not None:
-            ctx.log.debug("sample_ended", status=item.status.value, error=item.error)
-
-    def _build_sample(self, item: AgentRolloutItem, ctx: Context | None) -> RolloutSample:
-        return build_sample(self.fill, item, ctx or Context(self.resources, self.config, item),
-                            lambda: self.pad_token_id)
