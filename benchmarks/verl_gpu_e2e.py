@@ -26,7 +26,8 @@ from it.
 (``response_length/mean`` x samples), and compares the generate phase per generated token,
 median over steps 2..N (step 1 warms up). One JSON file: ``benchmarks/results/verl_gpu_e2e.json``.
 verl's V1 trainer measures ``gen`` around a replay-buffer wait that polls every 2 s, so each
-step's figure is quantised to about 2 s (``gen_timer_resolution_s``); with a reward loop
+step's figure is quantised to the poll; ``train --poll-s`` (default 0.05) makes verl's replay
+buffer poll that often in both runs (``gen_timer_resolution_s``); with a reward loop
 worker (the default) the reward is computed inside the rollout and there is no
 ``timing_s/reward``.
 """
@@ -58,8 +59,9 @@ QWEN_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 
 LOOPS = {"pipeline": "arith_pipeline", "verl": "tool_agent"}
 """``--loop`` -> the agent loop verl's workers run (``default_agent_loop``)."""
 
-GEN_POLL_S = 2.0
-"""verl 0.9.1's ``ReplayBuffer.poll_interval``: the resolution of ``timing_s/gen`` on V1."""
+VERL_POLL_S = 2.0
+"""verl 0.9.1's ``ReplayBuffer.poll_interval``: the resolution of ``timing_s/gen`` on V1
+unless ``train --poll-s`` sets another."""
 
 TIMINGS = ("gen", "reward", "old_log_prob", "adv", "update_actor", "update_weights", "step")
 
@@ -185,6 +187,7 @@ def train(args: argparse.Namespace) -> None:
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(AGENTS), str(ROOT), env.get("PYTHONPATH")) if p)
     env["VERL_USE_EXTERNAL_MODULES"] = "verl_e2e_agents"  # grpo_masked in every verl process
+    env["VERL_E2E_POLL_S"] = str(args.poll_s)  # the gen timer's resolution (verl_e2e_agents)
     env.setdefault("HF_HUB_OFFLINE", "1")
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(args)]
     log = work / f"{args.loop}.log"
@@ -196,7 +199,7 @@ def train(args: argparse.Namespace) -> None:
     wall = time.monotonic() - start
     steps = parse_steps(log.read_text(errors="replace"))
     (work / f"{args.loop}.steps.json").write_text(json.dumps(
-        {"returncode": code, "wall_s": wall, "steps": steps}, indent=1))
+        {"returncode": code, "wall_s": wall, "poll_s": args.poll_s, "steps": steps}, indent=1))
     print(f"{args.loop}: exit {code} after {wall:.0f} s, {len(steps)} steps logged")
     for step in steps:
         print("  step", step.get("step"), {k: round(step[f"timing_s/{k}"], 2)
@@ -254,6 +257,7 @@ def report(args: argparse.Namespace) -> None:
         later = [t for t in (per_token(s, samples) for s in steps[1:]) if t is not None]
         figures["loops"][loop] = {
             "ran": True, "returncode": run["returncode"], "wall_s": round(run["wall_s"], 1),
+            "gen_timer_resolution_s": run.get("poll_s", VERL_POLL_S),
             "steps": [{"step": s["step"],
                        **{f"{k}_s": s.get(f"timing_s/{k}") for k in TIMINGS},
                        "response_length_mean": s.get("response_length/mean"),
@@ -265,10 +269,12 @@ def report(args: argparse.Namespace) -> None:
     ours = figures["loops"].get("pipeline", {}).get("gen_s_per_token_median_after_step_1")
     theirs = figures["loops"].get("verl", {}).get("gen_s_per_token_median_after_step_1")
     figures["pipeline_over_verl_gen_per_token"] = ours / theirs if ours and theirs else None
-    # verl's V1 trainer times "gen" around a replay-buffer wait that polls every 2 s
-    # (ReplayBuffer.poll_interval): each step's figure is a whole number of polls after the
-    # rollout ends, so two loops closer than that cannot be told apart by it.
-    figures["gen_timer_resolution_s"] = GEN_POLL_S
+    # verl's V1 trainer times "gen" around a replay-buffer wait (ReplayBuffer.poll_interval):
+    # each step's figure is a whole number of polls after the rollout ends, so two loops closer
+    # than the coarser of the two runs' polls cannot be told apart by it.
+    figures["gen_timer_resolution_s"] = max(
+        (run.get("gen_timer_resolution_s", VERL_POLL_S) for run in figures["loops"].values()
+         if run.get("ran")), default=VERL_POLL_S)
     figures["card"] = args.card
     path = write_result(args.name, figures)
     print(json.dumps(figures, indent=1))
@@ -299,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
             p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
             p.add_argument("--agent-workers", type=int, default=2)
             p.add_argument("--timeout-s", type=float, default=560)
+            p.add_argument("--poll-s", type=float, default=0.05,
+                           help="verl's replay-buffer poll: the resolution of timing_s/gen")
             p.add_argument("extra", nargs="*", help="more hydra overrides")
         if name == "report":
             p.add_argument("--card", default=None, help="the GPU, as nvidia-smi names it")

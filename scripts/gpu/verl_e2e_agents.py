@@ -12,11 +12,16 @@ so the run puts this folder on ``PYTHONPATH`` and names:
   loops, so the runs differ only in the loop;
 - :func:`calculator_schema`: the calculator's schema as verl's ``ToolAgentLoop`` renders it
   (verl's schema model drops ``maxLength`` and ``additionalProperties``), given to our loop
-  too, so both render the same prompt tokens.
+  too, so both render the same prompt tokens;
+- :func:`fine_replay_poll`: verl's V1 trainer times ``gen`` around ``ReplayBuffer.sample``,
+  which sleeps ``poll_interval`` (2 s) between looks at the finished rollouts, so every
+  ``timing_s/gen`` is a whole number of polls; with ``VERL_E2E_POLL_S`` set, each replay
+  buffer this process builds polls that often instead (the same for both loops).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pipeline import BuildPrompt, Generate, Loop, Pipeline
@@ -57,4 +62,19 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str,
                  and abs(predicted - expected) < 1e-9)
 
 
+def fine_replay_poll(poll_s: float) -> None:
+    """Make every ``ReplayBuffer`` built from now on poll every ``poll_s`` seconds."""
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    built = ReplayBuffer.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        built(self, *args, **kwargs)
+        self.poll_interval = poll_s
+
+    ReplayBuffer.__init__ = init  # type: ignore[method-assign]
+
+
 register_estimators()
+if os.environ.get("VERL_E2E_POLL_S"):
+    fine_replay_poll(float(os.environ["VERL_E2E_POLL_S"]))
