@@ -25,7 +25,29 @@ handed and its final output. Checks, per sample:
    image replaced by another one does not: the images reached vLLM's vision tower;
 5. ``greedy``: greedy samples equal transformers' ``generate`` on the processor's own inputs.
 
-One JSON file, ``benchmarks/results/multimodal_vllm_<device>.json``.
+``--dtype`` (default float32) is the dtype of vLLM *and* of the reference forward pass:
+``bfloat16`` beside the float32 run tells a precision effect from a real difference in the
+image logprobs (checks 4 and 5 are then only indicative: 1e-2 is a float32 tolerance).
+Each image sample also reports ``fast_pixels_max`` (how far the ``pixel_values`` of the
+model's default image processor, transformers' torchvision backend where torchvision is
+installed, the one vLLM's own processing may get, are from the PIL backend's the pipeline
+uses) and ``rescore_fast_max`` (check 4 with the fast
+processor's pixels): a cause of the image-logprob gap in the pixels shows there.
+
+6. ``throughput`` (``--mode throughput`` or ``both``, the default): ``--tp-groups`` distinct
+   224x224 image prompts x ``--tp-n`` samples, ``--tp-tokens`` tokens each (temperature 1),
+   through ``[BuildPrompt(processor), Generate()]`` against the same prompts (ids and pixel
+   inputs prepared beforehand) sent straight to ``engine.generate``, alternated
+   ``--rounds`` times on the same engine: sampled tokens per second of each and their ratio
+   (goal >= 0.95; the pipeline's side includes processing the images, once per group, as in
+   a batch), and the event loop's lag during the pipeline's rounds. The tiny model makes the
+   engine's share small, so the ratio is a pessimistic one.
+
+``--engine transformers`` runs the throughput mode on ``TransformersEngine`` (no vLLM; the
+checks are vLLM's): the plumbing runs on CPU.
+
+One JSON file, ``benchmarks/results/multimodal_vllm_<device>[_bfloat16].json``; the last
+lines printed are a short summary.
 """
 
 from __future__ import annotations
@@ -35,6 +57,7 @@ import asyncio
 import base64
 import io
 import os
+import statistics
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -136,10 +159,27 @@ async def rollout(engine: Any, processor: Any, data: list[dict[str, Any]], n: in
     return await pipe.run_batch(data, n=n)
 
 
+def fast_pixels(model_dir: Path, processor: Any) -> tuple[Any, str | None]:
+    """The model's default image processor as ``AutoImageProcessor`` loads it (where
+    torchvision is installed, transformers' torchvision backend: what vLLM's own processing
+    gets there) as a function of PIL images to ``pixel_values``, or None and why not (the
+    same class as the pipeline's PIL one: no torchvision here)."""
+    try:
+        import transformers
+
+        fast = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
+    except Exception as exc:  # a diagnostic: any failure is reported, not raised
+        return None, f"{type(exc).__name__}: {exc}"
+    if type(fast) is type(processor.image_processor):
+        return None, f"the default is the pipeline's own ({type(fast).__name__})"
+    return (lambda images: fast(images=images, return_tensors="pt")["pixel_values"]), None
+
+
 def check(result: Any, recorder: Recorder, model: Any, processor: Any,
-          other_image: Any, rescore: bool = True) -> list[dict[str, Any]]:
+          other_image: Any, rescore: bool = True, fast: Any = None) -> list[dict[str, Any]]:
     """The per-sample checks of the module doc (1-3, and 4 with ``rescore``: the sampled
-    rollout, whose temperature-1 logprobs a plain log-softmax reproduces)."""
+    rollout, whose temperature-1 logprobs a plain log-softmax reproduces; ``fast``: the
+    fast image processor of :func:`fast_pixels`, compared where given)."""
     import torch
 
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -193,6 +233,15 @@ def check(result: Any, recorder: Recorder, model: Any, processor: Any,
                                              _with_pixels(mm, swapped), pad)).abs()
         row["other_image_max"], row["other_image_mean"] = float(wrong.max()), float(wrong.mean())
         row["rescore_ok"] = bool(own.max() <= TOLERANCE) and bool(wrong.max() > TOLERANCE)
+        if fast is not None:
+            pixels = fast(mm.pil_images()).to(mm.pixel_values.dtype)
+            if pixels.shape == mm.pixel_values.shape:
+                row["fast_pixels_max"] = float((pixels - mm.pixel_values).abs().max())
+                by_fast = (reported - forward_logprobs(model, prompt, response,
+                                                       _with_pixels(mm, pixels), pad)).abs()
+                row["rescore_fast_max"] = float(by_fast.max())
+            else:
+                row["fast_pixels_shape"] = list(pixels.shape)
         out.append(row)
     return out
 
@@ -242,32 +291,89 @@ def wider_vision_model(width: int) -> Path:
     return target
 
 
-async def main(args: argparse.Namespace) -> None:
-    import torch
-    import transformers
-    import vllm
+class LagProbe:
+    """How late a 5 ms sleep wakes up while the pipeline runs (its image work is on the
+    processor's thread, off the loop)."""
 
-    from pipeline.engines.vllm import VLLMEngine
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model_dir = (ensure_tiny_vl_model() if args.vision_width is None
-                 else wider_vision_model(args.vision_width))
-    processor = tiny_vl_processor(model_dir)
+    async def _tick(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(0.005)
+            self.lags.append((time.perf_counter() - start - 0.005) * 1e3)
+
+    def __enter__(self) -> LagProbe:
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    def figures(self) -> dict[str, float]:
+        lags = sorted(self.lags) or [0.0]
+        return {"ticks": len(self.lags), "p50_ms": round(statistics.median(lags), 2),
+                "p99_ms": round(lags[min(len(lags) - 1, int(len(lags) * 0.99))], 2),
+                "max_ms": round(lags[-1], 2)}
+
+
+async def throughput(engine: Any, processor: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Mode 6 of the module doc: pipeline vs raw ``engine.generate`` tokens per second."""
+    from pipeline import SamplingParams
+    from pipeline.multimodal import MULTI_MODAL
+
+    text = {"type": "text", "text": TEXT}
+    data = [{"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_url((224, 224), 100 + seed)}}, text]}]}
+        for seed in range(args.tp_groups)]
+    sampling = {"max_tokens": args.tp_tokens, "temperature": 1.0}
+    built = (await Pipeline([BuildPrompt(processor=processor)], tokenizer=processor.tokenizer,
+                            seed=5).run_batch(data, n=args.tp_n)).items
+    params = SamplingParams(**sampling, seed=0)
+    await engine.generate(built[0].artifacts[A.PROMPT_IDS], params, "tp-warm",
+                          multi_modal=built[0].artifacts[MULTI_MODAL].inputs)
+    rounds = []
+    for round_ in range(args.rounds):  # alternated: the machine's load drifts
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(engine.generate(
+            item.artifacts[A.PROMPT_IDS], params, f"tp-raw-{round_}-{item.uid}",
+            multi_modal=item.artifacts[MULTI_MODAL].inputs) for item in built))
+        raw_wall = time.perf_counter() - start
+        raw_tokens = sum(len(o.token_ids) for o in outs)
+        # a fresh BuildPrompt each round: its images are processed again, as in a batch
+        pipe = Pipeline([BuildPrompt(processor=processor), Generate()], engine=engine,
+                        tokenizer=processor.tokenizer, sampling=sampling, seed=round_)
+        start = time.perf_counter()
+        with LagProbe() as probe:
+            result = await pipe.run_batch(data, n=args.tp_n)
+        wall = time.perf_counter() - start
+        tokens = sum(len(sample.response_ids) for sample in result.samples)
+        rounds.append({"statuses": sorted({s.status.value for s in result.samples}),
+                       "raw_tokens": raw_tokens, "raw_s": round(raw_wall, 3),
+                       "raw_tokens_per_s": round(raw_tokens / raw_wall, 1),
+                       "pipeline_tokens": tokens, "pipeline_s": round(wall, 3),
+                       "pipeline_tokens_per_s": round(tokens / wall, 1),
+                       "ratio": round((tokens / wall) / (raw_tokens / raw_wall), 3),
+                       "loop_lag": probe.figures()})
+        print(f"throughput round {round_}: {rounds[-1]}", flush=True)
+    return {"samples": len(built), "groups": args.tp_groups, "n": args.tp_n,
+            "max_tokens": args.tp_tokens, "image": "224x224", "rounds": rounds,
+            "median_ratio": round(statistics.median(r["ratio"] for r in rounds), 3),
+            "max_loop_lag_p99_ms": max(r["loop_lag"]["p99_ms"] for r in rounds)}
+
+
+async def checks(engine: Any, model_dir: Path, processor: Any, model: Any,
+                 recorder: Recorder, args: argparse.Namespace) -> dict[str, Any]:
+    """Checks 1-5 of the module doc on a started ``VLLMEngine`` wrapped by ``recorder``."""
     data = rows()
-    started = time.perf_counter()
-    engine = await VLLMEngine.start(model_dir, dtype="float32", enforce_eager=True,
-                                    kv_cache_gib=args.kv_cache_gib, max_model_len=4096)
-    start_s = time.perf_counter() - started
-    recorder = Recorder(engine.llm)
-    try:
-        sampled = await rollout(engine, processor, data, args.n, 1.0)
-        greedy = await rollout(engine, processor, data, 1, 0.0)
-    finally:
-        await engine.aclose()
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        str(model_dir), dtype=torch.float32).to(device).eval()
+    sampled = await rollout(engine, processor, data, args.n, 1.0)
+    greedy = await rollout(engine, processor, data, 1, 0.0)
     other = Image.new("RGB", (64, 64), (10, 200, 30))
-    rows_sampled = check(sampled, recorder, model, processor, other)
+    fast, why_not = fast_pixels(model_dir, processor)
+    rows_sampled = check(sampled, recorder, model, processor, other, fast=fast)
     rows_greedy = check(greedy, recorder, model, processor, other, rescore=False)
     for row, item, sample in zip(rows_greedy, greedy.items, greedy.samples, strict=True):
         if item.status.value == "completed":
@@ -289,23 +395,99 @@ async def main(args: argparse.Namespace) -> None:
         (r.get("text_positions_max", 0.0) for r in images), default=None)
     summary["other_image_min_of_max"] = min(
         (r.get("other_image_max", 0.0) for r in images), default=None)
+    summary["fast_pixels_max"] = max((r["fast_pixels_max"] for r in images
+                                      if "fast_pixels_max" in r), default=why_not)
+    summary["rescore_fast_max"] = max((r["rescore_fast_max"] for r in images
+                                       if "rescore_fast_max" in r), default=why_not)
     summary["passed"] = (all(summary[k] == len(every) for k in keys)
                          and summary["rescore_ok"] == len(rows_sampled)
                          and summary["greedy_ok"] == len(rows_greedy))
-    figures = {"engine": "vllm", "vllm_version": vllm.__version__, "device": device,
-               "card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-               "commit": commit(), "model": "tiny Qwen2.5-VL (random weights, float32)",
-               "vision_width": args.vision_width or 32,
-               "engine_start_s": round(start_s, 1), "n": args.n, "tolerance": TOLERANCE,
-               "summary": summary, "sampled": rows_sampled, "greedy": rows_greedy,
-               "loadavg": os.getloadavg()}
-    print(summary, flush=True)
-    print(write_result(args.name or f"multimodal_vllm_{device}", figures))
+    return {"summary": summary, "sampled": rows_sampled, "greedy": rows_greedy}
+
+
+async def main(args: argparse.Namespace) -> None:
+    import torch
+    import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_dir = (ensure_tiny_vl_model() if args.vision_width is None
+                 else wider_vision_model(args.vision_width))
+    processor = tiny_vl_processor(model_dir)
+
+    def reference() -> Any:
+        return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            str(model_dir), dtype=getattr(torch, args.dtype)).to(device).eval()
+
+    figures: dict[str, Any] = {
+        "engine": args.engine, "device": device,
+        "card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "commit": commit(), "model": f"tiny Qwen2.5-VL (random weights, {args.dtype})",
+        "dtype": args.dtype, "vision_width": args.vision_width or 32, "mode": args.mode,
+        "n": args.n, "tolerance": TOLERANCE, "loadavg_before": os.getloadavg()}
+    name = args.name or f"multimodal_vllm_{device}" + (
+        "" if args.dtype == "float32" else f"_{args.dtype}")
+    started = time.perf_counter()
+    recorder = None
+    if args.engine == "vllm":
+        import vllm
+
+        from pipeline.engines.vllm import VLLMEngine
+
+        engine: Any = await VLLMEngine.start(model_dir, dtype=args.dtype, enforce_eager=True,
+                                             kv_cache_gib=args.kv_cache_gib,
+                                             max_model_len=4096)
+        figures["vllm_version"] = vllm.__version__
+        recorder = Recorder(engine.llm)
+        model = reference()  # after the start: vLLM's memory check sees an idle card
+    else:  # the plumbing without vLLM (CPU): throughput only
+        from pipeline.engines.transformers import TransformersEngine
+
+        model = reference()
+        engine = TransformersEngine(model, processor.tokenizer,
+                                    max_batch_size=args.tp_groups * args.tp_n)
+    figures["engine_start_s"] = round(time.perf_counter() - started, 1)
+    try:
+        if recorder is not None and args.mode in ("check", "both"):
+            figures.update(await checks(engine, model_dir, processor, model, recorder, args))
+        if args.mode in ("throughput", "both"):
+            figures["throughput"] = await throughput(engine, processor, args)
+    finally:
+        await engine.aclose()
+    figures["loadavg"] = os.getloadavg()
+    path = write_result(name, figures)
+    summary = figures.get("summary")
+    if summary is not None:
+        print(f"checks ({args.dtype}): prompt/images/tokens ok {summary['prompt_ok']}/"
+              f"{summary['images_ok']}/{summary['tokens_ok']} of {summary['samples']}; "
+              f"rescore ok {summary['rescore_ok']}/{summary['sampled']}, image rows max "
+              f"{summary['rescore_max']}, text-only max {summary['text_only_rescore_max']}; "
+              f"default (torchvision) image processor: pixels max diff "
+              f"{summary['fast_pixels_max']}, rescored with "
+              f"them max {summary['rescore_fast_max']}; greedy ok {summary['greedy_ok']}; "
+              f"passed {summary['passed']}")
+    if "throughput" in figures:
+        tp = figures["throughput"]
+        print(f"throughput ({args.engine}, {tp['samples']} samples x {tp['max_tokens']} "
+              f"tokens): pipeline/raw tokens/s per round "
+              f"{[r['ratio'] for r in tp['rounds']]}, median {tp['median_ratio']} "
+              f"(goal >= 0.95); loop lag p99 max {tp['max_loop_lag_p99_ms']} ms")
+    print(path)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("check", "throughput", "both"), default="both")
+    parser.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
+                        help="transformers: the throughput plumbing without vLLM (CPU)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="vLLM's and the reference forward pass's dtype")
     parser.add_argument("--n", type=int, default=2, help="samples per image prompt")
+    parser.add_argument("--tp-groups", type=int, default=64,
+                        help="throughput: distinct image prompts")
+    parser.add_argument("--tp-n", type=int, default=4, help="throughput: samples per prompt")
+    parser.add_argument("--tp-tokens", type=int, default=128,
+                        help="throughput: tokens per sample (max_tokens)")
+    parser.add_argument("--rounds", type=int, default=3, help="throughput: rounds")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--name", default=None, help="results file name")
     parser.add_argument("--vision-width", type=int, default=None,
