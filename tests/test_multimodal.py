@@ -352,24 +352,6 @@ def test_image_tokens_count_toward_the_context_and_the_simulated_engine_ignores_
     assert calls == []
 
 
-def test_openai_engine_refuses_images():
-    from pipeline import EngineError, SamplingParams
-    from pipeline.engines import OpenAIEngine
-    from pipeline.multimodal import MultiModalInputs
-
-    engine = OpenAIEngine("http://127.0.0.1:9", model="m")
-    inputs = MultiModalInputs((load_image(png((1, 1, 1))),), None, None, (4,))
-
-    async def go() -> None:
-        try:
-            await engine.generate([1], SamplingParams(max_tokens=1), "r", multi_modal=inputs)
-        finally:
-            await engine.aclose()
-
-    with pytest.raises(EngineError, match="takes no images"):
-        asyncio.run(go())
-
-
 def test_vision_tool_scenario_crops_and_answers():
     """scenarios/vision_tool.py on its scripted agent: every sample calls crop once, the
     crop comes back as 64 image tokens at mask 0 (224x224 after the x2 enlargement), and

@@ -59,18 +59,25 @@ def read_completion(answer: Mapping[str, Any], prompt_ids: Sequence[int], reques
     if check_prompt and echoed is not None and list(echoed) != list(prompt_ids):
         raise EngineError(f"request {request_id}: the server's prompt_token_ids "
                           f"({len(echoed)} ids) differ from the {len(prompt_ids)} ids sent")
-    logprobs = _token_logprobs(choice.get("logprobs"), len(tokens), request_id)
+    block = choice.get("logprobs")
+    logprobs = sampled_logprobs(block.get("token_logprobs") if isinstance(block, Mapping)
+                                else None, len(tokens), request_id)
     reason, raw = finish_reason(choice.get("finish_reason"), choice.get("stop_reason"),
                                 request_id, "the server")
     experts = choice.get("routed_experts")
     if experts is not None:
-        experts = _decode_experts(experts, len(prompt_ids) + len(tokens))
+        experts = decode_experts(experts, len(prompt_ids) + len(tokens))
     return Generation(tokens, logprobs, reason, raw, routed_experts=experts,
                       policy_version=version)
 
 
-def _token_logprobs(block: Any, count: int, request_id: str) -> list[float]:
-    values = (block or {}).get("token_logprobs") if isinstance(block, Mapping) else None
+def sampled_logprobs(values: Sequence[Any] | None, count: int,
+                     request_id: str) -> list[float]:
+    """The sampled tokens' logprobs, one per token, as floats.
+
+    Raises:
+        EngineError: a count other than ``count``, or a position without a logprob.
+    """
     if values is None or len(values) != count:
         raise EngineError(f"request {request_id}: the server returned "
                           f"{0 if values is None else len(values)} logprobs for {count} tokens")
@@ -82,7 +89,7 @@ def _token_logprobs(block: Any, count: int, request_id: str) -> list[float]:
     return out
 
 
-def _decode_experts(encoded: str, length: int) -> Any:
+def decode_experts(encoded: str, length: int) -> Any:
     """vLLM's base64 ``.npy`` router choices, padded to ``[length, layers, topk]``."""
     import numpy as np
 

@@ -1,10 +1,13 @@
 """An engine over any OpenAI-compatible server (vLLM, SGLang), token ids in and out.
 
-Each request is one ``POST /v1/completions`` of token ids (:mod:`._completion_wire`). One
-pooled ``aiohttp`` session serves every request. Connection errors and 5xx
-answers are retried a bounded number of times with jittered exponential backoff; 4xx answers
-are not. A request that is aborted or whose caller is cancelled closes its connection, which
-makes vLLM abort it server-side.
+Each request is one ``POST /v1/completions`` of token ids (:mod:`._completion_wire`); a
+prompt with images is one ``POST /inference/v1/generate``, vLLM's token-in endpoint, with
+the images beside the same token ids, and is used only when the server's answer confirms
+the prompt ids and where it placed each image (:mod:`._image_wire`: vLLM 0.32 started with
+``--enable-scale-out``). One pooled ``aiohttp`` session serves every request. Connection
+errors and 5xx answers are retried a bounded number of times with jittered exponential
+backoff; 4xx answers are not. A request that is aborted or whose caller is cancelled
+closes its connection, which makes vLLM abort it server-side.
 
 With several server URLs, requests are routed by session and group (:mod:`._routing`): a
 sample's (or a proxy session's) turns stay on one server and the rollouts of one prompt go
@@ -58,6 +61,7 @@ from pipeline.engines._base import RECENT_ABORTS, EngineLoad, Generation
 from pipeline.engines._completion_wire import completion_body, read_completion
 from pipeline.engines._consistency import TokenizerProbe
 from pipeline.engines._health import ServerHealth, scrape_load
+from pipeline.engines._image_wire import GENERATE_PATH, ImageUrls, generate_body, read_generate
 from pipeline.engines._routing import (
     Route,
     Router,
@@ -110,7 +114,8 @@ class OpenAIEngine:
             than ``overload_factor`` x the requests in flight of the least busy healthy
             server, plus ``overload_slack`` (see ``pipeline/engines/_routing.py``).
         overload_slack: the requests in flight added to that bound.
-        extra_body: more fields for every completion request (e.g. ``{"min_p": 0.05}``).
+        extra_body: more fields for every completion request (e.g. ``{"min_p": 0.05}``);
+            in a request with images they go into vLLM's ``sampling_params``.
         health_interval_s: seconds between health probes of every server.
         health_timeout_s: limit of one health probe.
         health_silence_s: a timeout (probe or request) marks a server down only after this
@@ -182,6 +187,7 @@ class OpenAIEngine:
         self._model_lock: asyncio.Lock | None = None
         self._gate = PauseGate()
         self._closed = False
+        self._image_urls = ImageUrls()
 
     # ----- plumbing -----------------------------------------------------------------------
 
@@ -286,28 +292,42 @@ class OpenAIEngine:
         ``pipeline.proxy.Constraints`` of :attr:`enforces`; ``route``: the request's session
         and group (default: read from ``request_id``).
 
-        ``multi_modal`` (images) is refused: token-id prompts go to ``/v1/completions``,
-        which takes no images; use the in-process vLLM or transformers engine for them.
+        ``multi_modal`` (a ``pipeline.multimodal.MultiModalInputs``: the images of the
+        prompt's placeholder runs, in order) sends the request to vLLM's
+        ``/inference/v1/generate`` with the images (:mod:`._image_wire`); its answer must
+        confirm the prompt ids and the images' places, whatever ``check_prompt`` says.
 
         Raises:
             EngineError: a 4xx answer, retries exhausted, or an answer without token ids or
-                logprobs (the server is not vLLM-compatible enough).
+                logprobs (the server is not vLLM-compatible enough); with images, a server
+                without the endpoint, or one that ran other prompt ids or placed the images
+                elsewhere (or not at all).
             asyncio.CancelledError: the caller was cancelled; the connection is closed.
         """
-        if multi_modal:
-            raise EngineError(f"request {request_id}: the OpenAI engine sends token-id "
-                              f"prompts to /v1/completions, which takes no images")
         model = await self.model_name()
+        images: list[tuple[str, str]] = []
+        if multi_modal:
+            urls = await self._image_urls.urls(multi_modal.images)
+            images = [(url, image.sha256) for url, image in zip(urls, multi_modal.images,
+                                                                strict=True)]
         async with self._gate.admit(request_id, self.policy_version):
             version = self._gate.in_flight.get(request_id)
             if self._closed:  # no watch started after aclose
                 raise EngineError("the engine is closed")
             self.health.start()
-            body = completion_body(model, prompt_ids, sampling, request_id,
-                                   ignore_eos=self.ignore_eos, extra_body=self.extra_body)
+            if images:
+                path = GENERATE_PATH
+                body = generate_body(model, prompt_ids, sampling, request_id, images,
+                                     ignore_eos=self.ignore_eos, extra_body=self.extra_body)
+                options = body["sampling_params"]
+            else:
+                path = "/v1/completions"
+                body = options = completion_body(model, prompt_ids, sampling, request_id,
+                                                 ignore_eos=self.ignore_eos,
+                                                 extra_body=self.extra_body)
             if constraints is not None:
-                body["structured_outputs"] = structured_outputs(constraints)
-            task = asyncio.ensure_future(self._complete(request_id, body, route))
+                options["structured_outputs"] = structured_outputs(constraints)
+            task = asyncio.ensure_future(self._complete(request_id, path, body, route))
             self._tasks[request_id] = task
             try:
                 answer = await asyncio.shield(task)
@@ -323,21 +343,41 @@ class OpenAIEngine:
             finally:
                 self._tasks.pop(request_id, None)
                 self._aborting.discard(request_id)
+        if images:
+            return read_generate(answer, prompt_ids, multi_modal.image_token_counts,
+                                 request_id, version)
         return read_completion(answer, prompt_ids, request_id, version,
                                check_prompt=self.check_prompt)
 
-    async def _complete(self, request_id: str, body: Mapping[str, Any],
+    async def _complete(self, request_id: str, path: str, body: Mapping[str, Any],
                         route: Route | None) -> dict[str, Any]:
-        """The completion from the routed server; when that server went down under the
-        request, once more from another healthy server with the same body."""
+        """The answer to ``body`` at ``path`` from the routed server; when that server went
+        down under the request, once more from another healthy server with the same body.
+
+        Raises:
+            ServerError: as :meth:`_call`; for the image endpoint, a 403/404/405 says how to
+                get it (vLLM's scale-out endpoints).
+        """
+        try:
+            return await self._failover(request_id, path, body, route)
+        except ServerError as exc:
+            if path == GENERATE_PATH and exc.status in (403, 404, 405):
+                raise ServerError(
+                    f"{exc} (images go to vLLM's token-in endpoint {GENERATE_PATH}, with "
+                    f"the prompt's token ids unchanged: start vLLM 0.32 or later with "
+                    f"--enable-scale-out, or use the in-process VLLMEngine)",
+                    status=exc.status, url=exc.url) from exc
+            raise
+
+    async def _failover(self, request_id: str, path: str, body: Mapping[str, Any],
+                        route: Route | None) -> dict[str, Any]:
         server = self.route(request_id, route)
         first: ServerError | None = None
         while True:
             server.in_flight += 1
             server.requests += 1
             try:
-                return await self._call(server, "POST", "/v1/completions", body,
-                                        failover=first is None)
+                return await self._call(server, "POST", path, body, failover=first is None)
             except ServerError as exc:
                 error = exc
             finally:
@@ -388,6 +428,7 @@ class OpenAIEngine:
         for request_id in list(self._tasks):
             await self.abort(request_id)
         self._closed = True
+        self._image_urls.clear()
         await self.health.aclose()
         if self._session is not None:
             await self._session.close()
