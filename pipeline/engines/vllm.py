@@ -294,8 +294,12 @@ class VLLMEngine(VLLMWeights):
 
     def sampling_params(self, sampling: SamplingParams) -> Any:
         """Our :class:`SamplingParams` as vLLM's (final output only, no detokenization, the
-        sampled token's logprob in vLLM's flat container where it has one)."""
-        extra = {"flat_logprobs": True} if self.features.flat_logprobs else {}
+        sampled token's logprob in vLLM's flat container where it has one). A new object per
+        call, marked as the request's own where vLLM knows the mark (``skip_clone``): vLLM
+        then skips its deep copy of it, a tenth or more of its frontend's cost per request."""
+        extra: dict[str, Any] = {"flat_logprobs": True} if self.features.flat_logprobs else {}
+        if self.features.skip_clone:
+            extra["skip_clone"] = True
         return self._vllm.SamplingParams(
             n=1, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=0 if sampling.top_k < 0 else sampling.top_k,
@@ -312,7 +316,7 @@ class VLLMEngine(VLLMWeights):
         finds their image tokens, already expanded in ``prompt_ids``) and their sha256 as
         ``multi_modal_uuids`` (vLLM's cache key: the n samples of a group hit it).
         """
-        ids = [int(t) for t in prompt_ids]
+        ids = list(map(int, prompt_ids))  # plain ints for vLLM's serializer, a third cheaper
         prompt: dict[str, Any] = ({"type": "token", "prompt_token_ids": ids}
                                   if self.features.token_input else {"prompt_token_ids": ids})
         if multi_modal:
