@@ -244,12 +244,20 @@ async def test_a_busy_server_whose_probes_time_out_stays_up_until_it_goes_silent
     try:
         await engine.generate([1], SamplingParams(), "warm-0-0")  # starts the watch
         a.health_delay_s = 0.5  # every probe of a times out
-        for k in range(8):  # a keeps answering its share of the requests meanwhile
+        # a keeps answering its share of the requests meanwhile (each answer resets the
+        # count of late probes in a row, so it is watched between rounds, not at the end);
+        # at least 8 rounds, and on until probes were seen late (bounded)
+        late_seen = 0
+        for k in range(200):
             await asyncio.gather(*(engine.generate([k], SamplingParams(), f"g{k}-{j}-0")
                                    for j in range(2)))
             await asyncio.sleep(0.05)
-        state = engine.health.state()[a.url]
-        assert state["healthy"] and state["downs"] == 0 and state["late_probes"] > 0
+            state = engine.health.state()[a.url]
+            assert state["healthy"] and state["downs"] == 0, state
+            late_seen = max(late_seen, state["late_probes"])
+            if k >= 7 and late_seen:
+                break
+        assert late_seen > 0
         a.release.clear()  # now a answers nothing: neither probes in time nor requests
         before = engine.health.probes
         await until(lambda: not engine.health.is_healthy(a.url), limit_s=10)
