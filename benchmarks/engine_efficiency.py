@@ -11,8 +11,11 @@ Run::
 
 Same prompts, fixed output lengths (eos ignored), the same per-sample seeds on both sides:
 
-- raw: the prompts are rendered and tokenized beforehand, then every request goes to
-  ``engine.generate`` at once (``asyncio.gather``);
+- raw: the prompts are rendered and tokenized beforehand, outside its timer, then every
+  request goes to ``engine.generate`` at once (``asyncio.gather``). The pipeline renders and
+  tokenizes inside its timer, so each record also gives ``raw_prompt_build_s`` (rendering
+  and batch-tokenizing every prompt, the cheapest way a caller can, timed alone) and the
+  pipeline's ratio against raw with that time added (``ratio_vs_raw_with_prompts_median``);
 - pipeline: ``Pipeline([BuildPrompt(), Generate(), Judge("exact_match")])`` on the same rows,
   every sample in flight at once (``max_concurrency`` = number of prompts, fixed:
   ``adaptive_concurrency=False``).
@@ -27,6 +30,13 @@ this process and is included.
 the tokenizer is the tiny model's, built locally (for vLLM, saved once under ``.cache/``).
 Several ``--prompts`` counts share one engine start and give one record each
 (``<name>_<prompts>.json``).
+
+``--max-num-seqs`` and ``--cudagraph-max`` (vLLM's ``max_cudagraph_capture_size``: decode batches
+larger than it run without CUDA graphs; vLLM's default is min(2 x max_num_seqs, 512) on
+H100/H200) test why 4,096 prompts ran at half the tokens/s of 1,024 on two H200s (see
+``docs/vllm_gpu.md``). ``--slice-s`` is a what-if for diagnosis only: it sets the runner's
+loop-slice budget (``pipeline._runner.slice.SLICE_S``, 0.005 s), which throttles how fast
+samples reach their stages while vLLM's output handling fills the event loop.
 
 ``--gc edge`` (the default) measures the process as a rollout application runs it: the
 collector tuned with :func:`pipeline.diagnostics.rollout_gc`, entered once the engine has
@@ -53,7 +63,8 @@ from typing import Any
 from _common import write_result
 
 from pipeline import Pipeline, SamplingParams
-from pipeline._text.render import render_prompt
+from pipeline._runner import slice as SLICE
+from pipeline._text.render import encode_text, plain_fast_backend, render, render_prompt
 from pipeline.diagnostics import rollout_gc
 from pipeline.models.tiny import ensure_tiny_model
 from pipeline.stages import BuildPrompt, Generate
@@ -118,13 +129,18 @@ async def build_engine(args: argparse.Namespace, model_dir: Path) -> tuple[Any, 
         if args.config:
             model_dir = random_model_dir(args.config, ROOT)
         tokenizer = hf.AutoTokenizer.from_pretrained(str(model_dir))
+        extra: dict[str, Any] = {}
+        if args.data_parallel > 1:
+            extra["data_parallel_size"] = args.data_parallel
+        if args.cudagraph_max is not None:
+            extra["compilation_config"] = {"max_cudagraph_capture_size": args.cudagraph_max}
         engine = await VLLMEngine.start(model_dir, ignore_eos=True, seed=0,
                                         cache_root=ROOT / ".cache" / "vllm",
                                         enforce_eager=args.eager, max_model_len=2048,
                                         kv_cache_gib=args.kv_cache_gib,
                                         request_seeds=not args.unseeded,
-                                        engine_kwargs={"data_parallel_size": args.data_parallel}
-                                        if args.data_parallel > 1 else None)
+                                        max_num_seqs=args.max_num_seqs,
+                                        engine_kwargs=extra or None)
         return engine, tokenizer
     tokenizer = hf.AutoTokenizer.from_pretrained(str(model_dir))
     import torch
@@ -248,6 +264,7 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
     items = pipeline.make_items(data, n=1)
     sampling = [item.sampling for item in items]  # the pipeline's own per-sample seeds
     prompts = [render_prompt(tokenizer, row["messages"], None)[1] for row in data]
+    build_s = statistics.median(prompt_build_s(tokenizer, data) for _ in range(3))
     pairs = []
     await run_raw(engine, prompts, sampling, f"warm-raw{count}")
     await run_pipeline(pipeline, engine, data)
@@ -255,14 +272,18 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
         raw = await run_raw(engine, prompts, sampling, f"raw{count}-{rep}")
         piped = await run_pipeline(pipeline, engine, data)
         pairs.append({"raw": raw, "pipeline": piped,
-                      "ratio": piped["tokens_per_s"] / raw["tokens_per_s"]})
+                      "ratio": piped["tokens_per_s"] / raw["tokens_per_s"],
+                      "ratio_vs_raw_with_prompts": piped["tokens_per_s"] * (
+                          raw["wall_s"] + build_s) / raw["tokens"]})
         print(f"{count} prompts, pair {rep}: raw {raw['tokens_per_s']:.0f} tok/s, pipeline "
               f"{piped['tokens_per_s']:.0f} tok/s, ratio {pairs[-1]['ratio']:.3f}, CPU ms/sample "
               f"{1000 * raw['cpu_s_per_sample']:.2f} -> {1000 * piped['cpu_s_per_sample']:.2f}, "
               f"GC s {raw['gc_s']:.3f} -> {piped['gc_s']:.3f}, last submit s "
               f"{raw['last_submit_s']:.3f} -> {piped['last_submit_s']:.3f}, first/last return s "
               f"{raw['first_return_s']:.2f}/{raw['last_return_s']:.2f} -> "
-              f"{piped['first_return_s']:.2f}/{piped['last_return_s']:.2f}", flush=True)
+              f"{piped['first_return_s']:.2f}/{piped['last_return_s']:.2f}, ratio with raw's "
+              f"prompt building ({build_s:.3f} s) {pairs[-1]['ratio_vs_raw_with_prompts']:.3f}",
+              flush=True)
 
     def median(side: str, key: str) -> float:
         return statistics.median(p[side][key] for p in pairs)
@@ -279,6 +300,11 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
         "pipeline_tokens_per_s": round(median("pipeline", "tokens_per_s"), 1),
         "ratio_median": round(statistics.median(p["ratio"] for p in pairs), 4),
         "ratio_min": round(min(p["ratio"] for p in pairs), 4),
+        "raw_prompt_build_s": round(build_s, 4),
+        "ratio_vs_raw_with_prompts_median": round(statistics.median(
+            p["ratio_vs_raw_with_prompts"] for p in pairs), 4),
+        "max_num_seqs_asked": args.max_num_seqs, "cudagraph_max_asked": args.cudagraph_max,
+        "slice_s": SLICE.SLICE_S,
         "raw_cpu_ms_per_sample": round(raw_cpu, 3),
         "pipeline_cpu_ms_per_sample": round(pipe_cpu, 3),
         "extra_frontend_cpu_ms_per_sample": round(pipe_cpu - raw_cpu, 3),
@@ -286,6 +312,21 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
         "pipeline_gc_s": round(median("pipeline", "gc_s"), 4),
         "pairs": pairs,
     }
+
+
+def prompt_build_s(tokenizer: Any, data: list[dict[str, Any]]) -> float:
+    """Seconds to render every prompt and tokenize them in one batch (the raw side does it
+    before its timer starts; the pipeline inside its run)."""
+    start = time.perf_counter()
+    texts = [render(tokenizer, row["messages"], None, add_generation_prompt=True)
+             for row in data]
+    backend = plain_fast_backend(tokenizer, encoding=True)
+    if backend is None:
+        for text in texts:
+            encode_text(tokenizer, text)
+    else:
+        backend.encode_batch(texts, add_special_tokens=False)
+    return time.perf_counter() - start
 
 
 async def main(args: argparse.Namespace,
@@ -334,6 +375,8 @@ def _engine_facts(engine: Any) -> dict[str, Any]:
 
     return {"vllm_version": vllm.__version__,
             "max_num_seqs": config.scheduler_config.max_num_seqs,
+            "max_cudagraph_capture_size": getattr(config.compilation_config,
+                                                  "max_cudagraph_capture_size", None),
             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
             "kv_cache_memory_bytes": getattr(config.cache_config, "kv_cache_memory_bytes",
                                              None)}
@@ -362,6 +405,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="vLLM: KV cache size (default: vLLM's own on a GPU, 1 on CPU)")
     parser.add_argument("--data-parallel", type=int, default=1,
                         help="vLLM: data_parallel_size (one engine replica per GPU)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="vLLM: batch limit in sequences (default: vllm serve's)")
+    parser.add_argument("--cudagraph-max", type=int, default=None,
+                        help="vLLM: compilation_config max_cudagraph_capture_size")
+    parser.add_argument("--slice-s", type=float, default=None,
+                        help="what-if, diagnosis only: the runner's loop-slice budget "
+                             "(pipeline._runner.slice.SLICE_S)")
     parser.add_argument("--unseeded", action="store_true",
                         help="vLLM: request_seeds=False (no per-request seeds)")
     parser.add_argument("--gc", choices=("edge", "library"), default="edge",
@@ -377,6 +427,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
     arguments = parse()
+    if arguments.slice_s is not None:
+        SLICE.SLICE_S = arguments.slice_s
     base = arguments.name or f"engine_efficiency_{arguments.engine}_{arguments.device}"
     if arguments.out_dir:  # another results folder; the recorded command leaves it out
         import _common

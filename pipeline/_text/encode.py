@@ -58,7 +58,8 @@ class BatchEncoder:
         done.add_done_callback(lambda finished: _deliver(batch, finished))
 
     def _encode_all(self, texts: list[str]) -> list[list[int]]:
-        return [list(e.ids) for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+        # ``ids`` is a new list per call already: no second copy in this GIL-holding loop.
+        return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
 
 
 def _deliver(batch: Waiters, finished: asyncio.Future[list[list[int]]]) -> None:
