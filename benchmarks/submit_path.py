@@ -123,7 +123,8 @@ async def one_run(side: str, tokenizer: Any, data: list[dict[str, Any]],
     engine = SimulatedEngine(latency_s=args.latency_s, latency_sigma=0.0, tail_prob=0.0,
                              eos_token_id=tokenizer.eos_token_id, seed=0)
     timeline = Submissions(engine, load, len(data))
-    pipeline = Pipeline([BuildPrompt(), Generate(), Judge("exact_match")], engine=timeline,
+    build = BuildPrompt(offload=not args.inline_prompt)
+    pipeline = Pipeline([build, Generate(), Judge("exact_match")], engine=timeline,
                         tokenizer=tokenizer, max_concurrency=len(data),
                         adaptive_concurrency=False, sample_timeout_s=3600, seed=1,
                         sampling={"max_tokens": args.output_len, "temperature": 1.0})
@@ -205,6 +206,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         SLICE.SLICE_S = args.slice_s
     figures: dict[str, Any] = {"prompts": args.prompts, "chunk_ms": args.chunk_ms,
                                "slice_s": SLICE.SLICE_S,
+                               "build_prompt_offload": not args.inline_prompt,
                                "latency_s": args.latency_s, "repeats": args.repeats,
                                "engine": "SIMULATED (fixed latency, no model)",
                                "frontend_load": "SIMULATED output handler" if args.chunk_ms
@@ -244,6 +246,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizers", nargs="+", default=["tiny", "qwen2.5"])
     parser.add_argument("--sides", nargs="+", default=["raw", "raw+prompts", "pipeline"],
                         choices=["raw", "raw+prompts", "pipeline"])
+    parser.add_argument("--inline-prompt", action="store_true",
+                        help="BuildPrompt(offload=False): tokenize on the event loop")
     parser.add_argument("--slice-s", type=float, default=None,
                         help="what-if: the runner's loop-slice budget (default: the runner's)")
     parser.add_argument("--profile", choices=["raw", "raw+prompts", "pipeline"], default=None)
