@@ -135,7 +135,9 @@ class AdaptiveConcurrency(_RaisesConfigError):
     Attributes:
         min_concurrency: the limit never goes below this.
         max_concurrency: the limit never goes above this.
-        kv_high: grow only while the KV cache is used less than this (0..1].
+        kv_high: below this KV-cache use (0..1], with running sequences under the
+            engine's cap and no preemption, the engine has room: its waiting queue is
+            requests in transit, and the limit grows.
         queue_target: once the engine is full, the limit steers to this many queued
             sequences per running one (a short queue keeps the engine full as sequences
             finish and samples come back from tools; a long one only adds waiting).
