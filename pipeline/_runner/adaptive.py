@@ -2,37 +2,33 @@
 engine's own load (``PipelineConfig.adaptive_concurrency``; :mod:`pipeline._runner.flow`
 decides when it runs).
 
-The rule, applied to each reading of the engine's load. The *turnover* is how long a sample
-holds its slot (the larger of the completed samples' running mean and Little's law, slots in
-use over completions per second): the engine's state changes only as admitted samples
-finish, so every rate is per turnover, and the load is read about
-:data:`READS_PER_TURNOVER` times per turnover (at most every ``interval_s``), so that its
-averages span several readings:
+The rule. The *turnover* is how long a sample holds its slot, by Little's law (slots in use
+over completions per second, on the loop's clock): the engine feels a new limit only as
+samples finish, so every rate is per turnover, and the load is read
+:data:`READS_PER_TURNOVER` times per turnover (at most every ``interval_s``). Per reading:
 
-- *shrink* by :data:`SHRINK` when the engine thrashes: it preempts more than
-  ``preempt_high`` sequences per running one per turnover (at most once per half a
-  turnover);
-- *grow* while the engine has room (its KV cache below ``kv_high``, fewer running sequences
-  than its cap) and the limit is in use (no free slot): by :data:`SLOW_START` per turnover
-  until the engine is first full, by :data:`GROW` per turnover after that;
-- once full, *steer* to a short queue: the limit moves by the gap between
-  ``queue_target`` x running and the engine's waiting queue (averaged over half a turnover;
-  a fall of the running count over :data:`RUNNING_TURNOVERS`) times :data:`GAIN` per
-  turnover when the queue is short, :data:`GAIN_DOWN` when it is long, and holds while the
-  queue is within :data:`DEADBAND` of its target.
+- *steer* the engine's waiting queue (averaged over half a turnover) to ``queue_target`` x
+  its running sequences (a running count that rises at once and falls over
+  :data:`RUNNING_TURNOVERS`): the limit moves by the gap per turnover, counted in samples
+  (x admitted samples per request in the engine, at most :data:`SPREAD_MAX`: a sample on a
+  tool holds no KV and is not in the engine), and holds within :data:`DEADBAND` of it;
+- while the engine has *room* (KV below ``kv_high``, running below its cap, no preemption)
+  its queue is requests in transit and counts as empty: the gap is then the whole target,
+  so the limit doubles per turnover until the engine is full;
+- *shrink* by :data:`SHRINK` when the engine thrashes (more than ``preempt_high``
+  preemptions per running sequence per turnover), at most once per half turnover;
+- never lower while more samples hold slots than the limit allows (a lower limit acts only
+  as samples finish), and never higher while a slot is free (the demand is below the limit)
+  or the pipeline's own loop is the bottleneck (see :meth:`ConcurrencyController._lagging`).
 
-Why it does not oscillate: the limit acts on the queue at once (an admitted sample queues in
-the engine within milliseconds), but the queue is read through a half-turnover average, a
-lag; an integrator of gain one per turnover behind that lag is damped (ratio about 0.7), as
-long as the average spans several readings (a reading that replaced the average, as one
-every 0.1 s did for samples of 0.3 s, made each noisy reading a step: a 31% swing on a loaded
-machine). One reading never weighs more than half the average (a stalled loop's late reading
-is not a trend), and the deadband keeps the queue's own noise (samples finishing in bursts,
-coming back from tools) from moving the limit once it has settled.
-
-A sample waiting on a tool holds no KV and no engine slot, so the signals do not count it:
-with tool waits the limit grows until the engine, not the number of samples, is the
-bottleneck.
+Why it holds still: the limit acts on the queue at once (an admitted sample queues in the
+engine within milliseconds), but the queue is read through a half-turnover average, a lag;
+an integrator of gain one per turnover behind that lag is damped, as long as the average
+spans several readings (one that replaced the average, one reading every 0.1 s for samples
+of 0.3 s, made each noisy reading a step: a 31% swing). One reading never weighs more than
+half the average, and the deadband keeps the queue's own noise (samples finishing in bursts,
+coming back from tools) from moving the limit once it has settled. Measured on virtual time
+(``benchmarks/flow_control.py``, docs/guides/flow-control.md).
 """
 
 from __future__ import annotations
@@ -42,6 +38,7 @@ import collections
 import inspect
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -51,19 +48,14 @@ from pipeline._data.config import AdaptiveConcurrency
 
 _logger = structlog.get_logger("pipeline")
 
-SLOW_START = 2.0
-"""Growth of the limit per turnover until the engine is first full."""
-GROW = 1.1
-"""Growth of the limit per turnover once it has been (gentle: it stays near the edge)."""
 SHRINK = 0.9
 """Factor applied when the engine thrashes (preempts)."""
 GAIN = 1.0
-"""Share of a shortfall of the engine's queue (below its target) closed per turnover."""
-GAIN_DOWN = 0.1
-"""Share of an excess of the engine's queue (above its target) closed per turnover: a
-queue that runs dry costs throughput at once, one too long only waiting, so the limit comes
-down slowly (it would otherwise follow the running count down and up again as long
-sequences come and go)."""
+"""Share of the gap between the engine's queue and its target closed per turnover, both
+ways. (A tenth on the way down, as before, took most of a batch to come down from a start
+ten times the engine's size: a swing of 31% over its second half.)"""
+SPREAD_MAX = 4.0
+"""Growth counts at most this many admitted samples per request in the engine."""
 DEADBAND = 0.2
 """The limit holds while the engine's queue is within this share of its target."""
 RUNNING_TURNOVERS = 4.0
@@ -74,9 +66,10 @@ READS_PER_TURNOVER = 8
 MIN_INTERVAL_S = 0.01
 """Never read the load more often than this."""
 ABSORBED = 0.5
-"""Growth holds for :data:`RUNNING_TURNOVERS` turnovers (and slow start ends) when the
-engine's requests grew by less than this share of the limit's growth over the last half
-turnover (both relative)."""
+"""Growth holds for :data:`HOLD_TURNOVERS` turnovers when the engine's requests grew by less
+than this share of the limit's growth over the last turnover (both relative)."""
+HOLD_TURNOVERS = 2.0
+"""Growth the engine did not take holds growth for this many turnovers."""
 LAG_S = 0.02
 """A wake-up later than one interval and this after its due time is a sign of an overloaded
 loop."""
@@ -129,8 +122,9 @@ class ConcurrencyController:
         self._preemptions: int | None = None
         self._preempt_rate = 0.0
         self.turnover_s: float | None = None
-        self._ran_s: float | None = None
         self._completed = 0
+        self._done = 0
+        self._watched_s = 0.0
         self._rate: float | None = None
         self._in_use: float | None = None
         self.last_change: tuple[float, int, int, str] | None = None
@@ -141,39 +135,42 @@ class ConcurrencyController:
         self._held_until = -math.inf
         self._in_engine = 0.0
         self._last_shrink = -math.inf
-        self._pushed_back = False
         self._avg: tuple[float, float] | None = None
+        # The clock of the loop the controller runs on (the default loop's is
+        # time.monotonic; a virtual-time loop's advances only with its timers, so that a
+        # simulated benchmark measures the engine model and the rule, not the host's CPU).
+        self.clock: Callable[[], float] = time.monotonic
         self.history: collections.deque[tuple[float, int]] = collections.deque(
-            [(time.monotonic(), slots.size)], maxlen=HISTORY)
+            [(self.clock(), slots.size)], maxlen=HISTORY)
 
-    def sample_ran(self, seconds: float) -> None:
-        """A sample held its slot ``seconds`` (one of the two turnover estimates)."""
+    def sample_done(self) -> None:
+        """A sample completed and gave its slot back (counted for the turnover)."""
         self._completed += 1
-        if self._ran_s is None:
-            self._ran_s = seconds
-        else:
-            self._ran_s += 0.05 * (seconds - self._ran_s)
+        self._done += 1
 
     def _turnover(self, dt: float) -> None:
-        # Two estimates of how long a sample holds a slot, the larger taken: the running
-        # mean of the samples that completed, which early in a batch counts only the short
-        # ones (they finish first), and Little's law, slots in use over completions per
-        # second, which counts the time a sample spends admitted but not yet in the engine
-        # (a loop slowed by a loaded machine): steps sized by a short estimate outran the
-        # engine's answer and overshot the limit x3 on heavy-tailed replies.
+        # How long a sample holds a slot, by Little's law: slots in use over completions per
+        # second, both averaged over about a turnover, on the controller's own clock. It
+        # counts the time a sample spends admitted but not yet in the engine and out on its
+        # tools; the completed samples' mean (the earlier second estimate) counts only the
+        # short ones early in a batch, and was read off the wall clock.
         done, self._completed = self._completed, 0
         if dt <= 0:
             return
-        weight = min(0.5, dt / (self.turnover_s or 10 * self.options.interval_s))
+        # Averaged over a turnover, or over all the time watched while that is shorter: a
+        # first estimate made of the first few completions (far too long with many samples
+        # admitted at once: 133 s for 1.4 s ones) would otherwise slow its own correction.
+        self._watched_s += dt
+        window = min(self.turnover_s or math.inf, self._watched_s)
+        weight = min(0.5, dt / window) if self._rate else 1.0
         rate = done / dt
         self._rate = rate if self._rate is None else self._rate + weight * (rate - self._rate)
         used = float(self.slots.in_use)
         self._in_use = used if self._in_use is None else (
             self._in_use + weight * (used - self._in_use))
         little = self._in_use / self._rate if self._rate else None
-        estimates = [e for e in (self._ran_s, little) if e is not None]
-        if estimates:
-            self.turnover_s = max(estimates)
+        if little is not None:
+            self.turnover_s = little
 
     def interval(self) -> float:
         """Seconds until the next reading: :data:`READS_PER_TURNOVER` per turnover, at most
@@ -228,23 +225,16 @@ class ConcurrencyController:
         weight = 1.0 if self._in_engine <= 0 else min(0.5, dt / (turnover / 2))
         self._in_engine += weight * (self.waiting + running - self._in_engine)
         target = options.queue_target * max(1.0, running_avg)
-        # Full: no room for one more sequence now, or a queue longer than the target (the
-        # head of the queue does not fit the KV left: the engine is backed up all the same).
-        full = ((kv is not None and kv >= options.kv_high)
-                or (cap is not None and running >= cap)
-                or waiting_avg > target)
+        # Room: one more sequence fits now. A queue then is requests in transit (admitted
+        # at the engine's next step, or after its prefill budget), not a full engine: at a
+        # batch's start it read as "full" and ended the growth after one reading.
+        room = ((kv is None or kv < options.kv_high)
+                and (cap is None or running < cap) and not preempted)
+        gap = target - (0.0 if room else waiting_avg)
         # The share of a turnover since the last reading, at most half: a late reading (a
         # stalled loop) or a short first estimate of the turnover cannot move the limit by
         # more than half a turnover's worth at once.
         step = min(dt / turnover, 0.5)
-        # A reading a whole interval late: the event loop is overloaded (a loaded machine, a
-        # stage that blocks it), so admitted samples reach the engine late and its queue
-        # runs short for want of CPU, not of samples: growing then only winds the limit up
-        # (x2.4 in a minute on a 2-core machine at load 11, unwound slowly after).
-        # Lateness is the sleep's overshoot only, not the time the load read takes: a
-        # server's /metrics scrape alone took longer than the 0.05 s interval of a test
-        # here, and counted as lag it held the limit at its start for the whole batch.
-        lagging = self._late_s > self._interval + LAG_S or self._unabsorbed(now, turnover)
         # Preemptions per running sequence per turnover, averaged like the queue: a count
         # per reading depended on how often the load was read, and a few preemptions are
         # the engine's normal way of filling its KV cache (it admits until full, then evicts
@@ -255,39 +245,42 @@ class ConcurrencyController:
         thrash = self._preempt_rate * turnover / max(1.0, running_avg)
         if running == 0 and not preempted:
             self.decision = "hold"  # nothing runs yet: a queue now is requests in transit
-            return
-        if thrash > options.preempt_high:
+        elif (thrash > options.preempt_high or gap < 0) and self.slots.in_use > self.slots.size:
+            # A lower limit takes effect only as samples finish (none is evicted): while
+            # more are admitted than it allows, the queue has not felt it yet, and lowering
+            # it further took it from 1,024 to 129 against a queue that had not moved.
+            self.decision = "hold"
+        elif thrash > options.preempt_high:
             if now - self._last_shrink < turnover / 2:
                 self.decision = "hold"
                 return
             self._last_shrink = now
-            self._pushed_back = True
             self.decision = "shrink"
             self._set(self.limit * SHRINK,
                       f"{thrash:.1f} preemptions per running sequence per turnover")
-        elif full or (self._pushed_back and waiting_avg > 0):
-            self._pushed_back = True
-            gap = target - waiting_avg
-            if gap > 0 and lagging:
-                self.decision = "hold"  # the samples wait for the CPU, not for a slot
-                return
-            if (gap > 0 and self.slots.free > 0) or abs(gap) <= DEADBAND * target:
-                # Room to spare already (the demand is the limit), or the queue near its
-                # target: its own noise is no reason to move.
-                self.decision = "hold"
-                return
-            self.decision = "steer"
-            self._set(self.limit + (GAIN if gap > 0 else GAIN_DOWN) * gap * step,
-                      f"engine queue {waiting_avg:.0f}, target {target:.0f} "
-                      f"({options.queue_target:g} x {running_avg:.0f} running)")
-        elif self.slots.free <= 0 and not lagging:
-            self.decision = "grow"
-            self._set(self.limit * (GROW if self._pushed_back else SLOW_START) ** step,
-                      "every slot in use, the engine has room ("
-                      + ("" if kv is None else f"KV {kv:.2f}, ")
-                      + f"{running}{'' if cap is None else f'/{cap}'} running)")
+        elif abs(gap) <= DEADBAND * target:
+            self.decision = "hold"  # the queue near its target: its own noise moves nothing
+        elif gap > 0 and (self.slots.free > 0 or self._lagging(now, turnover)):
+            self.decision = "hold"  # the demand is below the limit, or the loop is busy
         else:
-            self.decision = "hold"
+            # In samples: each admitted sample is in the engine only part of its time (the
+            # rest on its tools), so moving the engine's queue by ``gap`` takes ``gap``
+            # times admitted samples per engine request (at most SPREAD_MAX).
+            spread = min(SPREAD_MAX, max(1.0, self.slots.in_use / max(1.0, self._in_engine)))
+            self.decision = "grow" if gap > 0 else "steer"
+            self._set(self.limit + GAIN * gap * spread * step,
+                      f"engine queue {0 if room else waiting_avg:.0f}, target {target:.0f} "
+                      f"({options.queue_target:g} x {running_avg:.0f} running"
+                      + ("" if kv is None else f", KV {kv:.2f}") + ")")
+
+    def _lagging(self, now: float, turnover: float) -> bool:
+        """No growth while the pipeline's own loop is the bottleneck: admitted samples then
+        reach the engine late and its queue runs short for want of CPU, not of samples, and
+        growing only winds the limit up (x2.4 in a minute on a 2-core machine at load 11).
+        Two signs: a reading a whole interval late (the sleep's overshoot only, not the time
+        the load read takes: a server's /metrics scrape alone outlasted a 0.05 s interval),
+        or growth the engine did not take (:meth:`_unabsorbed`)."""
+        return self._late_s > self._interval + LAG_S or self._unabsorbed(now, turnover)
 
     def _unabsorbed(self, now: float, turnover: float) -> bool:
         """True while growth is held because the engine did not take what the last growth
@@ -301,21 +294,25 @@ class ConcurrencyController:
         the engine a fifth full)."""
         if now < self._held_until:
             return True
-        in_engine = self._in_engine
+        in_engine = float(self.running + self.waiting)
+        if self._done < self.slots.in_use:
+            # Until a limit's worth of samples has completed, the mix of samples in the
+            # engine and on their tools is still settling (at the start every sample is in
+            # its first turn): a falling share is no sign of a busy loop then.
+            return False
         if self._probe is None or self._probe[2] <= 0:
             self._probe = (now, float(self.slots.size), in_engine)
             return False
         since, size, before = self._probe
-        if now - since < turnover / 2:
+        if now - since < turnover:
             return False
         self._probe = None
         grown = self.slots.size / size - 1
         gained = in_engine / before - 1
         if grown >= 0.1 and gained < ABSORBED * grown:
-            # As far as this pipeline can feed it, the engine is full: gentle growth from
-            # now on, and none for a while.
-            self._held_until = now + RUNNING_TURNOVERS * turnover
-            self._pushed_back = True
+            # As far as this pipeline can feed it, the engine is full: no growth for a
+            # while.
+            self._held_until = now + HOLD_TURNOVERS * turnover
             self.decision = "hold"
             self.last_change = (now, int(size), self.slots.size,
                                 f"hold: {grown:.0%} more slots, {gained:+.0%} requests in the "
@@ -327,7 +324,7 @@ class ConcurrencyController:
         self.limit = min(max(limit, self.options.min_concurrency), self.options.max_concurrency)
         size = int(self.limit)
         if size != self.slots.size:
-            now = time.monotonic()
+            now = self.clock()
             self.last_change = (now, self.slots.size, size, f"{self.decision}: {why}")
             self.slots.resize(size)
             self.history.append((now, size))
@@ -337,7 +334,7 @@ class ConcurrencyController:
         change = None
         if self.last_change is not None:
             at, old, new, why = self.last_change
-            change = f"{old}->{new} {time.monotonic() - at:.1f}s ago ({why})"
+            change = f"{old}->{new} {self.clock() - at:.1f}s ago ({why})"
         return {"limit": self.slots.size, "min": self.options.min_concurrency,
                 "max": self.options.max_concurrency, "in_use": self.slots.in_use,
                 "decision": self.decision,
@@ -353,7 +350,7 @@ class ConcurrencyController:
         before = [n for t, n in self.history if t < since]
         if before:
             points.insert(0, (since, before[-1]))
-        end = time.monotonic()
+        end = self.clock()
         spans = [(n, (points[i + 1][0] if i + 1 < len(points) else end) - t)
                  for i, (t, n) in enumerate(points)]
         total = sum(w for _, w in spans)
@@ -366,10 +363,13 @@ class ConcurrencyController:
     async def run(self, engine: object) -> None:
         """Read the engine's load (every :meth:`interval`) and apply the rule, until
         cancelled."""
+        self.clock = asyncio.get_running_loop().time
+        if len(self.history) == 1:  # no change yet: its start on the loop's clock
+            self.history[0] = (self.clock(), self.history[0][1])
         while True:
             load = await read_load(engine)
-            self.update(load, time.monotonic())
+            self.update(load, self.clock())
             self._interval = self.interval()
-            due = time.monotonic() + self._interval
+            due = self.clock() + self._interval
             await asyncio.sleep(self._interval)
-            self._late_s = time.monotonic() - due
+            self._late_s = self.clock() - due

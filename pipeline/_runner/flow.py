@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -143,11 +142,11 @@ class Flow:
                     raise asyncio.CancelledError
 
     def sample_completed(self, item: AgentRolloutItem) -> None:
-        """A sample completed: the breaker's run of errors ends, the controller learns how
-        long a sample runs."""
+        """A sample completed: the breaker's run of errors ends, the controller counts it
+        (completions per second give its turnover)."""
         self.breaker.completed()
-        if self.controller is not None and item.started_at is not None:
-            self.controller.sample_ran(time.monotonic() - item.started_at)
+        if self.controller is not None:
+            self.controller.sample_done()
 
     def state(self) -> dict[str, Any]:
         """Flow-control state as plain data: the limit and, when adaptive, the controller;
