@@ -139,6 +139,19 @@ def placeholder_runs(ids: list[int], token: int) -> list[int]:
     return runs + ([current] if current else [])
 
 
+def pad_spans(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the runs of ``token`` in ``ids``."""
+    spans: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != token:
+            continue
+        if spans and sum(spans[-1]) == i:
+            spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+        else:
+            spans.append((i, 1))
+    return spans
+
+
 def forward_logprobs(model: Any, prompt: list[int], response: list[int], mm: Any,
                      pad: int, mrope: bool = True) -> Any:
     """Log-softmax (temperature 1) of each response token from one forward pass with the
@@ -210,6 +223,11 @@ def check(result: Any, recorder: Recorder, model: Any, processor: Any,
         counts = list(mm.image_token_counts) if mm else []
         row["prompt_ok"] = (prompt == list(final.prompt_token_ids)
                             and row["placeholder_runs"] == counts)
+        # where vLLM put the image features: its placeholder ranges, against the pad runs
+        placed = getattr(final, "multi_modal_placeholders", None) or {}
+        ranges = [(int(r.offset), int(r.length)) for r in placed.get("image", [])]
+        row["vllm_placeholders"] = ranges
+        row["placeholders_ok"] = ranges == pad_spans(prompt, pad)
         data = (sent.get("multi_modal_data") or {}).get("image") or []
         uuids = (sent.get("multi_modal_uuids") or {}).get("image") or []
         row["images_ok"] = (not data and not uuids) if mm is None else (
@@ -472,6 +490,7 @@ async def checks(engine: Any, model_dir: Path, processor: Any, model: Any,
     every = rows_sampled + rows_greedy
     keys = ("prompt_ok", "images_ok", "tokens_ok")
     summary: dict[str, Any] = {key: sum(bool(r.get(key)) for r in every) for key in keys}
+    summary["placeholders_ok"] = sum(bool(r.get("placeholders_ok")) for r in every)
     summary["rescore_ok"] = sum(bool(r.get("rescore_ok")) for r in rows_sampled)
     summary["greedy_ok"] = sum(bool(r.get("greedy_ok")) for r in rows_greedy)
     summary["samples"], summary["sampled"] = len(every), len(rows_sampled)
@@ -557,6 +576,7 @@ async def main(args: argparse.Namespace) -> None:
     if summary is not None:
         print(f"checks ({args.dtype}): prompt/images/tokens ok {summary['prompt_ok']}/"
               f"{summary['images_ok']}/{summary['tokens_ok']} of {summary['samples']}; "
+              f"vLLM's image ranges on the pad runs {summary['placeholders_ok']}; "
               f"rescore ok {summary['rescore_ok']}/{summary['sampled']}, image rows max "
               f"{summary['rescore_max']}, text-only max {summary['text_only_rescore_max']}; "
               f"default (torchvision) image processor: pixels max diff "
