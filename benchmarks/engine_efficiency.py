@@ -34,9 +34,11 @@ Several ``--prompts`` counts share one engine start and give one record each
 ``--max-num-seqs`` and ``--cudagraph-max`` (vLLM's ``max_cudagraph_capture_size``: decode batches
 larger than it run without CUDA graphs; vLLM's default is min(2 x max_num_seqs, 512) on
 H100/H200) test why 4,096 prompts ran at half the tokens/s of 1,024 on two H200s (see
-``docs/vllm_gpu.md``). ``--slice-s`` is a what-if for diagnosis only: it sets the runner's
-loop-slice budget (``pipeline._runner.slice.SLICE_S``, 0.005 s), which throttles how fast
-samples reach their stages while vLLM's output handling fills the event loop.
+``docs/vllm_gpu.md``). ``--no-engine-stats`` starts the engine without scheduler
+statistics: a custom stat logger makes vLLM also keep its Prometheus histograms in the
+frontend, a record per generated token. ``--slice-s`` is a what-if for diagnosis only: it
+sets the runner's loop-slice budget (``pipeline._runner.slice.SLICE_S``, 0.005 s), which
+throttles how fast samples reach their stages while vLLM's output handling fills the loop.
 
 ``--gc edge`` (the default) measures the process as a rollout application runs it: the
 collector tuned with :func:`pipeline.diagnostics.rollout_gc`, entered once the engine has
@@ -140,6 +142,7 @@ async def build_engine(args: argparse.Namespace, model_dir: Path) -> tuple[Any, 
                                         kv_cache_gib=args.kv_cache_gib,
                                         request_seeds=not args.unseeded,
                                         max_num_seqs=args.max_num_seqs,
+                                        engine_stats=not args.no_engine_stats,
                                         engine_kwargs=extra or None)
         return engine, tokenizer
     tokenizer = hf.AutoTokenizer.from_pretrained(str(model_dir))
@@ -304,6 +307,7 @@ async def measure(engine: Any, tokenizer: Any, args: argparse.Namespace,
         "ratio_vs_raw_with_prompts_median": round(statistics.median(
             p["ratio_vs_raw_with_prompts"] for p in pairs), 4),
         "max_num_seqs_asked": args.max_num_seqs, "cudagraph_max_asked": args.cudagraph_max,
+        "engine_stats": not args.no_engine_stats,
         "slice_s": SLICE.SLICE_S,
         "raw_cpu_ms_per_sample": round(raw_cpu, 3),
         "pipeline_cpu_ms_per_sample": round(pipe_cpu, 3),
@@ -409,6 +413,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="vLLM: batch limit in sequences (default: vllm serve's)")
     parser.add_argument("--cudagraph-max", type=int, default=None,
                         help="vLLM: compilation_config max_cudagraph_capture_size")
+    parser.add_argument("--no-engine-stats", action="store_true",
+                        help="vLLM: engine_stats=False (no scheduler statistics, and none of "
+                             "vLLM's per-token Prometheus records in the frontend)")
     parser.add_argument("--slice-s", type=float, default=None,
                         help="what-if, diagnosis only: the runner's loop-slice budget "
                              "(pipeline._runner.slice.SLICE_S)")
