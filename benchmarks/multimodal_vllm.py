@@ -223,11 +223,6 @@ def check(result: Any, recorder: Recorder, model: Any, processor: Any,
         counts = list(mm.image_token_counts) if mm else []
         row["prompt_ok"] = (prompt == list(final.prompt_token_ids)
                             and row["placeholder_runs"] == counts)
-        # where vLLM put the image features: its placeholder ranges, against the pad runs
-        placed = getattr(final, "multi_modal_placeholders", None) or {}
-        ranges = [(int(r.offset), int(r.length)) for r in placed.get("image", [])]
-        row["vllm_placeholders"] = ranges
-        row["placeholders_ok"] = ranges == pad_spans(prompt, pad)
         data = (sent.get("multi_modal_data") or {}).get("image") or []
         uuids = (sent.get("multi_modal_uuids") or {}).get("image") or []
         row["images_ok"] = (not data and not uuids) if mm is None else (
@@ -471,6 +466,60 @@ async def vision_features(engine: Any, model: Any, data: list[dict[str, Any]],
     return out
 
 
+async def prompt_divergence(engine: Any, model: Any, processor: Any) -> list[dict[str, Any]]:
+    """Per image row: vLLM's prompt logprobs (``prompt_logprobs=0``, one request outside the
+    pipeline, a fresh image so no prefix-cache hit) against transformers' forward pass over
+    the same prompt, position by position: the first position off by more than the tolerance
+    and where it is (before the image, on its placeholder tokens, after it) says which part
+    of the computation differs. A diagnostic: a failure is recorded, not raised."""
+    import torch
+    from vllm import SamplingParams as VllmSampling
+
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    fresh = [{"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_url(size, 40 + i)}},
+        {"type": "text", "text": TEXT}]}]} for i, size in enumerate([(120, 90), (224, 224)])]
+    items = (await Pipeline([BuildPrompt(processor=processor)], tokenizer=processor.tokenizer)
+             .run_batch(fresh)).items
+    out = []
+    for index, item in enumerate(items):
+        ids = [int(t) for t in item.artifacts[A.PROMPT_IDS]]
+        mm = multi_modal_inputs(item.artifacts)
+        entry: dict[str, Any] = {"row": index, "prompt_tokens": len(ids),
+                                 "pad_spans": pad_spans(ids, pad)}
+        try:
+            final = None
+            async for output in engine.llm.generate(
+                    engine.prompt(ids, mm), VllmSampling(max_tokens=1, prompt_logprobs=0),
+                    f"diag-prompt-{index}"):
+                final = output
+            theirs = torch.tensor([final.prompt_logprobs[j][ids[j]].logprob
+                                   for j in range(1, len(ids))], dtype=torch.float64)
+            device = next(model.parameters()).device
+            tensor = torch.tensor([ids], device=device)
+            with torch.no_grad():
+                logits = model(input_ids=tensor, pixel_values=mm.pixel_values.to(device),
+                               image_grid_thw=mm.image_grid_thw.to(device),
+                               mm_token_type_ids=(tensor == pad).long()).logits[0].double()
+            ours = torch.log_softmax(logits[:-1], -1).gather(
+                1, tensor[0, 1:, None])[:, 0].cpu()
+            diff = (theirs - ours).abs()  # diff[j - 1]: the logprob of ids[j]
+            off = [j + 1 for j in range(len(diff)) if diff[j] > TOLERANCE]
+            start, length = entry["pad_spans"][0]
+            entry["first_off_position"] = off[0] if off else None
+            entry["first_off_where"] = (None if not off else "before the image"
+                                        if off[0] <= start else "on the image tokens"
+                                        if off[0] <= start + length else "after the image")
+            entry["max_before_image"] = float(diff[:start].max()) if start else 0.0
+            entry["max_on_image"] = float(diff[start:start + length].max())
+            entry["max_after_image"] = float(diff[start + length:].max())
+            entry["diffs"] = [round(float(d), 5) for d in diff]
+        except Exception as exc:  # a diagnostic: reported, never fatal to the run
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        out.append(entry)
+    return out
+
+
 async def checks(engine: Any, model_dir: Path, processor: Any, model: Any,
                  recorder: Recorder, args: argparse.Namespace) -> dict[str, Any]:
     """Checks 1-5 of the module doc on a started ``VLLMEngine`` wrapped by ``recorder``."""
@@ -490,7 +539,6 @@ async def checks(engine: Any, model_dir: Path, processor: Any, model: Any,
     every = rows_sampled + rows_greedy
     keys = ("prompt_ok", "images_ok", "tokens_ok")
     summary: dict[str, Any] = {key: sum(bool(r.get(key)) for r in every) for key in keys}
-    summary["placeholders_ok"] = sum(bool(r.get("placeholders_ok")) for r in every)
     summary["rescore_ok"] = sum(bool(r.get("rescore_ok")) for r in rows_sampled)
     summary["greedy_ok"] = sum(bool(r.get("greedy_ok")) for r in rows_greedy)
     summary["samples"], summary["sampled"] = len(every), len(rows_sampled)
@@ -563,6 +611,11 @@ async def main(args: argparse.Namespace) -> None:
         if args.mode in ("throughput", "both"):
             figures["throughput"] = await throughput(engine, processor, args)
         if "summary" in figures:  # last: a failed call into vLLM's worker ends nothing else
+            divergence = await prompt_divergence(engine, model, processor)
+            figures["prompt_divergence"] = divergence
+            figures["summary"]["prompt_first_off"] = [
+                (d.get("first_off_position"), d.get("first_off_where"), d.get("pad_spans"))
+                if "error" not in d else d["error"] for d in divergence]
             features = await vision_features(engine, model, rows(), processor)
             figures["vision_features"] = features
             figures["summary"]["vision_features_max_abs_diff"] = max(
@@ -576,7 +629,8 @@ async def main(args: argparse.Namespace) -> None:
     if summary is not None:
         print(f"checks ({args.dtype}): prompt/images/tokens ok {summary['prompt_ok']}/"
               f"{summary['images_ok']}/{summary['tokens_ok']} of {summary['samples']}; "
-              f"vLLM's image ranges on the pad runs {summary['placeholders_ok']}; "
+              f"prompt logprobs first off (position, where, pad runs) "
+              f"{summary.get('prompt_first_off')}; "
               f"rescore ok {summary['rescore_ok']}/{summary['sampled']}, image rows max "
               f"{summary['rescore_max']}, text-only max {summary['text_only_rescore_max']}; "
               f"default (torchvision) image processor: pixels max diff "
