@@ -22,7 +22,8 @@ from pipeline import (
     Status,
     artifacts,
 )
-from pipeline._data.messages import assistant_message, prompt_message
+from pipeline._data.messages import assistant_message, prompt_message, tool_call, tool_message
+from pipeline._data.models import ToolCall, ToolFunction
 from pipeline._data.rows import parse_row
 from pipeline.testing import ByteTokenizer
 
@@ -221,3 +222,63 @@ async def test_a_groups_samples_share_prompt_ids_and_prompt_messages():
     assert first[0].artifacts[artifacts.PROMPT_IDS] != second[0].artifacts[artifacts.PROMPT_IDS]
     assert first[0].artifacts[artifacts.MESSAGES][0].content == "q0"
     assert second[0].artifacts[artifacts.MESSAGES][0].content == "q1"
+
+
+# A tool loop's calls and replies (issue 43: 9 of 70 tracked objects per 3-call sample were
+# their own field sets).
+
+_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>'
+
+
+def _three_calls_then_answer(tok: ByteTokenizer):
+    def reply(prompt_ids: list[int], rng: object) -> list[int]:
+        calls = tok.decode(prompt_ids).count("<tool_call>")
+        text = _CALL if calls < 3 else "Answer: 3"
+        return [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+    return reply
+
+
+async def test_a_tool_loops_calls_and_replies_keep_no_field_set_of_their_own():
+    from pipeline import Loop
+    from pipeline.stages import CallTools
+    from pipeline.tools import calculator_tool
+
+    tok = ByteTokenizer()
+    engine = SimulatedEngine(latency_s=0.0, latency_sigma=0.0, tail_prob=0.0,
+                             responder=_three_calls_then_answer(tok))
+    pipe = Pipeline([BuildPrompt(), Loop([Generate(), CallTools()], max_turns=5)],
+                    engine=engine, tokenizer=tok, tools=[calculator_tool()],
+                    sampling={"max_tokens": 256})
+    schema = {"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
+    result = await pipe.run_batch([{"prompt": f"q{i}", "tools": [schema]} for i in range(10)])
+    assert result.stats.by_status == {"completed": 10}
+    calls = [call for item in result.items for m in item.artifacts[artifacts.MESSAGES]
+             if m.tool_calls for call in m.tool_calls]
+    replies = [m for item in result.items for m in item.artifacts[artifacts.MESSAGES]
+               if m.role == "tool"]
+    assert len(calls) == len(replies) == 30
+    assert {r.content for r in replies} == {"3"}
+    # One field set per model class, shared by every call, function and reply of the batch.
+    for models in (calls, [c.function for c in calls], replies):
+        assert len({id(m.__pydantic_fields_set__) for m in models}) == 1
+    # And they are what validation makes.
+    assert calls[0] == ToolCall(id=calls[0].id, function=ToolFunction(
+        name="calculator", arguments='{"expression": "1 + 2"}'))
+    assert replies[0] == AgentMessage(role="tool", content="3", tool_call_id=calls[0].id,
+                                      name="calculator")
+
+
+def test_tool_call_and_tool_message_are_what_validation_makes():
+    built = tool_call("call_0_0", "calc", '{"x": 1}')
+    validated = ToolCall(id="call_0_0", function=ToolFunction(name="calc", arguments='{"x": 1}'))
+    assert built == validated and built.model_dump() == validated.model_dump()
+    assert built.model_fields_set == {"id", "type", "function"}
+    reply = tool_message("4", "call_0_0", "calc")
+    assert reply.model_dump() == AgentMessage(role="tool", content="4", tool_call_id="call_0_0",
+                                              name="calc").model_dump()
+    failed = tool_message("Error: boom", "call_0_0", "calc", "tool_exception")
+    assert failed.model_extra == {"error": "tool_exception"}
+    parts = [{"type": "text", "text": "4"}]
+    assert tool_message(parts, "c", "calc").content == parts  # validated as before

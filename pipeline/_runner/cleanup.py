@@ -22,7 +22,7 @@ def cleanup_steps(item: AgentRolloutItem, ctx: Context) -> Steps:
     first), then the exit stack if a stage used it. Usually none, and then nothing is awaited."""
     steps: Steps = [
         (stage.name, functools.partial(cleanup, item, ctx))
-        for stage in reversed(ctx.started_stages)
+        for stage in reversed(ctx.cleanup_stages)
         if (cleanup := getattr(stage, "cleanup", None)) is not None
     ]
     if ctx.has_exit_stack:

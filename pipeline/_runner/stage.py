@@ -181,7 +181,8 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     record = StageRecord(stage.name, start, time.time(), "run", ctx.turn)  # positional: faster
     item.records.append(record)
     try:
-        budget = stage_budget(stage, ctx)
+        budget = (getattr(stage, "stage_timeout_s", None) if not ctx.config.stage_timeout_s
+                  else stage_budget(stage, ctx))  # the common case without a function call
         if budget is None:
             await stage.run(item, ctx)
         else:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from pipeline import artifacts as A
 from pipeline._concurrency.cancel import cancel_requested, run_owned
 from pipeline._concurrency.slots import FifoSlots
+from pipeline._data.messages import tool_message
 from pipeline._data.models import TOOL_CALL_ERRORS, AgentMessage, AgentRolloutItem, ToolCall
 from pipeline._runner.context import Context
 from pipeline.multimodal import image_result_parts, is_image_result
@@ -109,8 +110,7 @@ class CallTools:
         if rewards:  # verl's tool_rewards column
             extra: dict[str, Any] = art.setdefault(A.EXTRA_FIELDS, {})
             extra[TOOL_REWARDS] = [*(extra.get(TOOL_REWARDS) or ()), *rewards]
-        replies = [AgentMessage(role="tool", tool_call_id=call.id, name=call.function.name,
-                                content=content, **({"error": kind} if kind else {}))
+        replies = [tool_message(content, call.id, call.function.name, kind or None)
                    for call, (content, kind, _) in zip(last.tool_calls, answers, strict=True)]
         errors = sum(1 for _, kind, _ in answers if kind)
         self._count(art, TOOL_CALLS, len(replies))
