@@ -18,6 +18,14 @@ Each xdist worker is its own process; a *group* (``xdist_group`` mark) runs whol
 
 The longest groups are handed out first (``--no-loadscope-reorder`` keeps the order this hook
 gives): vLLM, then Ray, then the tests marked ``slow``, then the rest in file order.
+
+Every process of the run computes on one thread (``OMP_NUM_THREADS=1``, set below unless the
+environment already sets it; subprocesses inherit it): two workers on two cores each running
+torch with two OpenMP threads left the threads spin-waiting against each other (vLLM's own
+serving code sets torch to one thread for the same reason; its CPU worker binds its threads
+itself). Measured on this 2-core machine at load ~5: test_tiny_policy, test_family_engines
+and two guide examples took 126 s and 80 CPU-s, 80 s and 61 CPU-s with one thread, with the
+same results.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before any test module imports torch
 
 GROUP_ORDER = {"vllm": 0, "ray": 1, "families": 2}
 
