@@ -8,15 +8,16 @@ samples finish, so every rate is per turnover, and the load is read
 :data:`READS_PER_TURNOVER` times per turnover (at most every ``interval_s``). Per reading:
 
 - *steer* the engine's waiting queue (averaged over half a turnover) to ``queue_target`` x
-  its running sequences (a running count that rises at once and falls over
-  :data:`RUNNING_TURNOVERS`): the limit moves by the gap per turnover, counted in samples
+  its running sequences (averaged over :data:`RUNNING_TURNOVERS` once the engine is full):
+  the limit moves by the gap per turnover, counted in samples
   (x admitted samples per request in the engine, at most :data:`SPREAD_MAX`: a sample on a
   tool holds no KV and is not in the engine), and holds within :data:`DEADBAND` of it;
 - while the engine has *room* (KV below ``kv_high``, running below its cap, no preemption)
   its queue is requests in transit and counts as empty: the gap is then the whole target,
   so the limit doubles per turnover until the engine is full;
 - *shrink* by :data:`SHRINK` when the engine thrashes (more than ``preempt_high``
-  preemptions per running sequence per turnover), at most once per half turnover;
+  preemptions per running sequence per turnover), at most once per half turnover (it
+  steers in between);
 - never lower while more samples hold slots than the limit allows (a lower limit acts only
   as samples finish), and never higher while a slot is free (the demand is below the limit)
   or the pipeline's own loop is the bottleneck (see :meth:`ConcurrencyController._lagging`).
@@ -27,7 +28,10 @@ an integrator of gain one per turnover behind that lag is damped, as long as the
 spans several readings (one that replaced the average, one reading every 0.1 s for samples
 of 0.3 s, made each noisy reading a step: a 31% swing). One reading never weighs more than
 half the average, and the deadband keeps the queue's own noise (samples finishing in bursts,
-coming back from tools) from moving the limit once it has settled. Measured on virtual time
+coming back from tools, long sequences filling the KV cache and the running count falling by
+a fifth, the queue rising as much) from moving the limit once it has settled: any queue keeps
+the engine busy, so half the target either way costs nothing (at 20% the limit followed the
+running count of heavy-tailed replies, a 27% swing). Measured on virtual time
 (``benchmarks/flow_control.py``, docs/guides/flow-control.md).
 """
 
@@ -56,8 +60,9 @@ ways. (A tenth on the way down, as before, took most of a batch to come down fro
 ten times the engine's size: a swing of 31% over its second half.)"""
 SPREAD_MAX = 4.0
 """Growth counts at most this many admitted samples per request in the engine."""
-DEADBAND = 0.2
-"""The limit holds while the engine's queue is within this share of its target."""
+DEADBAND = 0.5
+"""The limit holds while the engine's queue is within this share of its target (either
+way)."""
 RUNNING_TURNOVERS = 4.0
 """A fall of the running count, which sets the queue target, is averaged over this many
 turnovers."""
@@ -211,13 +216,16 @@ class ConcurrencyController:
         # the running count, which sets the target, over RUNNING_TURNOVERS: it moves with
         # the mix of long and short sequences in the KV cache, and a target that followed
         # it would carry that noise into the limit (x2: a sample not running is queued).
-        # The running count rises as fast as the queue's average (slow start doubles it per
-        # turnover: a target that lagged would stop the growth) and falls as slowly.
         if self._avg is None:
             self._avg = (float(self.waiting), float(running))
         else:
             fast = min(0.5, dt / (turnover / 2))
-            slow = fast if running > self._avg[1] else min(
+            # The running count rises at the queue's pace while the engine fills or the
+            # batch settles (until a limit's worth of samples completed: a start from
+            # nothing read 1-10 running for seconds and shrank the limit as if 25 sequences
+            # thrashed), over RUNNING_TURNOVERS once it is full.
+            settling = self._filling(load) or self._done < self.slots.in_use
+            slow = fast if running > self._avg[1] and settling else min(
                 0.5, dt / (RUNNING_TURNOVERS * turnover))
             self._avg = (self._avg[0] + fast * (self.waiting - self._avg[0]),
                          self._avg[1] + slow * (running - self._avg[1]))
@@ -228,9 +236,13 @@ class ConcurrencyController:
         # Room: one more sequence fits now. A queue then is requests in transit (admitted
         # at the engine's next step, or after its prefill budget), not a full engine: at a
         # batch's start it read as "full" and ended the growth after one reading.
-        room = ((kv is None or kv < options.kv_high)
-                and (cap is None or running < cap) and not preempted)
-        gap = target - (0.0 if room else waiting_avg)
+        room = self._filling(load) and not preempted
+        # With room, the gap is what runs now (the slow average would slow the climb);
+        # once full, the target is the slow average: the running count moves by half as
+        # long sequences come and go, and a target that rose with it at once swung the
+        # limit 27% on heavy-tailed replies.
+        gap = (options.queue_target * max(1.0, running, running_avg) if room
+               else target - waiting_avg)
         # The share of a turnover since the last reading, at most half: a late reading (a
         # stalled loop) or a short first estimate of the turnover cannot move the limit by
         # more than half a turnover's worth at once.
@@ -250,10 +262,9 @@ class ConcurrencyController:
             # more are admitted than it allows, the queue has not felt it yet, and lowering
             # it further took it from 1,024 to 129 against a queue that had not moved.
             self.decision = "hold"
-        elif thrash > options.preempt_high:
-            if now - self._last_shrink < turnover / 2:
-                self.decision = "hold"
-                return
+        elif thrash > options.preempt_high and now - self._last_shrink >= turnover / 2:
+            # (Between two shrinks the queue steers as usual: holding then, while a queue
+            # of 900 thrashed, left a start of 1,024 coming down x0.9 per half turnover.)
             self._last_shrink = now
             self.decision = "shrink"
             self._set(self.limit * SHRINK,
@@ -272,6 +283,13 @@ class ConcurrencyController:
                       f"engine queue {0 if room else waiting_avg:.0f}, target {target:.0f} "
                       f"({options.queue_target:g} x {running_avg:.0f} running"
                       + ("" if kv is None else f", KV {kv:.2f}") + ")")
+
+    def _filling(self, load: Any) -> bool:
+        """Whether the engine has room for one more sequence now (KV below ``kv_high``,
+        running below its cap)."""
+        kv, cap = getattr(load, "kv_usage", None), getattr(load, "max_running", None)
+        return ((kv is None or kv < self.options.kv_high)
+                and (cap is None or int(getattr(load, "running", 0) or 0) < cap))
 
     def _lagging(self, now: float, turnover: float) -> bool:
         """No growth while the pipeline's own loop is the bottleneck: admitted samples then
