@@ -177,8 +177,9 @@ class ServerHealth:
             state.late_probes = 0
 
     def timed_out(self, url: str, reason: str) -> bool:
-        """A probe or a request to ``url`` timed out: mark it down if it has been silent for
-        ``silence_s``, else count the late probe. True when it is (now) down."""
+        """A probe or a request to ``url`` timed out (or lost its connection): mark it down
+        if it has been silent for ``silence_s``, else count the late probe. True when it is
+        (now) down."""
         state = self._states[url]
         if time.monotonic() - state.last_answer >= self.silence_s:
             self.mark_down(url, f"{reason} (no answer for {self.silence_s:g} s)")

@@ -242,8 +242,10 @@ class OpenAIEngine:
                     failover: bool = False) -> dict[str, Any]:
         """One JSON call with bounded retries on connection errors and 5xx answers.
 
-        A connection error marks the server down (a timeout only after ``health_silence_s``
-        without an answer), and so does a 5xx answer
+        A refused connection marks the server down; a timeout, or a connection the server
+        dropped mid-request (a reset or a disconnect: vLLM's server, with a thousand requests
+        open, resets some while it answers the rest), only after ``health_silence_s`` without
+        an answer (slow is not dead, see ``ServerHealth``); a 5xx answer marks it down
         after which the server fails a health probe (vLLM answers 500 to the requests in
         flight when its engine core dies, and 503 to ``/health``). With ``failover`` the
         error of a server that is down is raised at once while another server is healthy
@@ -252,6 +254,7 @@ class OpenAIEngine:
         session = self._get_session()
         attempts = self.max_retries + 1 if retry else 1
         for attempt in range(attempts):
+            dropped = False  # a live server dropped this connection: retry it there
             try:
                 async with session.request(method, server.url + path, json=body) as resp:
                     self.health.answered(server.url)
@@ -269,12 +272,14 @@ class OpenAIEngine:
                     TimeoutError) as exc:
                 error = ServerError(f"{method} {server.url}{path} failed: "
                                     f"{type(exc).__name__}: {exc}", status=None, url=server.url)
-                if isinstance(exc, TimeoutError):  # slow is not dead: see ServerHealth
-                    self.health.timed_out(server.url, str(error))
-                else:
+                if isinstance(exc, aiohttp.ClientConnectorError):  # nobody listens there
                     self.health.mark_down(server.url, str(error))
+                else:  # slow or dropped is not dead while it answers: see ServerHealth
+                    down = self.health.timed_out(server.url, str(error))
+                    dropped = not down and not isinstance(exc, TimeoutError)
             server.failures += 1
-            if failover and (error.status is None or not await self.health.probe(server.url)) \
+            if failover and not dropped \
+                    and (error.status is None or not await self.health.probe(server.url)) \
                     and any(self.health.is_healthy(s.url) for s in self.servers):
                 raise error
             if attempt + 1 < attempts:
