@@ -36,8 +36,12 @@ from typing import Any
 from pipeline._data.config import SamplingParams
 from pipeline._exceptions import EngineError
 from pipeline.engines._base import Generation
-from pipeline.engines._completion_wire import decode_experts, sampled_logprobs
-from pipeline.engines._outputs import finish_reason
+from pipeline.engines._completion_wire import (
+    choice_generation,
+    sampled_choice,
+    sampled_logprobs,
+    sampling_fields,
+)
 
 GENERATE_PATH = "/inference/v1/generate"
 """vLLM's token-in, token-out endpoint."""
@@ -106,17 +110,7 @@ def generate_body(model: str, prompt_ids: Sequence[int], sampling: SamplingParam
     """The JSON body of one ``/inference/v1/generate`` request; ``images``: ``(data URL,
     sha256)`` per image in placeholder order. ``extra_body`` goes into vLLM's
     ``sampling_params`` (last: it may override any of them)."""
-    params: dict[str, Any] = {
-        "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-        "top_p": sampling.top_p, "logprobs": 0,
-        "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False,
-    }
-    if sampling.top_k > 0:
-        params["top_k"] = sampling.top_k
-    if sampling.seed is not None:
-        params["seed"] = sampling.seed
-    if ignore_eos:
-        params["ignore_eos"] = True
+    params = sampling_fields(sampling, ignore_eos=ignore_eos)
     params.update(extra_body)
     return {"model": model, "request_id": request_id,
             "token_ids": [int(t) for t in prompt_ids], "return_token_ids": True,
@@ -136,26 +130,13 @@ def read_generate(answer: Mapping[str, Any], prompt_ids: Sequence[int],
             those sent; image ranges missing (the server ignored the images) or not the
             prompt's placeholder runs.
     """
-    try:
-        choice = answer["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        raise EngineError(f"request {request_id}: the answer has no choice") from None
-    tokens = choice.get("token_ids")
-    if tokens is None:
-        raise EngineError(f"request {request_id}: the server returned no token_ids")
-    tokens = [int(t) for t in tokens]
+    choice, tokens = sampled_choice(answer, request_id)
     # images first: a server that ignored them (vLLM 0.24) answers neither field
     _check_images(answer.get("mm_placeholders"), prompt_ids, image_token_counts, request_id)
     _check_prompt(answer.get("prompt_token_ids"), prompt_ids, request_id)
     logprobs = sampled_logprobs(_content_logprobs(choice.get("logprobs"), tokens, request_id),
                                 len(tokens), request_id)
-    reason, raw = finish_reason(choice.get("finish_reason"), choice.get("stop_reason"),
-                                request_id, "the server")
-    experts = choice.get("routed_experts")
-    if experts is not None:
-        experts = decode_experts(experts, len(prompt_ids) + len(tokens))
-    return Generation(tokens, logprobs, reason, raw, routed_experts=experts,
-                      policy_version=version)
+    return choice_generation(choice, tokens, logprobs, len(prompt_ids), request_id, version)
 
 
 def _check_prompt(echoed: Any, sent: Sequence[int], request_id: str) -> None:
