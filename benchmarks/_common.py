@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,3 +39,32 @@ def write_result(name: str, figures: dict[str, Any]) -> Path:
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+class LagProbe:
+    """How late a 5 ms sleep wakes up, sampled while it runs (``with LagProbe() as probe:``
+    on the running loop; ``probe.figures()`` after)."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(0.005)
+            self.lags.append((time.perf_counter() - start - 0.005) * 1e3)
+
+    def __enter__(self) -> LagProbe:
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    def figures(self) -> dict[str, float]:
+        lags = sorted(self.lags) or [0.0]
+        return {"ticks": len(self.lags), "p50_ms": round(statistics.median(lags), 2),
+                "p99_ms": round(lags[min(len(lags) - 1, int(len(lags) * 0.99))], 2),
+                "max_ms": round(lags[-1], 2)}

@@ -32,7 +32,7 @@ import statistics
 import time
 from typing import Any
 
-from _common import write_result
+from _common import LagProbe, write_result
 from PIL import Image
 
 from pipeline import BuildPrompt, Generate, Pipeline
@@ -91,34 +91,6 @@ def render_figures(vision: VisionProcessor, repeat: int) -> list[dict[str, Any]]
             "ratio_cpu": round(cpu / text_cpu, 1)})
         print(f"render {out[-1]}")
     return out
-
-
-class LagProbe:
-    """How late a 5 ms sleep wakes up, sampled while it runs."""
-
-    def __init__(self) -> None:
-        self.lags: list[float] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def _tick(self) -> None:
-        while True:
-            start = time.perf_counter()
-            await asyncio.sleep(0.005)
-            self.lags.append((time.perf_counter() - start - 0.005) * 1e3)
-
-    def __enter__(self) -> LagProbe:
-        self._task = asyncio.get_running_loop().create_task(self._tick())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-
-    def figures(self) -> dict[str, float]:
-        lags = sorted(self.lags) or [0.0]
-        return {"ticks": len(self.lags), "p50_ms": round(statistics.median(lags), 2),
-                "p99_ms": round(lags[min(len(lags) - 1, int(len(lags) * 0.99))], 2),
-                "max_ms": round(lags[-1], 2)}
 
 
 async def throughput(model_dir: Any, vision: VisionProcessor, groups: int, n: int,

@@ -68,7 +68,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from _common import write_result
+from _common import LagProbe, write_result
 from engine_efficiency import ROOT, commit
 from PIL import Image
 
@@ -318,35 +318,6 @@ def wider_model(vision_width: int | None, text_width: int | None) -> Path:
         processor.image_processor.save_pretrained(str(target))
         ModelKind.save_model(build_tiny_vl_model(spec), target)
     return target
-
-
-class LagProbe:
-    """How late a 5 ms sleep wakes up while the pipeline runs (its image work is on the
-    processor's thread, off the loop)."""
-
-    def __init__(self) -> None:
-        self.lags: list[float] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def _tick(self) -> None:
-        while True:
-            start = time.perf_counter()
-            await asyncio.sleep(0.005)
-            self.lags.append((time.perf_counter() - start - 0.005) * 1e3)
-
-    def __enter__(self) -> LagProbe:
-        self._task = asyncio.get_running_loop().create_task(self._tick())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-
-    def figures(self) -> dict[str, float]:
-        lags = sorted(self.lags) or [0.0]
-        return {"ticks": len(self.lags), "p50_ms": round(statistics.median(lags), 2),
-                "p99_ms": round(lags[min(len(lags) - 1, int(len(lags) * 0.99))], 2),
-                "max_ms": round(lags[-1], 2)}
 
 
 async def throughput(engine: Any, processor: Any, args: argparse.Namespace) -> dict[str, Any]:
