@@ -24,14 +24,15 @@ stats), wall time, the peak RSS growth per sample while the batch runs (sampled 
 10 ms), the collector's passes per generation and the time they took (``gc.callbacks``), and
 what a finished batch still holds per sample (Python allocations alive after ``run_batch``
 returned, held by its result; tracemalloc in a separate, smaller run), and the objects the
-collector tracks per finished sample and per sample in flight (what each full collection
-walks).
+collector tracks per finished sample and per sample in flight, in all and by type (what each
+full collection walks).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
 import os
 import statistics
@@ -171,40 +172,50 @@ def kept_after(workload: str, size: int) -> dict[str, Any]:
             "kept_by_result_kb_per_sample": round((kept - base) / 1024 / size, 2)}
 
 
-def tracked_objects(workload: str, size: int) -> dict[str, float]:
+def tracked_objects(workload: str, size: int) -> dict[str, Any]:
     """Objects the cyclic collector tracks per sample (``gc.get_objects()``, after a
-    collection): per finished sample held in the result and, for the single-turn workload,
-    per sample waiting on the engine (every sample in flight, the engine's latency raised)."""
+    collection), in all and by type: per finished sample held in the result and, for the
+    single-turn workload, per sample waiting on the engine (every sample in flight, the
+    engine's latency raised)."""
     make_pipe, make_rows = WORKLOADS[workload]
-    out: dict[str, float] = {}
-    gc.collect()
-    base = len(gc.get_objects())
+    out: dict[str, Any] = {}
+    base = census()
     result = asyncio.run(make_pipe(size).run_batch(make_rows(size)))
-    gc.collect()
-    out["per_kept_sample"] = round((len(gc.get_objects()) - base) / size, 1)
+    out["per_kept_sample"], out["kept_by_type"] = per_sample(census() - base, size)
     del result
     if workload == "single":
-        out["per_sample_in_flight"] = round(asyncio.run(_in_flight_count(size)), 1)
+        out["per_sample_in_flight"], out["in_flight_by_type"] = asyncio.run(
+            _in_flight_count(size))
     return out
 
 
-async def _in_flight_count(size: int) -> float:
+def census() -> collections.Counter[str]:
+    """Tracked objects by type name, after a collection."""
+    gc.collect()
+    return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+
+
+def per_sample(delta: collections.Counter[str], size: int) -> tuple[float, dict[str, float]]:
+    """The total per sample and the types of at least 0.05 per sample."""
+    return (round(sum(delta.values()) / size, 1),
+            {name: round(n / size, 2) for name, n in delta.most_common() if n / size >= 0.05})
+
+
+async def _in_flight_count(size: int) -> tuple[float, dict[str, float]]:
     pipe = single_pipeline(size)
     engine = pipe.resources.engine
     assert isinstance(engine, SimulatedEngine)
     engine.latency_s = 600.0
-    gc.collect()
-    base = len(gc.get_objects())
+    base = census()
     batch = asyncio.ensure_future(pipe.run_batch(single_rows(size)))
     for _ in range(60_000):  # bounded: every sample reaches the engine within seconds
         await asyncio.sleep(0.001)
         if len(engine.in_flight) == size:
             break
-    gc.collect()
-    count = (len(gc.get_objects()) - base) / size
+    counts = per_sample(census() - base, size)
     await engine.aclose()  # the samples end aborted
     await batch
-    return count
+    return counts
 
 
 def table(sizes: list[int], repeats: int, workloads: list[str],
