@@ -179,6 +179,33 @@ def test_with_tool_waits_the_limit_converges_past_the_engine_and_keeps_it_busy()
     assert up["highest"] <= 3 * up["engine_holds"] * 2, (up["engine_holds"], up["history"])
 
 
+def test_growth_waits_for_completions_while_the_turnover_is_unknown():
+    # Replies of 300 tokens at 10 ms a step: no sample completes for 3 simulated seconds,
+    # and the KV cache has room all along (what a vLLM server's does while it holds only the
+    # prompts it admitted). Growth is clocked by completions: none before the first.
+    def responder(prompt_ids: list[int], rng: random.Random) -> list[int]:
+        return [7] * 299 + [EOS]
+
+    async def main() -> list[int]:
+        engine = SimulatedEngine(responder=responder, eos_token_id=EOS, seed=3,
+                                 max_running=4096, token_time_s=0.01,
+                                 kv_capacity_tokens=1_000_000)
+        pipe = adaptive_pipeline(engine)
+        batch = asyncio.ensure_future(pipe.run_batch([{"prompt": "q"}] * 400))
+        limits = []
+        for _ in range(5):
+            await asyncio.sleep(0.5)  # simulated seconds
+            limits.append(pipe.flow_state()["limit"])
+        await batch
+        await engine.aclose()
+        return limits
+
+    limits = on_virtual_time(main)
+    # 16 at the start, and no growth in the 2.5 s before any sample completed (the turnover
+    # estimate's default of 0.5 s had doubled it about every half second).
+    assert limits == [16] * 5, limits
+
+
 def test_the_progress_line_and_metrics_show_the_controller():
     async def main() -> tuple[dict[str, Any], Any, Pipeline, Any]:
         engine = kv_engine()

@@ -15,6 +15,8 @@ samples finish, so every rate is per turnover, and the load is read
 - while the engine has *room* (KV below ``kv_high``, running below its cap, no preemption)
   its queue is requests in transit and counts as empty: the gap is then the whole target,
   so the limit doubles per turnover until the engine is full;
+- growth is clocked by completions (as TCP's slow start is by acks): one more slot per
+  sample completed, so at most x2 per real turnover, and none before the first completion;
 - *shrink* by :data:`SHRINK` when the engine thrashes (more than ``preempt_high``
   preemptions per running sequence per turnover), at most once per half turnover (it
   steers in between);
@@ -129,6 +131,7 @@ class ConcurrencyController:
         self.turnover_s: float | None = None
         self._completed = 0
         self._done = 0
+        self._acked = 0  # completions growth has not spent yet
         self._watched_s = 0.0
         self._rate: float | None = None
         self._in_use: float | None = None
@@ -160,6 +163,7 @@ class ConcurrencyController:
         # tools; the completed samples' mean (the earlier second estimate) counts only the
         # short ones early in a batch, and was read off the wall clock.
         done, self._completed = self._completed, 0
+        self._acked = min(self._acked + done, max(1, self.slots.size))  # a limit's worth
         if dt <= 0:
             return
         # Averaged over a turnover, or over all the time watched while that is shorter: a
@@ -278,8 +282,18 @@ class ConcurrencyController:
             # rest on its tools), so moving the engine's queue by ``gap`` takes ``gap``
             # times admitted samples per engine request (at most SPREAD_MAX).
             spread = min(SPREAD_MAX, max(1.0, self.slots.in_use / max(1.0, self._in_engine)))
+            change = GAIN * gap * spread * step
+            if change > 0:
+                # Growth is clocked by completions, as TCP's slow start is by acks: one more
+                # slot per sample completed since growth last spent them, so at most x2 per
+                # real turnover even before the turnover is known. Before the first
+                # completion its estimate was a default second: on an H200 (samples of
+                # ~5 s) the limit doubled each second, from 64 past 1,000, before the KV
+                # cache (which holds prompts only at admission) showed it full.
+                change = min(change, float(self._acked))
+                self._acked = max(0, self._acked - math.ceil(change))
             self.decision = "grow" if gap > 0 else "steer"
-            self._set(self.limit + GAIN * gap * spread * step,
+            self._set(self.limit + change,
                       f"engine queue {0 if room else waiting_avg:.0f}, target {target:.0f} "
                       f"({options.queue_target:g} x {running_avg:.0f} running"
                       + ("" if kv is None else f", KV {kv:.2f}") + ")")
