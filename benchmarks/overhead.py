@@ -4,6 +4,7 @@ Run::
 
     python benchmarks/overhead.py            # full figures (about a minute)
     python benchmarks/overhead.py --quick    # smaller sizes, for a smoke run
+    python benchmarks/overhead.py --parts trivial in_flight --name NAME   # part 3's goals only
 
 Part 1, CPU per sample and per stage. Both sides run the same work on the same simulated
 engine (zero latency, so the event loop is the bottleneck and CPU time is what we measure):
@@ -344,11 +345,35 @@ def part_lag(samples: int) -> dict[str, Any]:
             "edge_gc": under_edge_gc(lambda: asyncio.run(batch()))}
 
 
+def goals_only(parts: list[str], samples: int, pairs: int, in_flight: int, repeats: int,
+               name: str, quick: bool) -> None:
+    """Part 3's goal figures alone (a before/after comparison in one sitting)."""
+    figures: dict[str, Any] = {"engine": "simulated (no model)",
+                               "load_average_before": os.getloadavg()}
+    if "trivial" in parts:
+        figures["trivial_stages"] = part_trivial(samples, pairs)
+        print(f"5 trivial stages: {figures['trivial_stages']}")
+    if "in_flight" in parts:
+        figures["in_flight_goals"] = part_in_flight_goals(in_flight, repeats)
+        print(f"{in_flight} in flight, 1 s: {figures['in_flight_goals']}")
+    figures["load_average_after"] = os.getloadavg()
+    if not quick:
+        print(f"written to {write_result(name, figures)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    parser.add_argument("--parts", nargs="+", choices=["trivial", "in_flight"],
+                        help="only these goals' parts (5 trivial stages; 10,000 in flight "
+                             "at 1 s), written to --name")
+    parser.add_argument("--name", default="overhead_goals", help="results file for --parts")
     args = parser.parse_args()
     samples, pairs, in_flight = (500, 2, 1000) if args.quick else (4000, 5, 10_000)
+    if args.parts:
+        goals_only(args.parts, samples, pairs, in_flight, 1 if args.quick else 3, args.name,
+                   args.quick)
+        return
     cpu = part_cpu(samples, pairs)
     print(
         f"CPU per sample: pipeline {cpu['pipeline_cpu_us_per_sample']} us, hand-written "
