@@ -12,14 +12,13 @@ limit (or nothing is left), the sample ends with ``finish_reason=length``,
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline import artifacts as A
-from pipeline._data.messages import assistant_message, tool_call
+from pipeline._data.messages import assistant_message
 from pipeline._data.models import (
     NOT_SAMPLED,
     TOOL_CALL_ERRORS,
@@ -316,11 +315,7 @@ class Generate:
         if not parsed.calls:
             return assistant_message(content, token_ids, logprobs, finish_reason, extra=extra)
         turn = item.artifacts[A.TURNS] - 1
-        # ParsedToolCall.to_tool_call's wire form (an unreadable call keeps its raw text as
-        # the arguments), built without validation: a field set less per call and function.
-        calls = [tool_call(f"call_{turn}_{i}", c.name or "", c.raw if c.arguments is None
-                           else json.dumps(c.arguments, ensure_ascii=False))
-                 for i, c in enumerate(parsed.calls)]
+        calls = [c.to_tool_call(f"call_{turn}_{i}") for i, c in enumerate(parsed.calls)]
         errors = {call.id: c.error for call, c in zip(calls, parsed.calls, strict=True)
                   if c.error is not None}
         if errors:

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from pipeline._data.models import ToolCall, ToolFunction
+from pipeline._data.messages import tool_call
+from pipeline._data.models import ToolCall
 from pipeline._text.render import decode_text
 
 
@@ -36,11 +37,11 @@ class ParsedToolCall:
     error: str | None = None
 
     def to_tool_call(self, call_id: str) -> ToolCall:
-        """The OpenAI wire form; an unreadable call keeps its raw text as ``arguments``."""
+        """The OpenAI wire form; an unreadable call keeps its raw text as ``arguments``
+        (built without validation: no field set of its own per call)."""
         arguments = (self.raw if self.arguments is None
                      else json.dumps(self.arguments, ensure_ascii=False))
-        return ToolCall(id=call_id, function=ToolFunction(name=self.name or "",
-                                                          arguments=arguments))
+        return tool_call(call_id, self.name or "", arguments)
 
 
 @dataclass(frozen=True, slots=True)
