@@ -362,7 +362,7 @@ async def test_simulated_engine_remembers_a_bounded_number_of_aborts():
         item.artifacts[artifacts.PROMPT_IDS] = [1, 2, 3]
 
     engine = SimulatedEngine(hang_rate=1.0)
-    pipe = make([prompt, Generate()], engine=engine, sample_timeout_s=0.3,
+    pipe = make([prompt, Generate()], engine=engine, sample_timeout_s=1.0,
                 max_concurrency=5000)
     rows = [{"prompt": "x"}] * (RECENT_ABORTS // 2 + 100)
     for _ in range(6):  # on a loaded machine a few samples time out before their request
