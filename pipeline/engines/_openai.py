@@ -19,9 +19,11 @@ id: the pipeline's are ``{group_id}-{k}-{turn}``; pass ``group_key`` for another
 
 Health (:class:`~pipeline.engines.ServerHealth`, ``engine.health``): a watch task, started by
 the first request and ended by ``aclose``, probes each server's ``/health``; a server whose
-probe fails, or where a request hit a connection error, a timeout, or a 5xx answer followed
-by a failed probe (a vLLM whose engine core died), is routed around (its sessions move to a
-healthy server, and stay there) until a probe answers again. A request in flight on a
+probe fails, that refused a request's connection, or that answered 5xx and then failed a
+probe (a vLLM whose engine core died), is routed around (its sessions move to a healthy
+server, and stay there) until a probe answers again. Timeouts and connections a server
+dropped mid-request (retried there) count only once it has answered nothing for
+``health_silence_s``: slow is not dead. A request in flight on a
 server that dies is sent once more, with the same body, to another healthy server: the
 prompt ids are the sample's turn boundary (its earlier turns' tokens are kept), and the turn
 being sampled starts again from scratch. When no other server is healthy, or the second
