@@ -6,6 +6,8 @@ would cost more of the CI budget than the issue leaves (see docs/guides/flow-con
 from __future__ import annotations
 
 import asyncio
+import gc
+import warnings
 from typing import Any
 
 import pytest
@@ -301,6 +303,25 @@ async def test_a_server_that_drops_some_connections_while_answering_stays_up():
         assert state["healthy"] and state["downs"] == 0, state
     finally:
         await engine.aclose()
+        await a.stop()
+
+
+async def test_a_probe_after_aclose_leaves_no_session_open():
+    """A request still in flight when the engine closes may probe its server: that probe
+    must not open a session nobody closes (pytest reports it, at garbage collection, against
+    whichever test runs then)."""
+    a = await VllmLike().start()
+    try:
+        engine = OpenAIEngine([a.url], model="m", health_interval_s=0.05)
+        await engine.generate([1], SamplingParams(), "warm-0-0")  # starts the watch
+        await engine.aclose()
+        assert await engine.health.probe(a.url)
+        del engine
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gc.collect()
+        assert not [w for w in caught if "Unclosed" in str(w.message)]
+    finally:
         await a.stop()
 
 

@@ -152,6 +152,7 @@ class ServerHealth:
         self._states = {url: _ServerState() for url in urls}
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     def is_healthy(self, url: str) -> bool:
         """Whether ``url`` (a base URL as the engine holds it) is up; unknown URLs are not."""
@@ -218,14 +219,22 @@ class ServerHealth:
                 for url, s in self._states.items()}
 
     async def probe(self, url: str) -> bool:
-        """Probe ``url`` once and record the outcome; True when it is up."""
+        """Probe ``url`` once and record the outcome; True when it is up. After
+        :meth:`aclose` (a request still in flight may ask) the probe opens and closes a
+        session of its own, so nothing is left open."""
+        if self._closed:
+            async with aiohttp.ClientSession() as session:
+                return await self._probe(session, url)
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=max(4, len(self._states))))
+        return await self._probe(self._session, url)
+
+    async def _probe(self, session: aiohttp.ClientSession, url: str) -> bool:
         self.probes += 1
         try:
             async with asyncio.timeout(self.timeout_s), \
-                    self._session.get(url + self.path) as resp:
+                    session.get(url + self.path) as resp:
                 # 404/405: a server with no health endpoint answered, so it is alive.
                 alive = resp.status in (200, 404, 405)
                 reason = f"GET {url}{self.path} answered {resp.status}"
@@ -247,6 +256,7 @@ class ServerHealth:
 
     def start(self) -> None:
         """Start the watch (idempotent; needs a running event loop). :meth:`aclose` ends it."""
+        self._closed = False
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
                 self._watch(), name="pipeline-engine-health")
@@ -260,6 +270,7 @@ class ServerHealth:
     async def aclose(self) -> None:
         """Stop the watch and close the probes' session (idempotent); the cleanup runs to
         its end even when the caller is cancelled meanwhile."""
+        self._closed = True
         task, self._task = self._task, None
         session, self._session = self._session, None
         await asyncio.shield(_stop(task, session))
