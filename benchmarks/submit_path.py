@@ -24,9 +24,11 @@ Sides, each on the same 4,096 rows of ``engine_efficiency.py`` (same shape as th
   admitted at once (``adaptive_concurrency=False``), as in ``engine_efficiency.py``.
 
 ``--slice-s`` is a what-if for diagnosis: the runner's loop-slice budget
-(``pipeline._runner.slice.SLICE_S``, 0.005 s; see that module). Its clock counts every
-callback of a loop iteration, the simulated (or vLLM's real) output handling included, and
-halves the samples it lets go after each iteration that ran past it.
+(``pipeline._runner.slice.SLICE_S``, 0.005 s; see that module). Until 2026-11-27 its clock
+counted every callback of a loop iteration, the simulated (or vLLM's real) output handling
+included, and let one or two parked samples go per iteration (15.7 s to submit 4,096
+prompts here, ``submit_path_4096_load.json``); it now counts the samples' own time
+(``submit_path_4096_load_ownslice.json``).
 
 Figures per side (median over ``--repeats``): the time of the last submission, CPU per
 sample (``time.process_time``, the whole process), and the event loop's lag (a probe that

@@ -49,6 +49,34 @@ async def test_the_slice_clock_restarts_each_loop_iteration():
     assert not clock.spent()
 
 
+async def test_other_callbacks_hogging_each_iteration_do_not_spend_the_samples_slice():
+    """An engine's output handling (an in-process vLLM frontend) runs milliseconds of its own
+    work in every loop iteration; the slice counts the samples' own time, so parked samples
+    still go in growing batches instead of one an iteration."""
+    stop = asyncio.Event()
+    iterations = 0
+
+    async def output_handler() -> None:  # SIMULATED: 6 ms of foreign work per iteration
+        nonlocal iterations
+        while not stop.is_set() and iterations < 5000:
+            iterations += 1
+            busy(0.006)
+            await asyncio.sleep(0)
+
+    samples = 400
+    handler = asyncio.create_task(output_handler())
+    try:
+        pipe = Pipeline([score, score], tokenizer=ByteTokenizer(), max_concurrency=samples)
+        result = await pipe.run_batch([{"prompt": f"q{i}"} for i in range(samples)])
+    finally:
+        stop.set()
+        await handler
+    assert result.stats.by_status == {"completed": samples}
+    # 400 samples of 0.2 ms are 80 ms of own work: a few dozen iterations at most. Counting
+    # the handler's time as theirs let one sample go per iteration (one per 6 ms).
+    assert iterations < samples // 4
+
+
 async def test_samples_that_time_out_while_parked_end_as_timeouts_and_leave_nothing_parked():
     async def slow_score(item, ctx) -> None:  # 2 ms of CPU, never awaits
         busy(0.002)

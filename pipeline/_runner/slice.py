@@ -4,17 +4,26 @@ A stage that does its work without awaiting anything real (a regex judge, a rewa
 a state fill) runs a whole sample in one go; a freed concurrency slot is taken by the next
 sample in the same loop iteration, so a 4,000-sample judging batch ran in one iteration and
 held the loop for 200 ms, starving timers, heartbeats, the proxy's HTTP handlers and the
-watchdog. :func:`run_stage <pipeline.stages._base.run_stage>` asks :meth:`LoopSlice.spent`
-before each stage; once the current iteration has run stages for longer than
+watchdog. :func:`run_stage <pipeline._runner.stage.run_stage>` asks :meth:`LoopSlice.spent`
+before each stage; once the current iteration has run the samples' own code for longer than
 :data:`SLICE_S`, every sample that reaches a stage parks in a FIFO queue instead, so the
 iteration ends and the loop's timers run.
 
+The clock counts the samples' own time, not the iteration's: each check notes the time and
+the task that made it. A task runs at most one step per iteration, so two checks of the same
+task in one iteration have only that sample's own work between them and count in full. Two
+checks of different samples may have other callbacks between them (an engine's output
+handling, I/O handlers), which are not ours to slice: such a gap counts at most
+:data:`FOREIGN_GAP_S`. Counting the whole iteration instead let an in-process vLLM frontend's
+output handling (milliseconds every iteration) spend every slice, and the release batch then
+shrank to one sample per iteration: 4,096 prompts took 4-10 s to submit instead of about 1.
+
 The first check of an iteration starts its clock and schedules a marker with ``call_soon``,
 which runs early in the next iteration. The marker lets parked samples go, oldest first, in
-a batch that halves after an iteration that ran past the slice and doubles after one that
-did not (so a loop that only waits on I/O lets them all go within a few iterations), and
-keeps marking iterations while any are parked. Parked samples cost nothing while they wait:
-waking every one of 10,000 to yield again each iteration made a batch five times slower.
+a batch that halves after an iteration whose samples ran past the slice and doubles after
+one that did not (so a loop that only waits on I/O lets them all go within a few iterations),
+and keeps marking iterations while any are parked. Parked samples cost nothing while they
+wait: waking every one of 10,000 to yield again each iteration made a batch five times slower.
 """
 
 from __future__ import annotations
@@ -25,7 +34,13 @@ import time
 import weakref
 
 SLICE_S = 0.005
-"""How long one loop iteration may run stages before samples start parking (seconds)."""
+"""How long one loop iteration may run the samples' own code before samples start parking
+(seconds)."""
+
+FOREIGN_GAP_S = 0.001
+"""The most a gap between two different samples' checks in one iteration counts (seconds):
+it holds the end of one sample's step, the start of the other's and whatever callbacks the
+loop ran between them, which are not the samples' own work."""
 
 FIRST_RELEASE = 64
 """Parked samples let go by the first marker after parking started."""
@@ -33,23 +48,32 @@ FIRST_RELEASE = 64
 
 class LoopSlice:
     """The slice clock and parked samples of one event loop (shared by its pipelines). It
-    holds no reference to its loop, so the loop's entry in the registry goes with the loop."""
+    holds no reference to its loop (nor to a task, which would hold the loop), so the loop's
+    entry in the registry goes with the loop."""
 
-    __slots__ = ("__weakref__", "_marked", "_parked", "_release_size", "_started")
+    __slots__ = ("__weakref__", "_last", "_last_task", "_marked", "_own", "_parked",
+                 "_release_size")
 
     def __init__(self) -> None:
         self._marked = False
-        self._started = 0.0
+        self._own = 0.0  # the samples' own time this iteration, as counted
+        self._last = 0.0  # when the last check of this iteration was made
+        self._last_task = 0  # id() of the task that made it; 0: none (the marker)
         self._release_size = FIRST_RELEASE
         self._parked: collections.deque[asyncio.Future[None]] = collections.deque()
 
     def spent(self) -> bool:
-        """Whether this loop iteration has run stages for longer than :data:`SLICE_S`."""
+        """Whether this loop iteration has run the samples' own code for longer than
+        :data:`SLICE_S`."""
         now = time.monotonic()
+        task = id(asyncio.current_task())
         if not self._marked:
             self._mark(now)
-            return False
-        return now - self._started > SLICE_S
+        else:
+            gap = now - self._last
+            self._own += gap if task == self._last_task else min(gap, FOREIGN_GAP_S)
+        self._last, self._last_task = now, task
+        return self._own > SLICE_S
 
     async def wait_turn(self) -> None:
         """Park until a later iteration lets this sample go (FIFO); a sample cancelled after
@@ -68,7 +92,8 @@ class LoopSlice:
 
     def _mark(self, now: float) -> None:
         self._marked = True
-        self._started = now
+        self._own = 0.0
+        self._last, self._last_task = now, 0
         asyncio.get_running_loop().call_soon(self._next_iteration)
 
     def _next_iteration(self) -> None:
@@ -77,7 +102,9 @@ class LoopSlice:
             self._release_size = FIRST_RELEASE
             return
         now = time.monotonic()
-        if now - self._started > SLICE_S:  # the last iteration ran past its slice
+        # The last sample's step after its check, and maybe other callbacks: a foreign gap.
+        own = self._own + min(now - self._last, FOREIGN_GAP_S)
+        if own > SLICE_S:  # the last iteration's samples ran past their slice
             self._release_size = max(1, self._release_size // 2)
         else:
             self._release_size *= 2
