@@ -46,9 +46,9 @@ import structlog
 from pipeline._data.models import AgentRolloutItem, RolloutSample, Status
 from pipeline._exceptions import PipelineError
 from pipeline._gc import gc_tuning_enabled, rollout_gc
-from pipeline._runner.async_driver import WEIGHT_SYNC_HOOKS, update_paused
 from pipeline._runner.context import Context
 from pipeline._runner.fill import fill_sample, minimal_sample
+from pipeline._runner.group_runner import WEIGHT_SYNC_HOOKS, update_paused
 from pipeline._runner.outcome import force_end
 from pipeline._runner.pipeline import Pipeline
 from pipeline._runner.producer import Producer, SampleRun
