@@ -134,6 +134,67 @@ def test_prompt_image_tokens_match_the_processor_once_per_group(vl):
     assert again[1].multi_modal_inputs.summary() == result.samples[0].multi_modal_inputs.summary()
 
 
+
+def test_group_shares_one_prompt_rendering(vl):
+    """The n samples of an image prompt share its ids list and message objects, as text
+    prompts' do (built once, in the worker thread), each with a messages list of its own."""
+    vision = VisionProcessor(vl["processor"])
+    rollout = Pipeline([BuildPrompt(processor=vision)], tokenizer=vision.tokenizer)
+    result = run(rollout, [image_row(data_url(png((9, 9, 9))))], n=3)
+    first, *others = result.items
+    for item in others:
+        assert item.artifacts[A.PROMPT_IDS] is first.artifacts[A.PROMPT_IDS]
+        assert item.artifacts[A.MESSAGES] is not first.artifacts[A.MESSAGES]
+        assert all(a is b for a, b in zip(item.artifacts[A.MESSAGES],
+                                          first.artifacts[A.MESSAGES], strict=True))
+
+
+def test_expand_calls_the_processors_steps_directly(vl, monkeypatch):
+    """For a processor with transformers' generic call (Qwen2-VL, Qwen2.5-VL, Qwen3-VL),
+    ``expand`` runs its image processor, its ``replace_image_token`` and the tokenizer
+    without the call's own overhead, and gives exactly the call's ids and pixels (one and
+    two images, odd sizes, both templates); a processor with a call of its own keeps it."""
+    import copy
+
+    import transformers
+
+    cases = []
+    for processor in (vl["processor"], tiny_vl_processor(vl["dir"])):
+        for sizes in (((100, 80),), ((200, 150), (96, 300)), ((640, 480),)):
+            images = [Image.new("RGB", size, (size[0] % 256, 40, 90)) for size in sizes]
+            text = processor.apply_chat_template([{"role": "user", "content": [
+                *({"type": "image"} for _ in images), {"type": "text", "text": "Hi."}]}],
+                tokenize=False, add_generation_prompt=True)
+            cases.append((processor, text, images,
+                          processor(text=[text], images=images, return_tensors="pt")))
+    calls = []
+    generic = transformers.ProcessorMixin.__call__
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(type(self).__name__)
+        return generic(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.ProcessorMixin, "__call__", counted)
+    for processor, text, images, expected in cases:
+        loaded = [load_image(image) for image in images]
+        rendered = VisionProcessor(processor).expand(text, loaded)
+        assert rendered.ids == expected["input_ids"][0].tolist()
+        assert torch.equal(rendered.inputs.pixel_values, expected["pixel_values"])
+        assert torch.equal(rendered.inputs.image_grid_thw, expected["image_grid_thw"])
+    assert calls == []
+
+    class OwnCall(type(vl["processor"])):  # type: ignore[misc]
+        def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append("own")
+            return super().__call__(*args, **kwargs)
+
+    processor, text, images, expected = cases[1]
+    own = copy.copy(processor)
+    own.__class__ = OwnCall
+    rendered = VisionProcessor(own).expand(text, [load_image(image) for image in images])
+    assert rendered.ids == expected["input_ids"][0].tolist()
+    assert calls == ["own", "OwnCall"]
+
 def test_image_sources_agree_and_web_urls_are_refused(tmp_path):
     data = png((10, 200, 10))
     path = tmp_path / "green.png"

@@ -124,8 +124,10 @@ class BuildPrompt:
                 self._vision.popitem(last=False)
         rendered, messages = await asyncio.shield(entry[1])
         item.artifacts[A.RAW_PROMPT] = rendered.text
-        item.artifacts[A.PROMPT_IDS] = list(rendered.ids)
-        item.artifacts[A.MESSAGES] = [prompt_message(m) for m in messages]
+        # As for text prompts: the group's samples share one ids list and one set of message
+        # objects (each sample a list of its own), built once in the worker thread
+        item.artifacts[A.PROMPT_IDS] = rendered.ids
+        item.artifacts[A.MESSAGES] = list(messages)
         item.artifacts[MULTI_MODAL] = SampleImages(self.processor, rendered.inputs)
 
     def _tools(self, row_tools: list[dict[str, Any]] | None, ctx: Context
@@ -149,16 +151,17 @@ class BuildPrompt:
         return encode_text(tokenizer, text)
 
 
-_Vision = tuple[Rendered, list[dict[str, Any]]]
+_Vision = tuple[Rendered, list[AgentMessage]]
 
 
 def _render_vision(processor: VisionProcessor, messages: Sequence[Mapping[str, Any]],
                    tools: Sequence[dict[str, Any]] | None, options: Mapping[str, Any]
                    ) -> _Vision:
-    """Load the images, render the template with placeholders, expand them (worker thread)."""
+    """Load the images, render the template with placeholders, expand them, and build the
+    prompt's message objects (worker thread)."""
     kept, images = processor.load_messages(messages)
     text = render(processor.tokenizer, kept, tools, add_generation_prompt=True, options=options)
-    return processor.expand(text, images), kept
+    return processor.expand(text, images), [prompt_message(m) for m in kept]
 
 
 def template_options(item: AgentRolloutItem, ctx: Context) -> Mapping[str, Any]:
