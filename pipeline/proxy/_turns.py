@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -42,6 +41,7 @@ from pipeline.engines import Engine, Generation, Route
 from pipeline.multimodal import VisionProcessor
 from pipeline.proxy._errors import FinalError, ProxyError, ProxyRequestError
 from pipeline.proxy._history import TurnPlan, new_images
+from pipeline.proxy._logprobs import TokenLogprobs
 from pipeline.proxy._policy import Constraints
 from pipeline.proxy._sessions import Session, Turn
 from pipeline.proxy._wire import ChatCompletionRequest
@@ -104,7 +104,7 @@ class TurnRunner:
         self.max_model_len: int | None = getattr(engine, "max_model_len", None)
         self.routes_sessions = bool(getattr(engine, "routes_sessions", False))
         """The engine takes ``route=`` (sticky routing over several servers)."""
-        self._bytes: dict[int, bytes | None] = {}
+        self._logprobs = TokenLogprobs(tokenizer)
 
     async def run(self, session: Session, request: ChatCompletionRequest, *,
                   offload: bool = False,
@@ -323,8 +323,9 @@ class TurnRunner:
             sampling=sampling.model_dump(mode="json"), policy_version=gen.policy_version,
             images=tuple(plan.new_images.summary()) if plan.new_images else ())
         session.turns.append(turn)
+        entries = self._logprobs.entries(tokens, logprobs) if request.logprobs else None
         return TurnOutcome(reply, agent_finish, len(plan.prompt_ids), plan.reused_tokens,
-                           self._logprobs(tokens, logprobs) if request.logprobs else None, turn)
+                           entries, turn)
 
     def _cut(self, tokens: list[int], text: str,
              stops: list[str]) -> tuple[int, str, str] | None:
@@ -381,31 +382,6 @@ class TurnRunner:
                             token_ids=tokens, logprobs=logprobs, finish_reason=finish,
                             **extra), "tool_calls"
 
-    def _logprobs(self, tokens: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
-        out = []
-        for token, logprob in zip(tokens, logprobs, strict=True):
-            piece = self.tokenizer.decode([token], skip_special_tokens=False)
-            raw = self._token_bytes(token, piece)
-            out.append({"token": piece, "logprob": logprob,
-                        "bytes": None if raw is None else list(raw), "top_logprobs": []})
-        return out
-
-    def _token_bytes(self, token: int, piece: str) -> bytes | None:
-        """The token's own bytes, so that concatenating them gives the reply's UTF-8 even
-        where a token holds part of a character (its decoded piece is then U+FFFD). None
-        for special tokens, which are not part of the text."""
-        cached = self._bytes.get(token)
-        if cached is not None or token in self._bytes:
-            return cached
-        raw: bytes | None
-        if not self.tokenizer.decode([token], skip_special_tokens=True) and piece:
-            raw = None  # a special token (end of turn, ...)
-        else:
-            raw = _raw_token_bytes(self.tokenizer, token, piece)
-        if len(self._bytes) < 1 << 20:
-            self._bytes[token] = raw
-        return raw
-
 
 def _strict_schemas(request: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
     """The parameter schemas of the request's ``strict`` function tools, by name."""
@@ -416,39 +392,3 @@ def _strict_schemas(request: ChatCompletionRequest) -> dict[str, dict[str, Any]]
             schema = extra.get("parameters")
             out[tool.function.name] = schema if isinstance(schema, dict) else {}
     return out
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the character a byte is written as -> the byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(keep), 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
-
-
-_BYTE_DECODER = _byte_decoder()
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _raw_token_bytes(tokenizer: Tokenizer, token: int, piece: str) -> bytes:
-    """A token's bytes: byte-level BPE and SentencePiece byte-fallback vocabularies are read
-    from the token's vocabulary string; otherwise the decoded piece stands for it."""
-    if "\ufffd" not in piece:
-        return piece.encode()
-    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
-    name = convert(token) if convert is not None else None
-    if isinstance(name, str):
-        if all(c in _BYTE_DECODER for c in name):
-            return bytes(_BYTE_DECODER[c] for c in name)
-        fallback = _BYTE_FALLBACK.fullmatch(name)
-        if fallback is not None:
-            return bytes([int(fallback.group(1), 16)])
-    byte_of = getattr(tokenizer, "token_bytes", None)  # a tokenizer that can tell directly
-    if callable(byte_of):
-        return bytes(byte_of(token))
-    return piece.encode()
