@@ -39,19 +39,38 @@ through ``collective_rpc``) against transformers' ``visual`` on the same pixels:
 features agree, the image-logprob gap comes after the vision tower.
 
 6. ``throughput`` (``--mode throughput`` or ``both``, the default): ``--tp-groups`` distinct
-   224x224 image prompts x ``--tp-n`` samples, ``--tp-tokens`` tokens each (temperature 1),
-   through ``[BuildPrompt(processor), Generate()]`` against the same prompts (ids and pixel
-   inputs prepared beforehand) sent straight to ``engine.generate``, alternated
-   ``--rounds`` times on the same engine: sampled tokens per second of each and their ratio
-   (goal >= 0.95; the median is reported; the pipeline's side includes processing the images,
-   once per group, as in a batch), and the event loop's lag during the pipeline's rounds.
-   The tiny model makes the engine's share small, so the ratio is a pessimistic one.
+   224x224 image prompts x ``--tp-n`` samples, ``--tp-tokens`` tokens each (temperature 1;
+   64 x 4 x 256 by default: about twice the 2-3 s rounds of 128 tokens on an H200, which
+   swung too widely to read), through ``[BuildPrompt(processor), Generate()]`` against the
+   same prompts (ids and pixel inputs prepared beforehand) sent straight to
+   ``engine.generate``, ``--rounds`` times on the same engine, the order alternating: sampled
+   tokens per second of each, their ratio (goal >= 0.95; the median is reported), the
+   process's CPU per sample of each side, and the event loop's lag during the pipeline's
+   rounds. Both sides first run once untimed (4 tokens), so vLLM holds every image in its
+   processor cache and neither side's rounds pay vLLM's own image processing. The pipeline
+   processes the images inside its rounds (once per group, as in a batch), the raw side
+   before its timer: ``raw_preprocess_s`` is that work timed alone (the same steps, one
+   prompt after another) and ``ratio_vs_raw_with_preprocessing`` the ratio with it charged
+   to raw, as ``engine_efficiency.py``'s ``raw_prompt_build_s``. The tiny model makes the
+   engine's share small, so the ratios are pessimistic ones.
+
+7. ``prompt_divergence`` (``--mode divergence`` or ``both``): per image row, the engine's
+   prompt logprobs against transformers' forward pass, position by position (the first one
+   off, and whether before, on or after the image's tokens). With ``--engine transformers``
+   (CPU) the engine side is a stand-in, transformers with text positions only, whose known
+   difference starts on the image tokens: the diagnostic runs end to end there.
 
 ``--engine transformers`` runs the throughput mode on ``TransformersEngine`` (no vLLM; the
-checks are vLLM's): the plumbing runs on CPU.
+checks are vLLM's): the plumbing runs on CPU. ``--budget-s`` (seconds from the start) ends
+the throughput rounds early where the next pair would not fit; each phase's figures are
+written as soon as it ends, so a run stopped by ``timeout`` keeps what it finished. On a GPU
+machine with vLLM, checks, divergence, throughput and vision features in one run, about
+3-4 minutes with the engine's start::
 
-One JSON file, ``benchmarks/results/multimodal_vllm_<device>[_bfloat16].json``; the last
-lines printed are a short summary.
+    timeout 240 python benchmarks/multimodal_vllm.py --budget-s 200 --suffix h200
+
+One JSON file, ``benchmarks/results/multimodal_vllm_<device>[_bfloat16][_<suffix>].json``
+(with ``phase_s``: seconds per phase); the last lines printed are a short summary.
 """
 
 from __future__ import annotations
@@ -64,7 +83,7 @@ import io
 import os
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +102,7 @@ from pipeline.multimodal import (
 
 TEXT = "Describe the image."
 TOLERANCE = 1e-2
+STARTED = time.perf_counter()
 
 
 def png_url(size: tuple[int, int], seed: int) -> str:
@@ -320,8 +340,32 @@ def wider_model(vision_width: int | None, text_width: int | None) -> Path:
     return target
 
 
-async def throughput(engine: Any, processor: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Mode 6 of the module doc: pipeline vs raw ``engine.generate`` tokens per second."""
+def raw_preprocess_s(processor: Any, data: list[dict[str, Any]]) -> float:
+    """Seconds to prepare every prompt of ``data`` for the raw side, timed alone, one prompt
+    after another on one thread: decode and check the image, render the template, run the
+    processor's image processor and expand the placeholders (the pipeline's own steps, the
+    cheapest a caller has: :class:`~pipeline.multimodal.VisionProcessor`). The raw side does
+    this before its timer starts, the pipeline inside its rounds."""
+    from pipeline._text.render import render
+    from pipeline.multimodal import VisionProcessor
+
+    vision = VisionProcessor(processor)
+    start = time.perf_counter()
+    for row in data:
+        kept, images = vision.load_messages(row["messages"])
+        vision.expand(render(vision.tokenizer, kept, None, add_generation_prompt=True), images)
+    return time.perf_counter() - start
+
+
+async def throughput(engine: Any, processor: Any, args: argparse.Namespace,
+                     deadline: float | None = None) -> dict[str, Any]:
+    """Mode 6 of the module doc: pipeline vs raw ``engine.generate`` tokens per second.
+
+    Both sides run once untimed first (a few tokens): vLLM then holds every image in its
+    processor cache (by sha256), so neither side's rounds pay vLLM's own image processing,
+    and the pipeline's timed side is its own work plus the engine's. The order alternates
+    (raw first in even rounds, the pipeline first in odd ones): the machine drifts. Rounds
+    stop early where the next pair would end after ``deadline`` (``time.perf_counter()``)."""
     from pipeline import SamplingParams
     from pipeline.multimodal import MULTI_MODAL
 
@@ -333,35 +377,66 @@ async def throughput(engine: Any, processor: Any, args: argparse.Namespace) -> d
     built = (await Pipeline([BuildPrompt(processor=processor)], tokenizer=processor.tokenizer,
                             seed=5).run_batch(data, n=args.tp_n)).items
     params = SamplingParams(**sampling, seed=0)
-    await engine.generate(built[0].artifacts[A.PROMPT_IDS], params, "tp-warm",
-                          multi_modal=built[0].artifacts[MULTI_MODAL].inputs)
-    rounds = []
-    for round_ in range(args.rounds):  # alternated: the machine's load drifts
-        start = time.perf_counter()
+    preprocess = statistics.median(raw_preprocess_s(processor, data) for _ in range(3))
+
+    async def raw(tag: str, params: SamplingParams) -> tuple[float, float, int]:
+        start, cpu = time.perf_counter(), time.process_time()
         outs = await asyncio.gather(*(engine.generate(
-            item.artifacts[A.PROMPT_IDS], params, f"tp-raw-{round_}-{item.uid}",
+            item.artifacts[A.PROMPT_IDS], params, f"tp-raw-{tag}-{item.uid}",
             multi_modal=item.artifacts[MULTI_MODAL].inputs) for item in built))
-        raw_wall = time.perf_counter() - start
-        raw_tokens = sum(len(o.token_ids) for o in outs)
+        return (time.perf_counter() - start, time.process_time() - cpu,
+                sum(len(o.token_ids) for o in outs))
+
+    async def piped(seed: int, sampling: dict[str, Any]) -> tuple[float, float, Any, Any]:
         # a fresh BuildPrompt each round: its images are processed again, as in a batch
         pipe = Pipeline([BuildPrompt(processor=processor), Generate()], engine=engine,
-                        tokenizer=processor.tokenizer, sampling=sampling, seed=round_)
-        start = time.perf_counter()
+                        tokenizer=processor.tokenizer, sampling=sampling, seed=seed)
+        start, cpu = time.perf_counter(), time.process_time()
         with LagProbe() as probe:
             result = await pipe.run_batch(data, n=args.tp_n)
-        wall = time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu, result, probe
+
+    await raw("warm", SamplingParams(max_tokens=4, temperature=1.0, seed=0))
+    await piped(10_000, {**sampling, "max_tokens": 4})
+    rounds: list[dict[str, Any]] = []
+    for round_ in range(args.rounds):
+        last = rounds[-1]["raw_s"] + rounds[-1]["pipeline_s"] if rounds else 0.0
+        if deadline is not None and time.perf_counter() + 1.2 * last > deadline:
+            print(f"throughput: stopped after {round_} rounds (--budget-s)", flush=True)
+            break
+        if round_ % 2 == 0:
+            raw_wall, raw_cpu, raw_tokens = await raw(str(round_), params)
+            wall, cpu, result, probe = await piped(round_, sampling)
+        else:
+            wall, cpu, result, probe = await piped(round_, sampling)
+            raw_wall, raw_cpu, raw_tokens = await raw(str(round_), params)
         tokens = sum(len(sample.response_ids) for sample in result.samples)
-        rounds.append({"statuses": sorted({s.status.value for s in result.samples}),
+        rounds.append({"first": "raw" if round_ % 2 == 0 else "pipeline",
+                       "statuses": sorted({s.status.value for s in result.samples}),
                        "raw_tokens": raw_tokens, "raw_s": round(raw_wall, 3),
                        "raw_tokens_per_s": round(raw_tokens / raw_wall, 1),
                        "pipeline_tokens": tokens, "pipeline_s": round(wall, 3),
                        "pipeline_tokens_per_s": round(tokens / wall, 1),
                        "ratio": round((tokens / wall) / (raw_tokens / raw_wall), 3),
+                       "ratio_vs_raw_with_preprocessing": round(
+                           (tokens / wall) * (raw_wall + preprocess) / raw_tokens, 3),
+                       "raw_cpu_ms_per_sample": round(raw_cpu / len(built) * 1e3, 3),
+                       "pipeline_cpu_ms_per_sample": round(cpu / len(built) * 1e3, 3),
                        "loop_lag": probe.figures()})
         print(f"throughput round {round_}: {rounds[-1]}", flush=True)
+    if not rounds:
+        return {"error": "no round fitted in --budget-s"}
     return {"samples": len(built), "groups": args.tp_groups, "n": args.tp_n,
             "max_tokens": args.tp_tokens, "image": "224x224", "rounds": rounds,
+            "raw_preprocess_s": round(preprocess, 4),
+            "raw_preprocess_ms_per_prompt": round(preprocess / args.tp_groups * 1e3, 3),
             "median_ratio": round(statistics.median(r["ratio"] for r in rounds), 3),
+            "median_ratio_vs_raw_with_preprocessing": round(statistics.median(
+                r["ratio_vs_raw_with_preprocessing"] for r in rounds), 3),
+            "median_raw_s": round(statistics.median(r["raw_s"] for r in rounds), 3),
+            "extra_cpu_ms_per_sample": round(statistics.median(
+                r["pipeline_cpu_ms_per_sample"] - r["raw_cpu_ms_per_sample"]
+                for r in rounds), 3),
             "max_loop_lag_p99_ms": max(r["loop_lag"]["p99_ms"] for r in rounds)}
 
 
@@ -437,14 +512,63 @@ async def vision_features(engine: Any, model: Any, data: list[dict[str, Any]],
     return out
 
 
-async def prompt_divergence(engine: Any, model: Any, processor: Any) -> list[dict[str, Any]]:
-    """Per image row: vLLM's prompt logprobs (``prompt_logprobs=0``, one request outside the
-    pipeline, a fresh image so no prefix-cache hit) against transformers' forward pass over
-    the same prompt, position by position: the first position off by more than the tolerance
-    and where it is (before the image, on its placeholder tokens, after it) says which part
-    of the computation differs. A diagnostic: a failure is recorded, not raised."""
-    import torch
+PromptLogprobs = Callable[[list[int], Any, int], Awaitable[list[float]]]
+"""``(ids, multi_modal_inputs, index) -> logprob of ids[j] for j >= 1``: the engine side of
+:func:`prompt_divergence`."""
+
+
+def vllm_prompt_logprobs(engine: Any) -> PromptLogprobs:
+    """vLLM's prompt logprobs (``prompt_logprobs=0``, one request outside the pipeline, the
+    images passed as the engine passes them)."""
     from vllm import SamplingParams as VllmSampling
+
+    async def logprobs(ids: list[int], mm: Any, index: int) -> list[float]:
+        final = None
+        async for output in engine.llm.generate(
+                engine.prompt(ids, mm), VllmSampling(max_tokens=1, prompt_logprobs=0),
+                f"diag-prompt-{index}"):
+            final = output
+        assert final is not None and final.prompt_logprobs is not None
+        return [final.prompt_logprobs[j][ids[j]].logprob for j in range(1, len(ids))]
+
+    return logprobs
+
+
+def text_positions_logprobs(model: Any, pad: int) -> PromptLogprobs:
+    """The stand-in engine side where vLLM cannot run (``--engine transformers``, CPU):
+    transformers' forward pass with text positions only (no ``mm_token_type_ids``), a known
+    difference that starts on the image's tokens: shows the diagnostic runs end to end and
+    places what it finds."""
+
+    async def logprobs(ids: list[int], mm: Any, index: int) -> list[float]:
+        return prompt_logprobs(model, ids, mm, pad, mrope=False).tolist()
+
+    return logprobs
+
+
+def prompt_logprobs(model: Any, ids: list[int], mm: Any, pad: int, mrope: bool = True) -> Any:
+    """transformers' log-softmax of each prompt token ``ids[j]`` (``j >= 1``) from one forward
+    pass over the prompt with its images (float64, on the CPU)."""
+    import torch
+
+    device = next(model.parameters()).device
+    tensor = torch.tensor([ids], device=device)
+    extra = {"mm_token_type_ids": (tensor == pad).long()} if mrope else {}
+    with torch.no_grad():
+        logits = model(input_ids=tensor, pixel_values=mm.pixel_values.to(device),
+                       image_grid_thw=mm.image_grid_thw.to(device), **extra).logits[0].double()
+    return torch.log_softmax(logits[:-1], -1).gather(1, tensor[0, 1:, None])[:, 0].cpu()
+
+
+async def prompt_divergence(engine_logprobs: PromptLogprobs, model: Any,
+                            processor: Any) -> list[dict[str, Any]]:
+    """Per image row: the engine's prompt logprobs (``engine_logprobs``; on vLLM
+    :func:`vllm_prompt_logprobs`, a fresh image so no prefix-cache hit) against
+    transformers' forward pass over the same prompt, position by position: the first
+    position off by more than the tolerance and where it is (before the image, on its
+    placeholder tokens, after it) says which part of the computation differs. A
+    diagnostic: a failure is recorded, not raised."""
+    import torch
 
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     fresh = [{"messages": [{"role": "user", "content": [
@@ -459,22 +583,9 @@ async def prompt_divergence(engine: Any, model: Any, processor: Any) -> list[dic
         entry: dict[str, Any] = {"row": index, "prompt_tokens": len(ids),
                                  "pad_spans": pad_spans(ids, pad)}
         try:
-            final = None
-            async for output in engine.llm.generate(
-                    engine.prompt(ids, mm), VllmSampling(max_tokens=1, prompt_logprobs=0),
-                    f"diag-prompt-{index}"):
-                final = output
-            theirs = torch.tensor([final.prompt_logprobs[j][ids[j]].logprob
-                                   for j in range(1, len(ids))], dtype=torch.float64)
-            device = next(model.parameters()).device
-            tensor = torch.tensor([ids], device=device)
-            with torch.no_grad():
-                logits = model(input_ids=tensor, pixel_values=mm.pixel_values.to(device),
-                               image_grid_thw=mm.image_grid_thw.to(device),
-                               mm_token_type_ids=(tensor == pad).long()).logits[0].double()
-            ours = torch.log_softmax(logits[:-1], -1).gather(
-                1, tensor[0, 1:, None])[:, 0].cpu()
-            diff = (theirs - ours).abs()  # diff[j - 1]: the logprob of ids[j]
+            theirs = torch.tensor(await engine_logprobs(ids, mm, index), dtype=torch.float64)
+            diff = (theirs - prompt_logprobs(model, ids, mm, pad)).abs()
+            # diff[j - 1]: the logprob of ids[j]
             off = [j + 1 for j in range(len(diff)) if diff[j] > TOLERANCE]
             start, length = entry["pad_spans"][0]
             entry["first_off_position"] = off[0] if off else None
@@ -551,11 +662,23 @@ async def main(args: argparse.Namespace) -> None:
         "commit": commit(), "model": f"tiny Qwen2.5-VL (random weights, {args.dtype})",
         "dtype": args.dtype, "vision_width": args.vision_width or 32,
         "text_width": args.text_width or 64, "mode": args.mode,
-        "n": args.n, "tolerance": TOLERANCE, "loadavg_before": os.getloadavg()}
+        "n": args.n, "tolerance": TOLERANCE, "loadavg_before": os.getloadavg(),
+        "budget_s": args.budget_s, "phase_s": {}}
     name = args.name or f"multimodal_vllm_{device}" + (
         "" if args.dtype == "float32" else f"_{args.dtype}")
-    started = time.perf_counter()
+    name += f"_{args.suffix}" if args.suffix else ""
+    deadline = None if args.budget_s is None else STARTED + args.budget_s
+    phase_start = time.perf_counter()
+
+    def done(phase: str) -> None:  # each phase's figures written at once: a timeout keeps them
+        nonlocal phase_start
+        figures["phase_s"][phase] = round(time.perf_counter() - phase_start, 1)
+        figures["loadavg"] = os.getloadavg()
+        write_result(name, figures)
+        phase_start = time.perf_counter()
+
     recorder = None
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     if args.engine == "vllm":
         import vllm
 
@@ -569,72 +692,94 @@ async def main(args: argparse.Namespace) -> None:
         figures["vllm_version"] = vllm.__version__
         recorder = Recorder(engine.llm)
         model = reference()  # after the start: vLLM's memory check sees an idle card
-    else:  # the plumbing without vLLM (CPU): throughput only
+        engine_logprobs = vllm_prompt_logprobs(engine)
+    else:  # the plumbing without vLLM (CPU): throughput, and divergence with a stand-in
         from pipeline.engines.transformers import TransformersEngine
 
         model = reference()
         engine = TransformersEngine(model, processor.tokenizer,
                                     max_batch_size=args.tp_groups * args.tp_n)
-    figures["engine_start_s"] = round(time.perf_counter() - started, 1)
+        engine_logprobs = text_positions_logprobs(model, pad)
+        figures["divergence_engine"] = "stand-in: transformers with text positions only"
+    figures["engine_start_s"] = round(time.perf_counter() - STARTED, 1)
+    done("start")
     try:
         if recorder is not None and args.mode in ("check", "both"):
             figures.update(await checks(engine, model_dir, processor, model, recorder, args))
-        if args.mode in ("throughput", "both"):
-            figures["throughput"] = await throughput(engine, processor, args)
-        if "summary" in figures:  # last: a failed call into vLLM's worker ends nothing else
-            divergence = await prompt_divergence(engine, model, processor)
+            done("check")
+        if args.mode in ("divergence", "both"):
+            divergence = await prompt_divergence(engine_logprobs, model, processor)
             figures["prompt_divergence"] = divergence
-            figures["summary"]["prompt_first_off"] = [
+            figures.setdefault("summary", {})["prompt_first_off"] = [
                 (d.get("first_off_position"), d.get("first_off_where"), d.get("pad_spans"))
                 if "error" not in d else d["error"] for d in divergence]
+            done("divergence")
+        if args.mode in ("throughput", "both"):
+            figures["throughput"] = await throughput(engine, processor, args, deadline)
+            done("throughput")
+        if recorder is not None and args.mode in ("divergence", "both"):
+            # last: a failed call into vLLM's worker (collective_rpc) ends nothing else
             features = await vision_features(engine, model, rows(), processor)
             figures["vision_features"] = features
             figures["summary"]["vision_features_max_abs_diff"] = max(
                 (f["max_abs_diff"] for f in features if "max_abs_diff" in f),
                 default=next((f.get("error") or f.get("shapes") for f in features), None))
+            done("vision_features")
     finally:
         await engine.aclose()
-    figures["loadavg"] = os.getloadavg()
+    figures["total_s"] = round(time.perf_counter() - STARTED, 1)
     path = write_result(name, figures)
-    summary = figures.get("summary")
-    if summary is not None:
+    summary = figures.get("summary", {})
+    if "prompt_ok" in summary:
         print(f"checks ({args.dtype}): prompt/images/tokens ok {summary['prompt_ok']}/"
               f"{summary['images_ok']}/{summary['tokens_ok']} of {summary['samples']}; "
-              f"prompt logprobs first off (position, where, pad runs) "
-              f"{summary.get('prompt_first_off')}; "
               f"rescore ok {summary['rescore_ok']}/{summary['sampled']}, image rows max "
               f"{summary['rescore_max']}, text-only max {summary['text_only_rescore_max']}; "
               f"default (torchvision) image processor: pixels max diff "
               f"{summary['fast_pixels_max']}, rescored with "
-              f"them max {summary['rescore_fast_max']}; vision-tower features vLLM vs "
-              f"transformers max diff {summary['vision_features_max_abs_diff']}; "
-              f"greedy ok {summary['greedy_ok']}; "
-              f"passed {summary['passed']}")
-    if "throughput" in figures:
-        tp = figures["throughput"]
+              f"them max {summary['rescore_fast_max']}; "
+              f"greedy ok {summary['greedy_ok']}; passed {summary['passed']}")
+    if "prompt_first_off" in summary:
+        print(f"prompt logprobs first off (position, where, pad runs) "
+              f"{summary['prompt_first_off']}")
+    if "vision_features_max_abs_diff" in summary:
+        print(f"vision-tower features vLLM vs transformers max diff "
+              f"{summary['vision_features_max_abs_diff']}")
+    tp = figures.get("throughput", {})
+    if "rounds" in tp:
         print(f"throughput ({args.engine}, {tp['samples']} samples x {tp['max_tokens']} "
-              f"tokens): pipeline/raw tokens/s per round "
-              f"{[r['ratio'] for r in tp['rounds']]}, median {tp['median_ratio']} "
-              f"(goal >= 0.95); loop lag p99 max {tp['max_loop_lag_p99_ms']} ms")
+              f"tokens, raw {tp['median_raw_s']} s a round): pipeline/raw tokens/s per round "
+              f"{[r['ratio'] for r in tp['rounds']]}, median {tp['median_ratio']} (goal >= "
+              f"0.95); raw charged its image preprocessing ({tp['raw_preprocess_s']} s) "
+              f"{tp['median_ratio_vs_raw_with_preprocessing']}; pipeline CPU per sample "
+              f"+{tp['extra_cpu_ms_per_sample']} ms; loop lag p99 max "
+              f"{tp['max_loop_lag_p99_ms']} ms")
+    print(f"phases {figures['phase_s']}, total {figures['total_s']} s")
     print(path)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("check", "throughput", "both"), default="both")
+    parser.add_argument("--mode", choices=("check", "throughput", "divergence", "both"),
+                        default="both", help="both: checks, divergence, throughput, features")
     parser.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
-                        help="transformers: the throughput plumbing without vLLM (CPU)")
+                        help="transformers: the throughput plumbing and the divergence "
+                             "diagnostic (against a stand-in) without vLLM (CPU)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="vLLM's and the reference forward pass's dtype")
     parser.add_argument("--n", type=int, default=2, help="samples per image prompt")
     parser.add_argument("--tp-groups", type=int, default=64,
                         help="throughput: distinct image prompts")
     parser.add_argument("--tp-n", type=int, default=4, help="throughput: samples per prompt")
-    parser.add_argument("--tp-tokens", type=int, default=128,
+    parser.add_argument("--tp-tokens", type=int, default=256,
                         help="throughput: tokens per sample (max_tokens)")
-    parser.add_argument("--rounds", type=int, default=5, help="throughput: rounds")
+    parser.add_argument("--rounds", type=int, default=7, help="throughput: rounds")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="throughput: start no round pair that would end later than this "
+                             "many seconds after the start (for a run under `timeout`)")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--name", default=None, help="results file name")
+    parser.add_argument("--suffix", default=None, help="appended to the results file name")
     parser.add_argument("--vision-width", type=int, default=None,
                         help="a vision tower this wide instead of the tests' model (32)")
     parser.add_argument("--text-width", type=int, default=None,

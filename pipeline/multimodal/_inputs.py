@@ -255,7 +255,8 @@ def _direct_expansion(processor: Any) -> bool:
     mixin = getattr(sys.modules.get("transformers.processing_utils"), "ProcessorMixin", None)
     cls = type(processor)
     if (mixin is None or not isinstance(processor, mixin) or cls.__call__ is not mixin.__call__
-            or getattr(cls, "replace_image_token", None) in (None, mixin.replace_image_token)
+            or getattr(cls, "replace_image_token", None)
+            in (None, getattr(mixin, "replace_image_token", None))
             or not isinstance(getattr(processor, "image_token", None), str)
             or getattr(processor, "image_processor", None) is None):
         return False
