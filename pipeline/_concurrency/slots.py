@@ -1,11 +1,9 @@
-"""A FIFO concurrency limit that stays cheap with thousands of waiters, and the FIFO wait it
-and the loop slices (:mod:`pipeline._runner.slice`) share."""
+"""A FIFO concurrency limit that stays cheap with thousands of waiters."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
 
 
 class FifoSlots:
@@ -58,8 +56,20 @@ class FifoSlots:
         return False
 
     async def wait(self) -> None:
-        """Queue for a slot (FIFO) and hold it once granted; :meth:`release` gives it back."""
-        await wait_in_line(self.waiters, self.release)
+        """Queue for a slot (FIFO) and hold it once granted; :meth:`release` gives it back.
+        A waiter cancelled after being granted passes the slot on.
+
+        Written out here rather than through a helper that takes the pass-on as a callback:
+        each queued sample would hold that helper's frame and a bound method as well, two
+        more objects per waiter for the collector to walk."""
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(granted)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self.release()
+            raise
 
     def release(self) -> None:
         """Give a held slot back: to the first waiter still waiting, else to the pool (or
@@ -74,16 +84,3 @@ class FifoSlots:
                 return
         self.free += 1
 
-
-async def wait_in_line(line: collections.deque[asyncio.Future[None]],
-                       pass_on: Callable[[], None]) -> None:
-    """Join ``line`` and wait until granted (someone sets this waiter's result); a waiter
-    cancelled after being granted calls ``pass_on`` so the grant is not lost."""
-    granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    line.append(granted)
-    try:
-        await granted
-    except asyncio.CancelledError:
-        if granted.done() and not granted.cancelled():
-            pass_on()
-        raise

@@ -17,6 +17,7 @@ from pipeline._concurrency.callables import plain_result
 from pipeline._data.construct import construct
 from pipeline._data.models import (
     NOT_SAMPLED,
+    AgentMessage,
     AgentRolloutItem,
     ExitReason,
     FinishReason,
@@ -151,6 +152,30 @@ def _as_list(values: Any) -> list[Any]:
 
 def _as_dict(values: Any) -> dict[Any, Any]:
     return values if type(values) is dict else dict(values)
+
+
+def share_turn_lists(item: AgentRolloutItem, sample: RolloutSample) -> None:
+    """Let a finished single-turn sample's assistant message hold the response's lists.
+
+    Its ``token_ids`` and ``logprobs`` then are the very lists of ``response_ids`` and
+    ``logprobs`` (the item's, shared by the sample), where they held equal copies: two
+    lists less per kept sample for the collector to walk, about 1 KB less at 64 tokens.
+    Only when the sample shares the item's lists (the default builder) and the values are
+    equal; for a sample whose stages have all returned (nothing appends to them any more).
+    """
+    art = item.artifacts
+    response, logprobs = art.get(A.RESPONSE_IDS), art.get(A.LOGPROBS)
+    messages = art.get(A.MESSAGES)
+    if (sample.response_ids is not response or sample.logprobs is not logprobs
+            or type(messages) is not list):
+        return
+    turns = [m for m in messages if type(m) is AgentMessage and m.role == "assistant"]
+    if len(turns) != 1:
+        return
+    fields = turns[0].__dict__
+    if (type(fields.get("token_ids")) is list and fields["token_ids"] == response
+            and type(fields.get("logprobs")) is list and fields["logprobs"] == logprobs):
+        fields["token_ids"], fields["logprobs"] = response, logprobs
 
 
 def minimal_sample(item: AgentRolloutItem, pad_token_id: int, error: str) -> RolloutSample:

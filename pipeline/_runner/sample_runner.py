@@ -23,8 +23,8 @@ from pipeline._data.construct import set_fields
 from pipeline._data.models import AgentRolloutItem, RolloutSample, Status
 from pipeline._runner.cleanup import cleanup_steps, run_cleanups
 from pipeline._runner.context import Context, Resources, Stage
-from pipeline._runner.deadline import disarm
-from pipeline._runner.fill import SampleBuilder, build_sample
+from pipeline._runner.deadline import Window, disarm
+from pipeline._runner.fill import SampleBuilder, build_sample, share_turn_lists
 from pipeline._runner.loop_state import LoopState
 from pipeline._runner.outcome import (
     BATCH_CANCELLED,
@@ -36,7 +36,13 @@ from pipeline._runner.outcome import (
     uncancel,
 )
 from pipeline._runner.producer import Batch, SampleCallback, SampleRun
-from pipeline._runner.stage import run_stage
+from pipeline._runner.stage import (
+    must_wait_turn,
+    stage_call,
+    stage_raised,
+    stage_returned,
+    start_stage,
+)
 
 _logger = structlog.get_logger("pipeline")
 
@@ -104,12 +110,15 @@ class SampleRunner:
     ) -> RolloutSample:
         """Run one sample to a status and build its trainer view. Raises only
         ``CancelledError`` when the batch itself is cancelled (and ``BaseException``s that
-        are not ours to stop, such as ``KeyboardInterrupt``)."""
+        are not ours to stop, such as ``KeyboardInterrupt``).
+
+        The stages run in this coroutine itself, each awaited directly (the steps of
+        :func:`~pipeline._runner.stage.run_stage` written out): a sample in flight holds
+        this frame and its stage's, not a frame per layer in between, for the collector to
+        walk."""
         item = run.item
         set_fields(item, {"queued_at": time.monotonic()})
-        loop = asyncio.get_running_loop()
         state = self._loop_state()
-        breaker = state.flow.breaker
         if run.abort_requested:  # over-sampling had enough before this task was made
             force_end(item, Status.ABORTED, ENOUGH)
         else:
@@ -117,15 +126,58 @@ class SampleRunner:
                 if not state.slots.take_now():
                     await state.slots.wait()
                 try:
-                    if breaker.opened:  # admitted no more: the batch ends on the breaker
-                        force_end(item, Status.FAILED, f"not run: {breaker.error()}")
+                    if state.flow.breaker.opened:  # admitted no more: the batch ends on it
+                        force_end(item, Status.FAILED, f"not run: {state.flow.breaker.error()}")
                     else:
-                        await self._execute(run, batch, loop, state)
+                        ctx, window = self._enter_stages(run, state)
+                        try:
+                            try:
+                                stages = self.stages
+                                # By index: a list iterator held across every await would be
+                                # one more object per sample in flight (a range's is untracked).
+                                for i in range(len(stages)):
+                                    stage = stages[i]
+                                    if must_wait_turn(stage, ctx):
+                                        await ctx.loop_slice.wait_turn()  # type: ignore[union-attr]
+                                    record = start_stage(stage, item, ctx)
+                                    try:
+                                        await stage_call(stage, item, ctx, record.start)
+                                        stage_returned(stage, item, ctx)
+                                    except BaseException as exc:
+                                        stage_raised(record, exc, ctx)
+                                        raise
+                                    finally:
+                                        record.end = time.monotonic()
+                            except BaseException as exc:  # SystemExit in a tool fails its
+                                self._leave_stages(run, ctx, window)  # sample, not the batch
+                                if not run.abandoned:
+                                    settle(exc, run, batch, ctx.deadline_passed(),
+                                           self.config.sample_timeout_s)
+                                    if item.status is Status.FAILED:
+                                        state.flow.breaker.failed(item, exc,
+                                                                  self.resources.engine)
+                            else:
+                                self._leave_stages(run, ctx, window)
+                                if not run.abandoned:
+                                    end(item, Status.COMPLETED, None)
+                                    state.flow.sample_completed(item)
+                        finally:
+                            try:
+                                steps = cleanup_steps(item, ctx)
+                                if steps:
+                                    await run_cleanups(steps, item, ctx,
+                                                       self.config.cleanup_timeout_s)
+                            finally:
+                                set_fields(item, {"ended_at": time.monotonic()})
+                                self._inflight.pop(item.uid, None)
+                        if item.status is not Status.COMPLETED and item.status is not None:
+                            ctx.log.debug("sample_ended", status=item.status.value,
+                                          error=item.error)
                 finally:
                     if not run.abandoned:  # an abandoned run gave its slot back already
                         state.slots.release()
             except asyncio.CancelledError:
-                # Cancelled while queued for a slot (no stage ran yet), or re-raised by _settle
+                # Cancelled while queued for a slot (no stage ran yet), or re-raised by settle
                 # because the batch itself was cancelled.
                 if batch.cancelled:
                     if item.status is None:
@@ -139,6 +191,33 @@ class SampleRunner:
             return run.sample
         return self._finish(run, batch, on_done)
 
+    def _enter_stages(self, run: SampleRun, state: LoopState) -> tuple[Context, Window | None]:
+        """The sample's context, its deadline armed (the window to disarm it from), the sample
+        marked started and in flight."""
+        item = run.item
+        timeout = self.config.sample_timeout_s
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        ctx = run.ctx = Context(self.resources, self.config, item, deadline)
+        ctx.abort_requested = run.abort_requested
+        ctx.loop_slice = state.slice
+        set_fields(item, {"started_at": time.monotonic()})
+        self._inflight[item.uid] = ctx
+        window = None
+        if deadline is not None and run.task is not None:
+            window = state.deadlines.arm(ctx, run)
+        run.in_stages = True
+        return ctx, window
+
+    @staticmethod
+    def _leave_stages(run: SampleRun, ctx: Context, window: Window | None) -> None:
+        """The stages ended: the deadline withdrawn, and the deadline's cancel taken back
+        from the task once it fired (as ``asyncio.timeout`` does)."""
+        run.in_stages = False
+        if window is not None:
+            disarm(window, ctx)
+        if ctx.timed_out and run.task is not None:
+            run.task.uncancel()
+
     def _finish(self, run: SampleRun, batch: Batch, on_done: SampleCallback | None,
                 still_running: bool = False) -> RolloutSample:
         """Build the ended sample's trainer view, count it, and tell ``on_done``.
@@ -150,6 +229,8 @@ class SampleRunner:
         sample = self._build_sample(item, run.ctx)
         if still_running:
             sample = sample.model_copy(deep=True)
+        else:
+            share_turn_lists(item, sample)
         with self._lock:
             self.samples_done += 1
             self.last_sample_done = time.monotonic()
@@ -174,55 +255,6 @@ class SampleRunner:
         self._inflight.pop(run.item.uid, None)
         force_end(run.item, status, error)
         return self._finish(run, batch, on_done, still_running=True)
-
-    async def _execute(self, run: SampleRun, batch: Batch, loop: asyncio.AbstractEventLoop,
-                       state: LoopState) -> None:
-        item = run.item
-        timeout = self.config.sample_timeout_s
-        deadline = None if timeout is None else loop.time() + timeout
-        ctx = run.ctx = Context(self.resources, self.config, item, deadline)
-        ctx.abort_requested = run.abort_requested
-        ctx.loop_slice = state.slice
-        set_fields(item, {"started_at": time.monotonic()})
-        self._inflight[item.uid] = ctx
-        try:
-            task = run.task
-            window = None
-            if deadline is not None and task is not None:
-                window = state.deadlines.arm(ctx, run)
-            run.in_stages = True
-            try:
-                try:
-                    stages = self.stages
-                    # By index: a list iterator held across every await would be one more
-                    # object per sample in flight for the collector (a range's is untracked).
-                    for i in range(len(stages)):
-                        await run_stage(stages[i], item, ctx)
-                finally:
-                    run.in_stages = False
-                    if window is not None:
-                        disarm(window, ctx)
-                    if ctx.timed_out and task is not None:
-                        task.uncancel()  # the deadline's cancel, taken back as asyncio.timeout does
-            except BaseException as exc:  # SystemExit in a tool fails its sample, not the batch
-                if not run.abandoned:
-                    settle(exc, run, batch, ctx.deadline_passed(), self.config.sample_timeout_s)
-                    if item.status is Status.FAILED:
-                        state.flow.breaker.failed(item, exc, self.resources.engine)
-            else:
-                if not run.abandoned:
-                    end(item, Status.COMPLETED, None)
-                    state.flow.sample_completed(item)
-        finally:
-            try:
-                steps = cleanup_steps(item, ctx)
-                if steps:
-                    await run_cleanups(steps, item, ctx, self.config.cleanup_timeout_s)
-            finally:
-                set_fields(item, {"ended_at": time.monotonic()})
-                self._inflight.pop(item.uid, None)
-        if item.status is not Status.COMPLETED and item.status is not None:
-            ctx.log.debug("sample_ended", status=item.status.value, error=item.error)
 
     def _build_sample(self, item: AgentRolloutItem, ctx: Context | None) -> RolloutSample:
         return build_sample(self.fill, item, ctx or Context(self.resources, self.config, item),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from pipeline import artifacts as A
@@ -172,30 +172,70 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     A stage with a budget (:func:`stage_budget`) is held to it the same way, per run: past
     it the stage is cancelled, or fails when it returns late, with :class:`StageTimeout`
     (its record ends ``timeout``; the sample too, the error naming the stage).
+
+    The sample runner runs a pipeline's top-level stages with the same steps written out in
+    its own coroutine (:func:`must_wait_turn`, :func:`start_stage`, :func:`stage_call`,
+    :func:`stage_returned`, :func:`stage_raised`), so that a sample in flight holds no frame
+    of this function; nested stage lists (``Loop``, ``Route``) run through it.
     """
+    if must_wait_turn(stage, ctx):
+        await ctx.loop_slice.wait_turn()  # type: ignore[union-attr]  # checked by must_wait_turn
+    record = start_stage(stage, item, ctx)
+    try:
+        await stage_call(stage, item, ctx, record.start)
+        stage_returned(stage, item, ctx)
+    except BaseException as exc:
+        stage_raised(record, exc, ctx)
+        raise
+    finally:
+        record.end = time.monotonic()
+
+
+def must_wait_turn(stage: Stage, ctx: Context) -> bool:
+    """Before a stage starts: raises :class:`DeadlineExceeded` once the sample's deadline
+    passed; True when the loop slice is spent, so the caller awaits
+    ``ctx.loop_slice.wait_turn()`` first (:mod:`pipeline._runner.slice`)."""
     if ctx.deadline is not None and ctx.deadline_passed():
         raise DeadlineExceeded(f"the deadline passed before stage '{stage.name}' started")
-    if ctx.loop_slice is not None and ctx.loop_slice.spent():
-        await ctx.loop_slice.wait_turn()  # let the loop's timers in (pipeline._runner.slice)
+    return ctx.loop_slice is not None and ctx.loop_slice.spent()
+
+
+def start_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> StageRecord:
+    """Mark ``stage`` started on the sample and append its record (returned)."""
     start = ctx.mark_started(stage)
     record = StageRecord(stage.name, start, time.time(), "run", ctx.turn)  # positional: faster
     item.records.append(record)
-    try:
-        budget = (getattr(stage, "stage_timeout_s", None) if not ctx.config.stage_timeout_s
-                  else stage_budget(stage, ctx))  # the common case without a function call
-        if budget is None:
-            await stage.run(item, ctx)
-        else:
-            await _run_within(stage, item, ctx, budget, start)
-        if ctx.deadline is not None and ctx.deadline_passed():
-            raise DeadlineExceeded(
-                f"stage '{stage.name}' returned after the sample's deadline (it swallowed the "
-                "deadline's cancellation or blocked the event loop past it)")
-        reward = item.artifacts.get(A.REWARD)
-        if reward is not None and not is_finite_number(reward):
-            raise ContractError(f"stage '{stage.name}' wrote a reward that is not a finite "
-                                f"number: {reward!r}")
-    except asyncio.CancelledError as exc:
+    return record
+
+
+def stage_call(stage: Stage, item: AgentRolloutItem, ctx: Context,
+               start: float) -> Awaitable[None]:
+    """What to await to run the stage: its own ``run`` coroutine (no frame around it), or
+    that run under the stage's budget."""
+    budget = (getattr(stage, "stage_timeout_s", None) if not ctx.config.stage_timeout_s
+              else stage_budget(stage, ctx))  # the common case without a function call
+    if budget is None:
+        return stage.run(item, ctx)
+    return _run_within(stage, item, ctx, budget, start)
+
+
+def stage_returned(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
+    """The checks once a stage returned: the deadline by the clock, a finite reward."""
+    if ctx.deadline is not None and ctx.deadline_passed():
+        raise DeadlineExceeded(
+            f"stage '{stage.name}' returned after the sample's deadline (it swallowed the "
+            "deadline's cancellation or blocked the event loop past it)")
+    reward = item.artifacts.get(A.REWARD)
+    if reward is not None and not is_finite_number(reward):
+        raise ContractError(f"stage '{stage.name}' wrote a reward that is not a finite "
+                            f"number: {reward!r}")
+
+
+def stage_raised(record: StageRecord, exc: BaseException, ctx: Context) -> None:
+    """Write on ``record`` how its stage ended when it raised ``exc`` (called in the
+    stage's task, inside the ``except`` clause: a bare ``CancelledError`` asks the task
+    whether somebody cancelled it)."""
+    if isinstance(exc, asyncio.CancelledError):
         if ctx.deadline_passed():
             record.status = Status.TIMEOUT
         elif cancel_requested():
@@ -203,20 +243,12 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
         else:
             record.status, record.error_type = Status.FAILED, type(exc).__name__
             record.error_message = "CancelledError raised inside the stage; nobody cancelled it"
-        raise
-    except SampleAborted as exc:
+    elif isinstance(exc, SampleAborted):
         record.status, record.error_type, record.error_message = (
-            Status.ABORTED,
-            type(exc).__name__,
-            capped(str(exc)),
-        )
-        raise
-    except BaseException as exc:
+            Status.ABORTED, type(exc).__name__, capped(str(exc)))
+    else:
         # Whatever a stage raised once the deadline passed, the deadline is what ended it.
         record.status = (Status.TIMEOUT if ctx.deadline_passed()
                          or isinstance(exc, StageTimeout) else Status.FAILED)
         record.error_type = type(exc).__name__
         record.error_message = capped(str(exc))
-        raise
-    finally:
-        record.end = time.monotonic()

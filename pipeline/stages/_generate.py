@@ -200,44 +200,50 @@ class Generate:
 
     async def run(self, item: AgentRolloutItem, ctx: Context) -> None:
         art = item.artifacts
-        response: list[int] = art.setdefault(A.RESPONSE_IDS, [])
-        mask: list[int] = art.setdefault(A.RESPONSE_MASK, [])
-        logprobs: list[float] = art.setdefault(A.LOGPROBS, [])
-        max_model_len = self.max_model_len or getattr(ctx.engine, "max_model_len", None)
-        limits = length_limits(item, max_model_len)
-        limit = _binding(limits)
-        max_tokens = limits[limit]
-        if max_tokens <= 0:
-            end_on_length(item, limit)
-            return
-        self._check_stops(ctx.resources.tokenizer)
-        turn = art.get(A.TURNS, 0)
-        check = ctx.config.token_integrity_checks
-        if check:
-            bad = integrity.loop_prefix_mismatch(art, art[A.PROMPT_IDS], response)
-            if bad is not None:
-                self._quarantine(item, integrity.PREFIX, turn, bad)
-        request_id = f"{item.uid}-{turn}"
-        sampling = item.sampling
-        update: dict[str, object] = {}
-        if max_tokens != sampling.max_tokens:
-            update["max_tokens"] = max_tokens
-        if not set(self.stop_token_ids) <= set(sampling.stop_token_ids):
-            update["stop_token_ids"] = tuple(dict.fromkeys([*sampling.stop_token_ids,
-                                                            *self.stop_token_ids]))
-        if update:
-            sampling = sampling.model_copy(update=update)
+        # The response lists are made once the engine answered (or the turn ended before
+        # it): a first turn waiting on the engine holds no empty lists, three objects per
+        # sample in flight for the collector to walk.
+        so_far = art.get(A.RESPONSE_IDS, ())
         try:
-            # A first turn sends the prompt's list itself (engines never change it): a copy
-            # per sample would be held for the whole engine call.
-            ids = [*art[A.PROMPT_IDS], *response] if response else art[A.PROMPT_IDS]
-            images = multi_modal_inputs(art)  # only engines that take images get the keyword
-            engine: Any = ctx.engine  # ``multi_modal`` is an optional keyword of engines
-            gen = await (engine.generate(ids, sampling, request_id) if images is None else
-                         engine.generate(ids, sampling, request_id, multi_modal=images))
-        except asyncio.CancelledError:
-            await ctx.abort_engine_request(request_id)
-            raise
+            max_model_len = self.max_model_len or getattr(ctx.engine, "max_model_len", None)
+            limits = length_limits(item, max_model_len)
+            limit = _binding(limits)
+            max_tokens = limits[limit]
+            if max_tokens <= 0:
+                end_on_length(item, limit)
+                return
+            self._check_stops(ctx.resources.tokenizer)
+            turn = art.get(A.TURNS, 0)
+            check = ctx.config.token_integrity_checks
+            if check:
+                bad = integrity.loop_prefix_mismatch(art, art[A.PROMPT_IDS], so_far)
+                if bad is not None:
+                    self._quarantine(item, integrity.PREFIX, turn, bad)
+            request_id = f"{item.uid}-{turn}"
+            sampling = item.sampling
+            update: dict[str, object] = {}
+            if max_tokens != sampling.max_tokens:
+                update["max_tokens"] = max_tokens
+            if not set(self.stop_token_ids) <= set(sampling.stop_token_ids):
+                update["stop_token_ids"] = tuple(dict.fromkeys([*sampling.stop_token_ids,
+                                                                *self.stop_token_ids]))
+            if update:
+                sampling = sampling.model_copy(update=update)
+            try:
+                # A first turn sends the prompt's list itself (engines never change it): a copy
+                # per sample would be held for the whole engine call.
+                ids = [*art[A.PROMPT_IDS], *so_far] if so_far else art[A.PROMPT_IDS]
+                images = multi_modal_inputs(art)  # only engines that take images get the keyword
+                engine: Any = ctx.engine  # ``multi_modal`` is an optional keyword of engines
+                gen = await (engine.generate(ids, sampling, request_id) if images is None else
+                             engine.generate(ids, sampling, request_id, multi_modal=images))
+            except asyncio.CancelledError:
+                await ctx.abort_engine_request(request_id)
+                raise
+        finally:
+            response: list[int] = art.setdefault(A.RESPONSE_IDS, [])
+            mask: list[int] = art.setdefault(A.RESPONSE_MASK, [])
+            logprobs: list[float] = art.setdefault(A.LOGPROBS, [])
         if gen.finish_reason is FinishReason.ABORT:
             raise SampleAborted(f"engine aborted request {request_id}")
         if check:
