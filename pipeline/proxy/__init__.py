@@ -36,10 +36,11 @@ from pipeline.proxy._errors import (
     RemoteAgentError,
     SessionNotFound,
 )
-from pipeline.proxy._history import SPLIT_REASONS, History, Segment
+from pipeline.proxy._history import History
 from pipeline.proxy._policy import ENFORCEABLE, Constraints
 from pipeline.proxy._records import SegmentRecord, SessionRecord, TurnRecord
 from pipeline.proxy._reward import AgentReward
+from pipeline.proxy._segments import SPLIT_REASONS, Segment
 from pipeline.proxy._server import ProxyServer
 from pipeline.proxy._sessions import Session, SessionStore
 from pipeline.proxy._wire import ChatCompletionRequest

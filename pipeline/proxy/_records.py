@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from pipeline._data.models import AgentMessage, FinishReason
 
 if TYPE_CHECKING:
-    from pipeline.proxy._history import Segment
+    from pipeline.proxy._segments import Segment
     from pipeline.proxy._sessions import Session
 
 _TOKEN_FIELDS = {"token_ids", "logprobs", "finish_reason"}

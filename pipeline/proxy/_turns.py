@@ -40,9 +40,9 @@ from pipeline._text.tokenizer import Tokenizer
 from pipeline.engines import Engine, Generation, Route
 from pipeline.multimodal import VisionProcessor
 from pipeline.proxy._errors import FinalError, ProxyError, ProxyRequestError
-from pipeline.proxy._history import TurnPlan, new_images
 from pipeline.proxy._logprobs import TokenLogprobs
 from pipeline.proxy._policy import Constraints
+from pipeline.proxy._segments import TurnPlan, new_images
 from pipeline.proxy._sessions import Session, Turn
 from pipeline.proxy._wire import ChatCompletionRequest
 from pipeline.tools import ToolParser, read_turn, validate_arguments
