@@ -282,3 +282,103 @@ def test_tool_call_and_tool_message_are_what_validation_makes():
     assert failed.model_extra == {"error": "tool_exception"}
     parts = [{"type": "text", "text": "4"}]
     assert tool_message(parts, "c", "calc").content == parts  # validated as before
+
+
+# What a sample holds while it waits (issue 43, fourth round): the frames of its task, and
+# no response lists before its first turn's engine call returned.
+
+def await_chain(task: asyncio.Task[object]) -> list[str]:
+    """The qualified names of the coroutines ``task`` is suspended in, outermost first."""
+    names: list[str] = []
+    coro: object = task.get_coro()
+    while asyncio.iscoroutine(coro):
+        names.append(coro.cr_code.co_qualname)  # type: ignore[attr-defined]
+        coro = coro.cr_await  # type: ignore[attr-defined]
+    return names
+
+
+def sample_tasks() -> list[asyncio.Task[object]]:
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith("sample:")]
+
+
+async def wait_for_requests(engine: SimulatedEngine, count: int) -> None:
+    for _ in range(1000):  # bounded: the samples reach the engine within a few iterations
+        if len(engine.in_flight) == count:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{len(engine.in_flight)} requests reached the engine, not {count}")
+
+
+async def test_a_sample_waiting_on_the_engine_holds_two_runner_frames_and_no_response_lists():
+    pipe = Pipeline([BuildPrompt(), Generate()], tokenizer=ByteTokenizer(),
+                    engine=SimulatedEngine(latency_s=60.0, latency_sigma=0.0, tail_prob=0.0),
+                    sampling={"max_tokens": 8}, max_concurrency=2)
+    batch = asyncio.ensure_future(pipe.run_batch([{"prompt": f"q{i}"} for i in range(4)]))
+    engine = pipe.resources.engine
+    assert isinstance(engine, SimulatedEngine)
+    await wait_for_requests(engine, 2)
+    chains = sorted(await_chain(task) for task in sample_tasks())
+    # The runner awaits the stage's own coroutine: no _execute or run_stage frame between.
+    running = ["Producer._run", "SampleRunner._run_sample", "Generate.run",
+               "SimulatedEngine.generate"]
+    # A sample queued for a concurrency slot waits on its future in FifoSlots.wait itself.
+    queued = ["Producer._run", "SampleRunner._run_sample", "FifoSlots.wait"]
+    assert chains == [queued, queued, running, running]
+    waiting = [ctx.item for ctx in pipe._inflight.values()]
+    assert len(waiting) == 2
+    for item in waiting:
+        assert artifacts.PROMPT_IDS in item.artifacts
+        assert artifacts.RESPONSE_IDS not in item.artifacts  # made once the engine answers
+        assert artifacts.LOGPROBS not in item.artifacts
+    engine.latency_s = 0.0  # the queued samples then complete at once
+    for request_id in list(engine.in_flight):
+        await engine.abort(request_id)  # the waiting two end aborted, with empty lists as before
+    result = await asyncio.wait_for(batch, 30)
+    assert result.stats.by_status == {"aborted": 2, "completed": 2}
+    for item in waiting:
+        assert item.status is Status.ABORTED
+        assert item.artifacts[artifacts.RESPONSE_IDS] == []
+        assert item.artifacts[artifacts.RESPONSE_MASK] == []
+        assert item.artifacts[artifacts.LOGPROBS] == []
+
+
+async def test_a_turn_that_ends_before_the_engine_still_leaves_empty_response_lists():
+    pipe = Pipeline([BuildPrompt(), Generate()], tokenizer=ByteTokenizer(),
+                    sampling={"max_tokens": 8})  # no engine: Generate raises before it
+    sample = await pipe.run({"prompt": "q"})
+    assert sample.status is Status.FAILED and "needs an engine" in (sample.error or "")
+    (item,) = (await pipe.run_batch([{"prompt": "q"}])).items
+    assert item.artifacts[artifacts.RESPONSE_IDS] == []
+    assert item.artifacts[artifacts.RESPONSE_MASK] == []
+    assert item.artifacts[artifacts.LOGPROBS] == []
+
+
+async def test_a_single_turn_samples_message_holds_the_response_lists():
+    pipe = two_stage_pipeline()
+    result = await pipe.run_batch([{"prompt": f"q{i}"} for i in range(3)])
+    assert result.stats.by_status == {"completed": 3}
+    for item, sample in zip(result.items, result.samples, strict=True):
+        (turn,) = [m for m in item.artifacts[artifacts.MESSAGES] if m.role == "assistant"]
+        assert turn.token_ids is sample.response_ids  # one list, not two equal ones
+        assert turn.logprobs is sample.logprobs
+        assert turn.model_dump() == AgentMessage.model_validate(turn.model_dump()).model_dump()
+        assert turn.token_ids and len(turn.token_ids) == len(turn.logprobs or ())
+
+
+async def test_a_multi_turn_samples_messages_keep_their_own_lists():
+    from pipeline import Loop
+    from pipeline.stages import CallTools
+    from pipeline.tools import calculator_tool
+
+    tok = ByteTokenizer()
+    engine = SimulatedEngine(latency_s=0.0, latency_sigma=0.0, tail_prob=0.0,
+                             responder=_three_calls_then_answer(tok))
+    pipe = Pipeline([BuildPrompt(), Loop([Generate(), CallTools()], max_turns=5)],
+                    engine=engine, tokenizer=tok, tools=[calculator_tool()],
+                    sampling={"max_tokens": 256})
+    (item,) = (await pipe.run_batch([{"prompt": "q"}])).items
+    turns = [m for m in item.artifacts[artifacts.MESSAGES] if m.role == "assistant"]
+    assert len(turns) == 4
+    response = item.artifacts[artifacts.RESPONSE_IDS]
+    assert all(turn.token_ids is not response for turn in turns)
+    assert sum(len(turn.token_ids or ()) for turn in turns) < len(response)  # tool tokens too
