@@ -26,9 +26,9 @@ from pipeline import (
     SamplingParams,
     Status,
 )
-from pipeline.engines import EngineLoad
+from pipeline.engines import EngineLoad, ServerError
 from pipeline.engines._consistency import ConsistencyError, check_consistency
-from pipeline.engines._openai import OpenAIEngine, ServerError, pipeline_group_key
+from pipeline.engines._openai import OpenAIEngine, pipeline_group_key
 from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model
 from pipeline.stages import BuildPrompt, Generate
 from pipeline.testing import ByteTokenizer

@@ -6,8 +6,8 @@ the images beside the same token ids, and is used only when the server's answer 
 the prompt ids and where it placed each image (:mod:`._image_wire`: vLLM 0.32 started with
 ``--enable-scale-out``). One pooled ``aiohttp`` session serves every request. Connection
 errors and 5xx answers are retried a bounded number of times with jittered exponential
-backoff; 4xx answers are not. A request that is aborted or whose caller is cancelled
-closes its connection, which makes vLLM abort it server-side.
+backoff; 4xx answers are not (:mod:`._calls`). A request that is aborted or whose caller is
+cancelled closes its connection, which makes vLLM abort it server-side.
 
 With several server URLs, requests are routed by session and group (:mod:`._routing`): a
 sample's (or a proxy session's) turns stay on one server and the rollouts of one prompt go
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,7 @@ from pipeline._data.config import SamplingParams
 from pipeline._data.models import FinishReason
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline.engines._base import RECENT_ABORTS, EngineLoad, Generation
+from pipeline.engines._calls import ServerCalls
 from pipeline.engines._completion_wire import completion_body, read_completion
 from pipeline.engines._consistency import TokenizerProbe
 from pipeline.engines._health import ServerHealth, scrape_load
@@ -68,7 +68,6 @@ from pipeline.engines._routing import (
     Route,
     Router,
     Server,
-    ServerError,
     pipeline_group_key,
     pipeline_route,
 )
@@ -88,9 +87,6 @@ from pipeline.engines._weight_sync import (
 )
 
 _logger = structlog.get_logger("pipeline.engines._openai")
-
-RETRY_STATUSES = frozenset({500, 502, 503, 504})
-
 
 class OpenAIEngine:
     """Client for OpenAI-compatible completion servers (see the module doc).
@@ -153,9 +149,6 @@ class OpenAIEngine:
         self.servers = [Server(_normalise(u)) for u in urls]
         self.model = model
         self.api_key = api_key
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
         self.request_timeout_s = request_timeout_s
         self.max_connections = max_connections
         self.group_key = group_key
@@ -167,15 +160,16 @@ class OpenAIEngine:
         self.aborted: collections.deque[str] = collections.deque(maxlen=RECENT_ABORTS)
         """The most recent ids of requests stopped early (``abort`` or a cancelled caller),
         oldest first; bounded, so a long run does not grow it."""
-        self.retries = 0
-        """Attempts repeated after a connection error or a 5xx answer."""
-        self.failovers = 0
-        """Requests sent to a second server after the first one could not be reached."""
         self.health = ServerHealth([s.url for s in self.servers],
                                    interval_s=health_interval_s, timeout_s=health_timeout_s,
                                    silence_s=health_silence_s,
                                    readmit=self._readmit)
         """Which servers are up (routing asks it); see :class:`ServerHealth`."""
+        self.calls = ServerCalls(self.servers, self.health, self._get_session, self.route,
+                                 max_retries=max_retries, backoff_s=backoff_s,
+                                 max_backoff_s=max_backoff_s)
+        """The HTTP calls to the servers: retries, failover (:mod:`._calls`)."""
+        self._call = self.calls.call
         self.control = ServerControl(self.servers, self.health, self._call,
                                      lambda: self.policy_version)
         """vLLM's dev-mode endpoints on every server (:mod:`._server_control`)."""
@@ -192,6 +186,16 @@ class OpenAIEngine:
         self._image_urls = ImageUrls()
 
     # ----- plumbing -----------------------------------------------------------------------
+
+    @property
+    def retries(self) -> int:
+        """Attempts repeated after a connection error or a 5xx answer."""
+        return self.calls.retries
+
+    @property
+    def failovers(self) -> int:
+        """Requests sent to a second server after the first one could not be reached."""
+        return self.calls.failovers
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -239,57 +243,6 @@ class OpenAIEngine:
         completed, deleted or expires); unknown sessions are ignored."""
         self.router.forget(session)
 
-    async def _call(self, server: Server, method: str, path: str,
-                    body: Mapping[str, Any] | None, *, retry: bool = True,
-                    failover: bool = False) -> dict[str, Any]:
-        """One JSON call with bounded retries on connection errors and 5xx answers.
-
-        A refused connection marks the server down; a timeout, or a connection the server
-        dropped mid-request (a reset or a disconnect: vLLM's server, with a thousand requests
-        open, resets some while it answers the rest), only after ``health_silence_s`` without
-        an answer (slow is not dead, see ``ServerHealth``); a 5xx answer marks it down
-        after which the server fails a health probe (vLLM answers 500 to the requests in
-        flight when its engine core dies, and 503 to ``/health``). With ``failover`` the
-        error of a server that is down is raised at once while another server is healthy
-        (the caller goes there instead).
-        """
-        session = self._get_session()
-        attempts = self.max_retries + 1 if retry else 1
-        for attempt in range(attempts):
-            dropped = False  # a live server dropped this connection: retry it there
-            try:
-                async with session.request(method, server.url + path, json=body) as resp:
-                    self.health.answered(server.url)
-                    if resp.status < 400:
-                        if resp.content_type != "application/json":
-                            return {}
-                        answer: dict[str, Any] = await resp.json()
-                        return answer
-                    text = (await resp.text())[:500]
-                    error = ServerError(f"{method} {server.url}{path} answered {resp.status}: "
-                                        f"{text}", status=resp.status, url=server.url)
-                    if resp.status not in RETRY_STATUSES:
-                        raise error
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
-                    TimeoutError) as exc:
-                error = ServerError(f"{method} {server.url}{path} failed: "
-                                    f"{type(exc).__name__}: {exc}", status=None, url=server.url)
-                if isinstance(exc, aiohttp.ClientConnectorError):  # nobody listens there
-                    self.health.mark_down(server.url, str(error))
-                else:  # slow or dropped is not dead while it answers: see ServerHealth
-                    down = self.health.timed_out(server.url, str(error))
-                    dropped = not down and not isinstance(exc, TimeoutError)
-            server.failures += 1
-            if failover and not dropped \
-                    and (error.status is None or not await self.health.probe(server.url)) \
-                    and any(self.health.is_healthy(s.url) for s in self.servers):
-                raise error
-            if attempt + 1 < attempts:
-                self.retries += 1
-                delay = min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))
-        raise error
-
     # ----- generation ---------------------------------------------------------------------
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
@@ -334,7 +287,7 @@ class OpenAIEngine:
                                                  extra_body=self.extra_body)
             if constraints is not None:
                 options["structured_outputs"] = structured_outputs(constraints)
-            task = asyncio.ensure_future(self._complete(request_id, path, body, route))
+            task = asyncio.ensure_future(self.calls.complete(request_id, path, body, route))
             self._tasks[request_id] = task
             try:
                 answer = await asyncio.shield(task)
@@ -355,58 +308,6 @@ class OpenAIEngine:
                                  request_id, version)
         return read_completion(answer, prompt_ids, request_id, version,
                                check_prompt=self.check_prompt)
-
-    async def _complete(self, request_id: str, path: str, body: Mapping[str, Any],
-                        route: Route | None) -> dict[str, Any]:
-        """The answer to ``body`` at ``path`` from the routed server; when that server went
-        down under the request, once more from another healthy server with the same body.
-
-        Raises:
-            ServerError: as :meth:`_call`; for the image endpoint, a 403/404/405 says how to
-                get it (vLLM's scale-out endpoints).
-        """
-        try:
-            return await self._failover(request_id, path, body, route)
-        except ServerError as exc:
-            if path == GENERATE_PATH and exc.status in (403, 404, 405):
-                raise ServerError(
-                    f"{exc} (images go to vLLM's token-in endpoint {GENERATE_PATH}, with "
-                    f"the prompt's token ids unchanged: start vLLM 0.32 or later with "
-                    f"--enable-scale-out, or use the in-process VLLMEngine)",
-                    status=exc.status, url=exc.url) from exc
-            raise
-
-    async def _failover(self, request_id: str, path: str, body: Mapping[str, Any],
-                        route: Route | None) -> dict[str, Any]:
-        server = self.route(request_id, route)
-        first: ServerError | None = None
-        while True:
-            server.in_flight += 1
-            server.requests += 1
-            try:
-                return await self._call(server, "POST", path, body, failover=first is None)
-            except ServerError as exc:
-                error = exc
-            finally:
-                server.in_flight -= 1
-            if first is not None:
-                raise ServerError(f"{error} (retried there after {first})",
-                                  status=error.status, url=error.url) from error
-            try:
-                nxt = self.route(request_id, route)
-            except ServerError:  # none left to go to
-                nxt = server
-            if self.health.is_healthy(server.url) or not self.health.is_healthy(nxt.url) \
-                    or nxt is server:
-                if len(self.servers) > 1 and not self.health.is_healthy(server.url):
-                    raise ServerError(f"{error} (no other healthy server to retry on)",
-                                      status=error.status, url=error.url) from error
-                raise error
-            first = error
-            self.failovers += 1
-            _logger.warning("request moved to another server", request_id=request_id,
-                            dead=server.url, to=nxt.url)
-            server = nxt
 
     async def load(self) -> EngineLoad | None:
         """The servers' load from their Prometheus ``/metrics`` (vLLM's figures: requests
