@@ -29,7 +29,8 @@ from pipeline._runner.stream import SampleResult
 from pipeline.distributed._errors import CLOSED_WHILE_RUNNING, describe, is_worker_loss
 from pipeline.distributed._fleet import Fleet, SlotWorker
 from pipeline.distributed._merge import by_group
-from pipeline.distributed._worker import Chunk, WorkerBroken
+from pipeline.distributed._packing import Chunk
+from pipeline.distributed._worker import WorkerBroken
 
 _logger = structlog.get_logger("pipeline.distributed")
 

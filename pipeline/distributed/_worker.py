@@ -40,14 +40,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import ray
 import structlog
 
 from pipeline._data.models import AgentRolloutItem, RolloutSample, Status
 from pipeline._exceptions import PipelineError
 from pipeline._gc import gc_tuning_enabled, rollout_gc
-from pipeline._runner.context import Context
-from pipeline._runner.fill import fill_sample, minimal_sample
 from pipeline._runner.group_runner import WEIGHT_SYNC_HOOKS, update_paused
 from pipeline._runner.outcome import force_end
 from pipeline._runner.pipeline import Pipeline
@@ -60,6 +57,7 @@ from pipeline.diagnostics import (
     render_text,
 )
 from pipeline.distributed._leases import FleetLimiterRegistry
+from pipeline.distributed._packing import Chunk, failed_sample, pack
 
 _logger = structlog.get_logger("pipeline.distributed")
 
@@ -69,11 +67,6 @@ MAX_ESCAPES = 100
 """Exceptions that may leave the worker's loop within :data:`ESCAPE_WINDOW_S` before it gives
 up (a callback re-raising ``SystemExit`` in a tight loop would otherwise spin forever)."""
 ESCAPE_WINDOW_S = 10.0
-
-Packed = tuple[str, bytes | None, str | None]
-"""One sample on the wire: ``(uid, cloudpickled (sample, item) or None, error or None)``."""
-Chunk = list[Packed]
-
 
 class WorkerBroken(PipelineError):
     """A rollout worker cannot run samples any more (its pipeline loop has ended)."""
@@ -248,38 +241,8 @@ class RolloutWorker:
                 for item in items:
                     if item.uid not in sent:
                         force_end(item, Status.FAILED, why)
-                        send(self._failed_sample(item, why), item)
+                        send(failed_sample(pipeline, item, why), item)
             emit(_END)
-
-    def _failed_sample(self, item: AgentRolloutItem, error: str) -> RolloutSample:
-        pipeline = self._pipeline
-        assert pipeline is not None
-        try:
-            return fill_sample(item, Context(pipeline.resources, pipeline.config, item))
-        except Exception:
-            return minimal_sample(item, pipeline.pad_token_id, error)
-
-    def _pack(self, sample: RolloutSample, item: AgentRolloutItem) -> Packed:
-        """``(sample, item)`` pickled for the driver; one that cannot be ends ``failed``
-        here, its unpicklable artifacts replaced by a note (or, failing that, the driver
-        ends it from the error alone)."""
-        try:
-            return item.uid, _dumps((sample, item)), None
-        except BaseException as exc:  # a __reduce__ may raise anything
-            cause = f"{type(exc).__name__}: {exc}"
-        bad = [key for key, value in item.artifacts.items() if not _picklable(value)]
-        where = (f"artifact{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}" if bad
-                 else "its sample or item")
-        why = (f"worker {self.worker_id} could not send the sample back: {where} cannot be "
-               f"pickled ({cause})")
-        _logger.error("worker_sample_unpicklable", uid=item.uid, artifacts=bad, error=cause)
-        for key in bad:
-            item.artifacts[key] = f"<not picklable: {type(item.artifacts[key]).__name__}>"
-        force_end(item, Status.FAILED, why)
-        try:
-            return item.uid, _dumps((self._failed_sample(item, why), item)), None
-        except BaseException:
-            return item.uid, None, why
 
     # -- the actor's methods (on Ray's loop) -------------------------------------------------
 
@@ -312,6 +275,8 @@ class RolloutWorker:
         loop = self._loop
         if self._broken is not None or loop is None:
             raise WorkerBroken(f"worker {self.worker_id} cannot run samples: {self._broken}")
+        pipeline = self._pipeline
+        assert pipeline is not None  # built before ready() returned
         here = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -334,7 +299,7 @@ class RolloutWorker:
                     if entry is _END:
                         done = True
                         break
-                    chunk.append(self._pack(*entry))
+                    chunk.append(pack(self.worker_id, pipeline, *entry))
                     if queue.empty():
                         break
                     entry = queue.get_nowait()
@@ -447,19 +412,6 @@ def _escaped(producer: Producer, sent: set[str]) -> list[SampleRun]:
         if not isinstance(task.exception(), Exception | None):
             found.append(run)
     return found
-
-
-def _dumps(value: Any) -> bytes:
-    data: bytes = ray.cloudpickle.dumps(value, protocol=5)
-    return data
-
-
-def _picklable(value: Any) -> bool:
-    try:
-        _dumps(value)
-    except BaseException:
-        return False
-    return True
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
