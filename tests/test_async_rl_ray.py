@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from _waits import until
 
 ray = pytest.importorskip("ray")
 
@@ -119,13 +120,6 @@ async def pool(cluster: None) -> AsyncIterator[RayRolloutPool]:
         yield started
 
 
-async def until(condition: Any, what: str, within: float = 60.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 def versions(group: Any) -> list[int]:
     return [v for s in group.samples for v in s.token_versions if v >= 0]
 
@@ -142,8 +136,8 @@ async def test_an_update_mid_generation_versions_each_token_on_every_worker(
     async with rollout:
         pids = {w.pid for w in pool.workers}
         # every worker has requests decoding (600 tokens, 1.8 s at least): update then
-        await until(lambda: {int(p.name.split("-")[0]) for p in tmp_path.iterdir()} == pids,
-                    "both workers decoding")
+        await until(lambda: {int(p.name.split("-")[0]) for p in tmp_path.iterdir()} == pids, 60,
+                    what="both workers decoding")
         await asyncio.sleep(0.2)
         new = await rollout.update_weights(state_dict={"layer.weight": list(range(1000))})
         assert new == before + 1 == pool.policy_version == rollout.version
@@ -208,7 +202,7 @@ async def test_closing_the_driver_mid_stream_ends_every_sample(
     rows = [{"prompt": f"long {tmp_path} {i}"} for i in range(6)]
     rollout = AsyncRollout(pool, rows, n=2, batch_groups=2, max_inflight=4)
     async with rollout:
-        await until(lambda: len(list(tmp_path.iterdir())) >= 2, "requests decoding")
+        await until(lambda: len(list(tmp_path.iterdir())) >= 2, 60, what="requests decoding")
     report = rollout.report
     assert report.undelivered == report.groups_started == 4
     assert sum(report.by_status.values()) == 8 and report.by_status.get("aborted", 0) > 0
@@ -243,7 +237,7 @@ async def test_cancelling_a_pool_update_resumes_every_engine(
     before = pool.policy_version
     update = asyncio.ensure_future(
         pool.update_weights(load=functools.partial(load_forever, str(tmp_path))))
-    await until(lambda: len(list(tmp_path.iterdir())) == 2, "both workers loading")
+    await until(lambda: len(list(tmp_path.iterdir())) == 2, 60, what="both workers loading")
     update.cancel()
     with pytest.raises(asyncio.CancelledError):
         await update
@@ -260,8 +254,8 @@ async def test_a_replacement_worker_gets_the_last_update_before_it_takes_work(
     dead = pool.workers[0]
     assert dead.pid is not None
     os.kill(dead.pid, signal.SIGKILL)
-    await until(lambda: pool.workers[0].alive and pool.workers[0].pid != dead.pid,
-                "a replacement worker")
+    await until(lambda: pool.workers[0].alive and pool.workers[0].pid != dead.pid, 60,
+                what="a replacement worker")
     result = await pool.run_batch([{"prompt": f"short {i}"} for i in range(8)], n=2)
     assert {s.extra_fields["pid"] for s in result.samples} == {w.pid for w in pool.workers}
     assert {s.policy_version for s in result.samples} == {pool.policy_version}
@@ -280,6 +274,6 @@ async def test_closing_the_pool_leaves_no_worker_running(pool: RayRolloutPool) -
             return True
         return False
 
-    await until(lambda: all(gone(pid) for pid in pids), "the workers' processes to exit", 30)
+    await until(lambda: all(gone(pid) for pid in pids), 30, what="the workers' processes to exit")
     await until(lambda: ray.available_resources().get("CPU", 0)
-                >= ray.cluster_resources().get("CPU", 0), "every CPU freed", 30)
+                >= ray.cluster_resources().get("CPU", 0), 30, what="every CPU freed")

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from _waits import until
 
 ray = pytest.importorskip("ray")
 
@@ -93,13 +94,6 @@ def waiting_rows(tmp: Path, count: int, **extra: Any) -> list[dict[str, Any]]:
     return [{"prompt": f"question {i}", "extra": {"wait_for": str(tmp / "go"),
                                                  "started_dir": str(tmp / "started"), **extra}}
             for i in range(count)]
-
-
-async def until(condition: Any, what: str, within: float = 60.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def started(tmp: Path) -> int:
@@ -192,16 +186,16 @@ async def test_worker_sigkilled_mid_batch_loses_nothing(
         pool: RayRolloutPool, tmp_path: Path) -> None:
     rows = waiting_rows(tmp_path, 6)
     batch = asyncio.create_task(pool.run_batch(rows, n=2))
-    await until(lambda: started(tmp_path) == 12, "every sample to start")
+    await until(lambda: started(tmp_path) == 12, 60, what="every sample to start")
     victim = pool.workers[0]
     os.kill(victim.pid, signal.SIGKILL)
-    await until(lambda: not pool.workers[0].alive, "the pool to see the death")
+    await until(lambda: not pool.workers[0].alive, 60, what="the pool to see the death")
     (tmp_path / "go").touch()
     result = await asyncio.wait_for(batch, 120)
     assert result.stats.by_status == {"completed": 12}
     assert victim.pid not in {s.extra_fields["pid"] for s in result.samples}
     assert started(tmp_path) > 12  # the lost samples really ran again
-    await until(lambda: pool.workers[0].alive, "the replacement", within=90)
+    await until(lambda: pool.workers[0].alive, 90, what="the replacement")
     assert pool.workers[0].worker_id == "worker-0.1" and pool.workers[0].pid != victim.pid
     again = await pool.run_batch([{"prompt": "after"}], n=4)
     assert again.stats.by_status == {"completed": 4}
@@ -215,17 +209,17 @@ async def test_a_sample_that_kills_its_worker_is_retried_once_then_failed(
     for sample in result.samples:
         assert sample.masked and "lost with worker worker-" in (sample.error or "")
         assert "workers tried: worker-" in (sample.error or "")
-    await until(lambda: all(w.alive for w in pool.workers), "both replacements", within=120)
+    await until(lambda: all(w.alive for w in pool.workers), 120, what="both replacements")
     assert pool.replacements == before + 2
 
 
 async def test_one_dump_names_both_workers_while_one_loop_is_blocked(
         pool: RayRolloutPool, tmp_path: Path) -> None:
-    await until(lambda: all(w.alive for w in pool.workers), "live workers", within=120)
+    await until(lambda: all(w.alive for w in pool.workers), 120, what="live workers")
     rows = (waiting_rows(tmp_path, 1, block_loop=True) + waiting_rows(tmp_path, 1))
     rows[1]["prompt"] = "question 1"
     batch = asyncio.create_task(pool.run_batch(rows, n=1))
-    await until(lambda: started(tmp_path) == 2, "both samples to start")
+    await until(lambda: started(tmp_path) == 2, 60, what="both samples to start")
     await asyncio.sleep(1.5)  # the blocked loop's heartbeat goes unanswered meanwhile
     dumper = install_task_dumper(directory=tmp_path / "dumps")
     try:
@@ -253,7 +247,7 @@ async def test_one_dump_names_both_workers_while_one_loop_is_blocked(
 
 async def test_a_tools_rate_holds_for_the_whole_fleet(
         pool: RayRolloutPool, tmp_path: Path) -> None:
-    await until(lambda: all(w.alive for w in pool.workers), "live workers", within=120)
+    await until(lambda: all(w.alive for w in pool.workers), 120, what="live workers")
     rate, calls = 20.0, 6
     (tmp_path / "go").touch()
     rows = waiting_rows(tmp_path, 4, rate_limit=rate, calls=calls)

@@ -19,13 +19,13 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
+from _waits import until
 
 ray = pytest.importorskip("ray")
 
@@ -123,23 +123,14 @@ async def pool(cluster: None) -> AsyncIterator[RayRolloutPool]:
         yield started
 
 
-async def until(condition: Any, what: str, within: float = 60.0) -> float:
-    """Poll ``condition`` every 50 ms; the seconds it took."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < within, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - start
-
-
 def healthy(pool: RayRolloutPool) -> bool:
     return all(w.alive and w.load == 0 for w in pool.workers)
 
 
 async def settled(pool: RayRolloutPool, within: float = 10.0) -> None:
     """Every worker alive and idle within ``within`` seconds (a dead one replaced)."""
-    await until(lambda: healthy(pool), f"every worker alive with load 0 ({pool.workers})",
-                within)
+    await until(lambda: healthy(pool), within,
+                what=f"every worker alive with load 0 ({pool.workers})")
 
 
 async def both_workers_serve(pool: RayRolloutPool) -> None:
@@ -201,8 +192,8 @@ async def test_item3a_worker_whose_loop_ended_is_reported_dead_and_replaced(
     result = await asyncio.wait_for(pool.run_batch(rows_with({"end_worker_loop": True})), 60)
     assert len(result.samples) == 7 and all(s.status is not None for s in result.samples)
     assert result.stats.by_status.get("completed", 0) >= 6, result.stats.by_status
-    took = await until(lambda: pool.replacements == before + 1 and healthy(pool),
-                       "the broken worker's replacement", within=10)
+    took = await until(lambda: pool.replacements == before + 1 and healthy(pool), 10,
+                       what="the broken worker's replacement")
     assert {w.worker_id for w in pool.workers} != old
     print(f"broken worker replaced {took:.2f}s after its batch returned")
     await both_workers_serve(pool)
@@ -254,13 +245,14 @@ async def test_item3c_idle_worker_death_is_noticed_and_replaced_within_10s(
     victim = pool.workers[1]
     assert victim.pid is not None
     os.kill(victim.pid, signal.SIGKILL)
-    noticed = await until(lambda: not pool.workers[1].alive or pool.workers[1].pid != victim.pid,
-                          "the pool to notice the death", within=10)
+    noticed = await until(
+        lambda: not pool.workers[1].alive or pool.workers[1].pid != victim.pid, 10,
+        what="the pool to notice the death")
     # Noticing is the pool's health watch (bounded above); the replacement is a new Ray worker
     # process starting and importing the package, which took 22 s on a 2-core machine running
     # the suite's other worker beside it: its bound is the machine's, not the pool's.
-    took = await until(lambda: pool.workers[1].alive and pool.workers[1].pid != victim.pid,
-                       "the replacement", within=60)
+    took = await until(lambda: pool.workers[1].alive and pool.workers[1].pid != victim.pid, 60,
+                       what="the replacement")
     print(f"idle SIGKILL noticed in {noticed:.2f}s, replaced in {took:.2f}s")
     assert pool.replacements == before + 1
     await both_workers_serve(pool)
@@ -276,8 +268,8 @@ async def test_item3_chaos_kills_exits_and_unpicklables_every_sample_accounted(
     idle_victim = pool.workers[0]
     assert idle_victim.pid is not None
     os.kill(idle_victim.pid, signal.SIGKILL)  # killed idle
-    await until(lambda: pool.workers[0].alive and pool.workers[0].pid != idle_victim.pid,
-                "the idle victim's replacement", within=10)
+    await until(lambda: pool.workers[0].alive and pool.workers[0].pid != idle_victim.pid, 10,
+                what="the idle victim's replacement")
     (tmp_path / "started").mkdir()
     wait = {"wait_for": str(tmp_path / "go"), "started_dir": str(tmp_path / "started")}
     rows: list[dict[str, Any]] = [{"prompt": f"slow {i}", "extra": wait} for i in range(6)]
@@ -286,12 +278,13 @@ async def test_item3_chaos_kills_exits_and_unpicklables_every_sample_accounted(
              {"prompt": "soon", "extra": {**wait, "exit_outside": "call_soon"}}]
     expected = ["completed"] * 6 + ["failed", "failed", "completed"]
     batch = asyncio.create_task(pool.run_batch(rows, n=2))
-    await until(lambda: len(list((tmp_path / "started").iterdir())) == 18, "every sample to start")
+    await until(lambda: len(list((tmp_path / "started").iterdir())) == 18, 60,
+                what="every sample to start")
     mid_victim = pool.workers[1]
     assert mid_victim.pid is not None and mid_victim.load > 0
     os.kill(mid_victim.pid, signal.SIGKILL)  # killed mid-batch
-    await until(lambda: not pool.workers[1].alive or pool.workers[1].pid != mid_victim.pid,
-                "the pool to see the death", within=10)
+    await until(lambda: not pool.workers[1].alive or pool.workers[1].pid != mid_victim.pid, 10,
+                what="the pool to see the death")
     (tmp_path / "go").touch()
     result = await asyncio.wait_for(batch, 90)
     assert [s.status.value for s in result.samples] == [x for x in expected for _ in range(2)]
@@ -318,7 +311,8 @@ async def test_item3d_calls_after_aclose_raise_a_clear_error(
     wait = {"wait_for": str(tmp_path / "never"), "started_dir": str(tmp_path / "started")}
     batch = asyncio.create_task(pool.run_batch([{"prompt": f"q {i}", "extra": wait}
                                                 for i in range(4)]))
-    await until(lambda: len(list((tmp_path / "started").iterdir())) == 4, "every sample to start")
+    await until(lambda: len(list((tmp_path / "started").iterdir())) == 4, 60,
+                what="every sample to start")
     await asyncio.wait_for(pool.aclose(), 60)
     result = await asyncio.wait_for(batch, 60)
     assert result.stats.by_status == {"aborted": 4}, [s.error for s in result.samples]

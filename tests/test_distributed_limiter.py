@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from _waits import until
 
 ray = pytest.importorskip("ray")
 
@@ -43,13 +44,6 @@ async def actor(cluster: None) -> AsyncIterator[Any]:
     ray.kill(handle)
 
 
-async def until(condition: Any, within: float = 60.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 def jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
 
@@ -69,7 +63,7 @@ async def test_fleet_rate_and_fairness_with_keys_spread_unevenly(actor: Any) -> 
     start = time.monotonic()
     tasks = [asyncio.create_task(caller(w, k)) for w, keys in SPREAD.items() for k in keys
              for _ in range(4)]  # 4 callers per key: every key stays backlogged
-    await until(lambda: len(grants) >= 400)
+    await until(lambda: len(grants) >= 400, 60)
     stop.set()
     for task in tasks:
         task.cancel()
@@ -106,13 +100,13 @@ async def test_a_dead_workers_queued_leases_are_withdrawn(actor: Any) -> None:
 
     dead_tasks = [asyncio.create_task(caller(dead, "d")) for _ in range(8)]
     alive_tasks = [asyncio.create_task(caller(alive, "a")) for _ in range(8)]
-    await until(lambda: got["d"] >= 10 and got["a"] >= 10)
+    await until(lambda: got["d"] >= 10 and got["a"] >= 10, 60)
     withdrawn = await actor.release.remote("dead")
     assert withdrawn >= 1  # its lease requests were queued at the actor
     results = await asyncio.gather(*dead_tasks, return_exceptions=True)
     assert all(isinstance(r, LimiterClosed) for r in results), results
     before = got["a"]
-    await until(lambda: got["a"] >= before + 40)  # the live worker goes on alone
+    await until(lambda: got["a"] >= before + 40, 60)  # the live worker goes on alone
     stop.set()
     for task in alive_tasks:
         task.cancel()
@@ -138,7 +132,7 @@ async def test_tokens_of_a_lease_nobody_used_are_handed_back(actor: Any) -> None
     # all 5 are there for another worker at once (refilling them would take 50 s). Waiting
     # for the hand-back first: Ray does not promise to run an async actor's calls in the
     # order they were sent, so the second worker's lease could otherwise come first.
-    await until(lambda: first.stats()["slow"].keys["x"].refunded >= 1)
+    await until(lambda: first.stats()["slow"].keys["x"].refunded >= 1, 60)
     await second.get("slow", rate, capacity).acquire("y", cost=5, timeout=20)
     handed_back = first.stats()["slow"].keys["x"].refunded
     stats = (await actor.stats.remote())["slow"]

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _waits import until
 
 from pipeline import AgentMessage, AgentRolloutItem, artifacts, parse_row
 from pipeline.judgers import FunctionJudger, JudgerTimeout, ProcessPool, WorkerError
@@ -43,13 +44,6 @@ def still_there(pids: list[int]) -> list[int]:
     return [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
 
 
-async def wait_until(predicate, limit_s: float = 3.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.01)
-    return predicate()
 
 
 def item_for(answer: str, ground_truth: object = None, **extra: object) -> AgentRolloutItem:
@@ -86,7 +80,7 @@ async def test_timeout_kills_the_worker_and_a_fresh_one_takes_over() -> None:
         with pytest.raises(JudgerTimeout, match=r"ran past its 0\.2s limit"):
             await pool.call(time.sleep, 30, timeout_s=0.2)
         assert time.monotonic() - started < 10.0  # far below the 30 s sleep: the limit cut it
-        assert await wait_until(lambda: not alive(pid))
+        await until(lambda: not alive(pid), 3)
         assert await pool.call(os.getpid) not in (pid, os.getpid())
         assert pool.killed == 1
 
@@ -116,13 +110,13 @@ async def test_functions_that_cannot_be_pickled_fail_clearly() -> None:
 async def test_cancelling_a_call_kills_its_worker() -> None:
     async with ProcessPool(1) as pool:
         task = asyncio.create_task(pool.call(time.sleep, 30))
-        assert await wait_until(lambda: bool(pool.pids) and pool.started == 1)
+        await until(lambda: bool(pool.pids) and pool.started == 1, 3)
         pid = pool.pids[0]
         await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await wait_until(lambda: not alive(pid))
+        await until(lambda: not alive(pid), 3)
         assert await pool.call(operator.neg, 1) == -1
 
 
@@ -132,13 +126,13 @@ async def test_timeout_kills_the_functions_own_children(rewards, tmp_path: Path)
         with pytest.raises(JudgerTimeout):
             await pool.call(rewards.write_child_pid, str(pid_file), 30, timeout_s=1.5)
         child = int(pid_file.read_text())
-        assert await wait_until(lambda: not alive(child))
+        await until(lambda: not alive(child), 3)
 
 
 async def test_aclose_ends_and_reaps_every_worker_with_calls_in_flight() -> None:
     pool = ProcessPool(3)
     hung = [asyncio.create_task(pool.call(time.sleep, 30)) for _ in range(2)]
-    assert await wait_until(lambda: len(pool.pids) == 2)
+    await until(lambda: len(pool.pids) == 2, 3)
     idle = await pool.call(os.getpid)  # a third worker, idle after this call
     pids = pool.pids
     assert len(pids) == 3 and idle in pids

@@ -12,11 +12,11 @@ import importlib.util
 import math
 import os
 import signal
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _waits import until
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -67,13 +67,6 @@ async def engine(tiny_model_dir: Path) -> Any:
     await eng.aclose()
 
 
-async def until(condition: Callable[[], bool], limit_s: float = 30.0) -> None:
-    """Poll ``condition`` every 10 ms, for at most ``limit_s`` seconds."""
-    for _ in range(int(limit_s * 100)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 def processed(raw_logprobs: Any, temperature: float, top_p: float) -> Any:

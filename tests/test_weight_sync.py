@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _model_fixtures import torch
+from _waits import until
 
 from pipeline import ConfigError, EngineError, FinishReason, Pipeline, SamplingParams, Status
 from pipeline.engines._weight_sync import (
@@ -45,13 +45,6 @@ async def engine(tiny_model_dir: Path) -> Any:
     await synced.aclose()
 
 
-async def until(condition: Callable[[], bool], limit_s: float = 30.0) -> None:
-    """Poll ``condition`` every millisecond, for at most ``limit_s`` seconds."""
-    for _ in range(int(limit_s * 1000)):
-        if condition():
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError("condition not reached in time")
 
 
 def prompt(tokenizer: Any, text: str = "Ben has 3 apples. How many?") -> list[int]:
@@ -100,7 +93,7 @@ async def test_pause_wait_lets_in_flight_finish_and_holds_new_requests(engine, t
     ids = prompt(tiny_tokenizer)
     long = SamplingParams(temperature=1.0, max_tokens=300, seed=1)
     running = asyncio.create_task(engine.generate(ids, long, "long"))
-    await until(lambda: "long" in engine.gate.in_flight)
+    await until(lambda: "long" in engine.gate.in_flight, every_s=0.001)
     await engine.pause("wait")
     assert running.done()  # pause returned only after the request in flight finished
     assert running.result().finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
@@ -117,7 +110,7 @@ async def test_pause_abort_ends_in_flight_samples_aborted(engine, tiny_tokenizer
                         sample_timeout_s=60)
     rows = [{"messages": [{"role": "user", "content": "count"}]}]
     batch = asyncio.create_task(pipeline.run_batch(rows, n=2))
-    await until(lambda: len(engine.gate.in_flight) == 2)
+    await until(lambda: len(engine.gate.in_flight) == 2, every_s=0.001)
     await engine.pause("abort")
     result = await asyncio.wait_for(batch, 30)
     assert [s.status for s in result.samples] == [Status.ABORTED, Status.ABORTED]
@@ -129,7 +122,8 @@ async def test_pause_keep_reports_the_oldest_version(engine, tiny_tokenizer, oth
     ids = prompt(tiny_tokenizer)
     long = SamplingParams(temperature=1.0, max_tokens=400, seed=2)
     running = asyncio.create_task(engine.generate(ids, long, "kept"))
-    await until(lambda: engine.counters.decode_steps >= 3)  # decoding with version 0
+    # decoding with version 0
+    await until(lambda: engine.counters.decode_steps >= 3, every_s=0.001)
     await engine.pause("keep")
     assert not running.done()
     await engine.update_weights(path=other_model_dir)
