@@ -11,8 +11,8 @@ event loop never runs model code. The worker runs a continuous batch:
 
 Only full-attention decoder models are supported (the cache is padded on the left and sliced
 by rows, which sliding-window layers do not allow). Extension points for later work: weight
-sync runs code between steps with :meth:`TransformersEngine.call_in_worker`; capturing MoE
-router choices belongs in :meth:`TransformersEngine._forward` (``output_router_logits``).
+sync runs code between steps with :meth:`TransformersEngine.call_in_worker`; the forward
+passes themselves are :mod:`pipeline.engines._torch_forward`'s.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib
-import inspect
 import queue
 import threading
 import zlib
@@ -31,12 +30,12 @@ from typing import Any, TypeVar
 
 import structlog
 import torch
-import torch.nn.functional as F
 
 from pipeline._data.config import SamplingParams
 from pipeline._data.models import FinishReason
 from pipeline._exceptions import ConfigError, EngineError
 from pipeline.engines._base import Generation
+from pipeline.engines._torch_forward import ModelSteps
 from pipeline.engines._torch_sampling import (
     ProcessorFactory,
     apply_processors,
@@ -50,7 +49,6 @@ from pipeline.engines._torch_worker import (
     eos_ids,
     keep_rows,
     merge_batches,
-    new_cache,
 )
 from pipeline.engines.moe import RouterCapture
 
@@ -124,15 +122,8 @@ class TransformersEngine:
         """Version of the loaded weights; reported on every generation (weight sync sets it)."""
         self.counters = EngineCounters()
         self.routes: RouterCapture | None = RouterCapture(self.model) if capture_routes else None
-        self._step_valid: torch.Tensor | None = None  # which input positions were real tokens
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        # vision-language models (the Qwen2-VL family): their mrope position function and
-        # image token; None for text models
-        inner = getattr(model, "model", None)
-        self._rope_index: Callable[..., Any] | None = getattr(inner, "get_rope_index", None)
-        self._image_token_id = getattr(model.config, "image_token_id", None)
-        self._dtype = next(model.parameters()).dtype
+        self.steps = ModelSteps(self.model, self.pad_token_id, self.counters)
+        """The forward passes (:mod:`._torch_forward`), run by the worker thread."""
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._known: dict[str, Request] = {}  # worker thread only: queued or running
@@ -195,7 +186,7 @@ class TransformersEngine:
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise EngineError(f"request {request_id}: prompt holds a token id outside "
                               f"[0, {self.vocab_size})")
-        if multi_modal and self._rope_index is None:
+        if multi_modal and not self.steps.takes_images:
             raise EngineError(f"request {request_id}: the model takes no images "
                               f"({type(self.model).__name__})")
         room = self.max_model_len - len(prompt)
@@ -346,63 +337,16 @@ class TransformersEngine:
                 break
             longest = longest_if
             group.append(waiting.pop(0))
-        ids = torch.full((len(group), longest), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(group), longest), dtype=torch.long)
-        for i, request in enumerate(group):
-            # A recomputed request prefills the tokens it sampled too (see call_in_worker).
-            context = request.prompt + request.tokens
-            ids[i, longest - len(context):] = torch.tensor(context)
-            mask[i, longest - len(context):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = new_cache()
-        vision = self._vision_inputs(group, ids, mask)
-        if vision:  # 3-D positions: after an image they run on from its largest + 1
-            positions = vision.pop("position_ids")
-        logits = self._forward(ids, mask, positions, cache, **vision)
-        self.counters.prefill_calls += 1
-        self.counters.prefill_tokens += int(mask.sum())
-        last = positions[..., -1].amax(0) if positions.dim() == 3 else positions[:, -1]
-        fresh = Batch(group, cache, mask, last + 1, torch.zeros(0))
+        fresh, logits = self.steps.prefill(group)
         return merge_batches(batch, self._sample_and_settle(fresh, logits))
 
     def _decode(self, batch: Batch) -> Batch | None:
-        batch.mask = F.pad(batch.mask, (0, 1), value=1)
-        logits = self._forward(batch.last[:, None], batch.mask, batch.positions[:, None],
-                               batch.cache)
-        batch.positions = batch.positions + 1
-        self.counters.decode_steps += 1
-        self.counters.decode_rows += len(batch.rows)
-        self.counters.max_batch_rows = max(self.counters.max_batch_rows, len(batch.rows))
-        return self._sample_and_settle(batch, logits)
-
-    def _vision_inputs(self, group: list[Request], ids: torch.Tensor,
-                       mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The prefill's pixel inputs and the model's own 3-D rope positions for them
-        (``get_rope_index``), when a row of ``group`` has images; else empty."""
-        inputs = [r.images for r in group if r.images]
-        if not inputs:
-            return {}
-        assert self._rope_index is not None
-        grid = torch.cat([i.image_grid_thw for i in inputs]).to(self.device)
-        pixels = torch.cat([i.pixel_values for i in inputs]).to(self.device, self._dtype)
-        kinds = (ids == self._image_token_id).int()
-        positions, _ = self._rope_index(ids, kinds, image_grid_thw=grid, attention_mask=mask)
-        return {"position_ids": positions, "pixel_values": pixels, "image_grid_thw": grid}
-
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 cache: Any, **vision: torch.Tensor) -> torch.Tensor:
-        """One forward pass; returns float32 logits of each row's last position ``[B, V]``."""
-        self._step_valid = mask[:, -ids.shape[1]:]
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, logits_to_keep=1, **vision,
-                         **{self._cache_kwarg: cache})
-        return out.logits[:, -1, :].float()
+        return self._sample_and_settle(batch, self.steps.decode(batch))
 
     def _sample_and_settle(self, batch: Batch, logits: torch.Tensor) -> Batch | None:
         rows = batch.rows
         if self.routes is not None:
-            self.routes.record([r.request_id for r in rows], self._step_valid)
+            self.routes.record([r.request_id for r in rows], self.steps.step_valid)
         broken = apply_processors(rows, logits)
         next_ids, tokens, logprobs = sample_rows(logits, [r.sampling for r in rows],
                                                  [r.generator for r in rows])
