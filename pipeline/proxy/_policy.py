@@ -28,7 +28,7 @@ given. A field no rule names (a vendor extension such as ``top_k``) is refused t
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -272,14 +272,27 @@ def _parallel(value: Any, body: Mapping[str, Any]) -> str | None:
     return SINGLE_CALL if value is False and body.get("tools") else None
 
 
-def _stream_options(value: Any, body: Mapping[str, Any]) -> str | None:
+def known_keys(name: str, value: Any, known: Collection[str]) -> Mapping[str, Any] | None:
+    """The object value of field ``name`` once every key is one of ``known``; None for null.
+
+    Raises:
+        ValueError: the value is no object (a 400 naming the field).
+        Refuse: a key outside ``known`` (an option the proxy does not know is not ignored).
+    """
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise Refuse("stream_options must be an object")
-    unknown = set(value) - {"include_usage", "include_obfuscation"}
+        raise ValueError("expected an object")
+    unknown = set(value) - set(known)
     if unknown:
-        raise Refuse(f"stream_options {sorted(unknown)} are not known")
+        raise Refuse(f"{name} {sorted(unknown)} are not known")
+    return value
+
+
+def _stream_options(value: Any, body: Mapping[str, Any]) -> str | None:
+    if value is not None and not isinstance(value, Mapping):
+        raise Refuse("stream_options must be an object")
+    known_keys("stream_options", value, ("include_usage", "include_obfuscation"))
     return None
 
 
@@ -294,14 +307,8 @@ _REASONING_KEYS = ("effort", "summary", "generate_summary")
 
 
 def _reasoning(value: Any, body: Mapping[str, Any]) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise ValueError("expected an object")
-    unknown = set(value) - set(_REASONING_KEYS)
-    if unknown:
-        raise Refuse(f"reasoning {sorted(unknown)} are not known")
-    if value.get("effort") is not None and value["effort"] not in EFFORTS:
+    value = known_keys("reasoning", value, _REASONING_KEYS)
+    if value is not None and value.get("effort") is not None and value["effort"] not in EFFORTS:
         raise ValueError(f"effort: expected one of {', '.join(EFFORTS)}")
     return None
 

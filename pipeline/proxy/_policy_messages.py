@@ -20,6 +20,7 @@ from pipeline.proxy._policy import (
     Refuse,
     check_served,
     hint_parts,
+    known_keys,
     no_effect_rule,
     one_of,
     refused_rule,
@@ -40,9 +41,7 @@ def _anthropic_tool_choice(value: Any, body: Mapping[str, Any]) -> tuple[str, ..
         raise ValueError("type: expected one of auto, any, tool, none")
     if kind == "tool" and not isinstance(value.get("name"), str):
         raise ValueError("a tool choice of type tool needs a string name")
-    unknown = set(value) - {"type", "name", "disable_parallel_tool_use"}
-    if unknown:
-        raise Refuse(f"tool_choice {sorted(unknown)} are not known")
+    known_keys("tool_choice", value, ("type", "name", "disable_parallel_tool_use"))
     needs: tuple[str, ...] = {"any": (TOOL_REQUIRED,), "tool": (TOOL_NAMED,)}.get(
         str(kind), ())
     if value.get("disable_parallel_tool_use") and body.get("tools") and kind != "none":
@@ -61,13 +60,9 @@ def _anthropic_format(fmt: Any) -> str | None:
 
 
 def _output_config(value: Any, body: Mapping[str, Any]) -> str | None:
+    value = known_keys("output_config", value, ("effort", "format"))
     if value is None:
         return None
-    if not isinstance(value, Mapping):
-        raise ValueError("expected an object")
-    unknown = set(value) - {"effort", "format"}
-    if unknown:
-        raise Refuse(f"output_config {sorted(unknown)} are not known")
     one_of(ANTHROPIC_EFFORTS)(value.get("effort"), body)
     return _anthropic_format(value.get("format"))
 
