@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from _ports import free_port
 from _vllm_server import MODEL, run_vllm_server
+from _waits import until
 from aiohttp import web
 
 from pipeline import (
@@ -63,9 +64,9 @@ def generated_tokens(url: str) -> float:
                if line.startswith("vllm:generation_tokens_total"))
 
 
-def running_requests(url: str) -> float:
-    """The server's ``vllm:num_requests_running`` gauge."""
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+def running_requests(url: str, timeout_s: float = 5.0) -> float:
+    """The server's ``vllm:num_requests_running`` gauge (read without the library)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout_s) as resp:
         text = resp.read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("vllm:num_requests_running")]
@@ -73,13 +74,6 @@ def running_requests(url: str) -> float:
     return sum(values)
 
 
-async def until(condition: Callable[[], bool], limit_s: float = 30.0) -> None:
-    """Poll ``condition`` every 20 ms, for at most ``limit_s`` seconds."""
-    for _ in range(int(limit_s * 50)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 # ----- against the real vLLM server -------------------------------------------------------
@@ -385,17 +379,32 @@ async def test_the_server_load_is_read_from_vllm_metrics(server, tiny_tokenizer)
         pipe = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tiny_tokenizer,
                         sampling=SamplingParams(max_tokens=512), progress_log_s=None)
         batch = asyncio.ensure_future(pipe.run_batch(COUNT_ROWS))
-        # Read until the server reports its batch: on a loaded machine a scrape can take
-        # most of its 2 s limit (a reading of 40 x 256 tokens saw only idle pages once).
-        busy: EngineLoad | None = None
-        while not batch.done() and busy is None:
-            load = await engine.load()
-            if load is not None and load.running > 1:
-                busy = load
+        # Read while the batch is known to be in the server, and with nothing else to do:
+        # vLLM sets its gauges at each engine step, but while this process handles the
+        # batch's answers on a loaded machine its loop lags seconds (1.9 s measured beside
+        # four CPU burners), and a scrape (2 s limit) that spans the lag reads nothing. So:
+        # wait (patiently, from a thread) until the server runs the whole batch, freeze it
+        # there (pause "keep": no step, gauges as last set), then read through the engine.
+        for _ in range(600):
+            if batch.done() or await asyncio.to_thread(running_requests, server, 30) \
+                    == len(COUNT_ROWS):
+                break
             await asyncio.sleep(0.05)
+        assert not batch.done(), "the server never ran the whole batch at once"
+        await engine.pause("keep")
+        try:
+            frozen = await asyncio.to_thread(running_requests, server, 30)
+            busy = None
+            for _ in range(20):  # bounded: a reading fails only if this loop lags 2 s
+                busy = await engine.load()
+                if busy is not None:
+                    break
+        finally:
+            await engine.resume()
         result = await batch
         assert result.stats.by_status == {"completed": 40}
         assert busy is not None  # the server reported its batch
+        assert busy.running == frozen > 1
         assert (busy.kv_usage or 0.0) > idle.kv_usage
     finally:
         await engine.aclose()
