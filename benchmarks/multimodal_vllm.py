@@ -349,7 +349,7 @@ def raw_preprocess_s(processor: Any, data: list[dict[str, Any]]) -> float:
     from pipeline._text.render import render
     from pipeline.multimodal import VisionProcessor
 
-    vision = VisionProcessor(processor)
+    vision = processor if isinstance(processor, VisionProcessor) else VisionProcessor(processor)
     start = time.perf_counter()
     for row in data:
         kept, images = vision.load_messages(row["messages"])
