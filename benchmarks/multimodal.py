@@ -211,7 +211,8 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = ensure_tiny_vl_model()
     vision = VisionProcessor(tiny_vl_processor(model_dir))
-    figures = {"parameters": vars(args), "pipeline_commit": pipeline_commit(), "model": "tiny Qwen2.5-VL (random weights, "
+    figures = {"parameters": vars(args), "pipeline_commit": pipeline_commit(),
+               "model": "tiny Qwen2.5-VL (random weights, "
                "pipeline.multimodal.ensure_tiny_vl_model)",
                "render": render_figures(vision, args.repeat)}
     figures["throughput"] = asyncio.run(throughput(model_dir, vision, args.groups, args.n,
