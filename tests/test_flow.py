@@ -273,3 +273,37 @@ async def test_resized_slots_let_waiters_in_and_pay_back_a_shrink():
     slots.release()
     await asyncio.sleep(0)
     assert waiters[2].done() and slots.in_use == 1
+
+
+def test_a_reading_just_after_preemptions_is_not_room_to_grow():
+    # A preempted sequence frees its KV and goes back to the engine's queue, so the reading
+    # after a burst of preemptions shows KV below kv_high and a queue: "room" by the KV
+    # alone. On an H200 (vLLM's server, a 1 GiB cache) growth on such readings took the
+    # limit to 1,168 where fixed 256 ran best. Room needs half a turnover without one.
+    from pipeline._concurrency.slots import FifoSlots
+    from pipeline._runner.adaptive import ConcurrencyController
+    from pipeline.engines import EngineLoad
+
+    slots = FifoSlots(100)
+    assert all(slots.take_now() for _ in range(100))  # every slot held: demand at the limit
+    controller = ConcurrencyController(slots, AdaptiveConcurrency())
+    preempted = 0
+    now = 0.0
+    for _ in range(21):  # 2 s full and preempting: 100 completions a second, turnover 1 s
+        for _ in range(10):
+            controller.sample_done()
+        preempted += 5
+        controller.update(EngineLoad(running=100, waiting=100, kv_usage=0.99,
+                                     preemptions=preempted, max_running=1024), now)
+        now += 0.1
+    assert controller.limit == 100 and 0.9 < controller.turnover_s < 1.1
+    limits = []
+    for _ in range(8):  # the preemptions stop; KV reads 0.8 with the same queue
+        for _ in range(10):
+            controller.sample_done()
+        controller.update(EngineLoad(running=100, waiting=100, kv_usage=0.8,
+                                     preemptions=preempted, max_running=1024), now)
+        limits.append(round(controller.limit))
+        now += 0.1
+    assert limits[:4] == [100] * 4, limits  # within half a turnover of the last preemption
+    assert limits[-1] > 100, limits  # then the engine has room again, and the limit grows

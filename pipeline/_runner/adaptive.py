@@ -12,9 +12,9 @@ samples finish, so every rate is per turnover, and the load is read
   the limit moves by the gap per turnover, counted in samples
   (x admitted samples per request in the engine, at most :data:`SPREAD_MAX`: a sample on a
   tool holds no KV and is not in the engine), and holds within :data:`DEADBAND` of it;
-- while the engine has *room* (KV below ``kv_high``, running below its cap, no preemption)
-  its queue is requests in transit and counts as empty: the gap is then the whole target,
-  so the limit doubles per turnover until the engine is full;
+- while the engine has *room* (KV below ``kv_high``, running below its cap, no preemption
+  for half a turnover) its queue is requests in transit and counts as empty: the gap is
+  then the whole target, so the limit doubles per turnover until the engine is full;
 - growth is clocked by completions (as TCP's slow start is by acks): one more slot per
   sample completed, so at most x2 per real turnover, and none before the first completion;
 - *shrink* by :data:`SHRINK` when the engine thrashes (more than ``preempt_high``
@@ -143,6 +143,7 @@ class ConcurrencyController:
         self._held_until = -math.inf
         self._in_engine = 0.0
         self._last_shrink = -math.inf
+        self._last_preempted = -math.inf  # when the engine last preempted (loop clock)
         self._avg: tuple[float, float] | None = None
         # The clock of the loop the controller runs on (the default loop's is
         # time.monotonic; a virtual-time loop's advances only with its timers, so that a
@@ -240,7 +241,13 @@ class ConcurrencyController:
         # Room: one more sequence fits now. A queue then is requests in transit (admitted
         # at the engine's next step, or after its prefill budget), not a full engine: at a
         # batch's start it read as "full" and ended the growth after one reading.
-        room = self._filling(load) and not preempted
+        # Not within half a turnover of a preemption either: a preempted sequence frees its
+        # KV and goes back to the queue, so the next reading shows KV below kv_high and a
+        # queue, which read as room grew the limit into the preemptions (on an H200, a 1 GiB
+        # cache holding ~210 requests: 1,168 admitted, twice fixed 256's preemptions).
+        if preempted:
+            self._last_preempted = now
+        room = self._filling(load) and now - self._last_preempted >= turnover / 2
         # With room, the gap is what runs now (the slow average would slow the climb);
         # once full, the target is the slow average: the running count moves by half as
         # long sequences come and go, and a target that rose with it at once swung the
