@@ -23,9 +23,11 @@ Per run: process CPU time per sample (the whole ``run_batch``: items, stages, sa
 stats), wall time, the peak RSS growth per sample while the batch runs (sampled every
 10 ms), the collector's passes per generation and the time they took (``gc.callbacks``), and
 what a finished batch still holds per sample (Python allocations alive after ``run_batch``
-returned, held by its result; tracemalloc in a separate, smaller run), and the objects the
-collector tracks per finished sample and per sample in flight, in all and by type (what each
-full collection walks).
+returned, held by its result; tracemalloc in a separate, smaller run), the objects the
+collector tracks per finished sample (held with its item, and as its ``RolloutSample``
+alone), per sample in flight and per sample queued for a slot, in all and by type (what each
+full collection walks), and how many objects the full passes of a 10,000-sample batch walk
+in all, per sample (counted in a separate, untimed run).
 """
 
 from __future__ import annotations
@@ -174,18 +176,25 @@ def kept_after(workload: str, size: int) -> dict[str, Any]:
 
 def tracked_objects(workload: str, size: int) -> dict[str, Any]:
     """Objects the cyclic collector tracks per sample (``gc.get_objects()``, after a
-    collection), in all and by type: per finished sample held in the result and, for the
-    single-turn workload, per sample waiting on the engine (every sample in flight, the
-    engine's latency raised)."""
+    collection), in all and by type: per finished sample held in the result, per finished
+    sample held as its ``RolloutSample`` alone (what a consumer that keeps only the samples
+    would hold, were the items not kept), and, for the single-turn workload, per sample
+    waiting on the engine (every sample in flight, the engine's latency raised) and per
+    sample queued for a concurrency slot (one slot: all but one sample queue)."""
     make_pipe, make_rows = WORKLOADS[workload]
     out: dict[str, Any] = {}
     base = census()
     result = asyncio.run(make_pipe(size).run_batch(make_rows(size)))
     out["per_kept_sample"], out["kept_by_type"] = per_sample(census() - base, size)
+    samples = result.samples
     del result
+    out["per_sample_alone"], _ = per_sample(census() - base, size)
+    del samples
     if workload == "single":
         out["per_sample_in_flight"], out["in_flight_by_type"] = asyncio.run(
-            _in_flight_count(size))
+            _in_flight_count(size, size))
+        out["per_sample_queued"], out["queued_by_type"] = asyncio.run(
+            _in_flight_count(size, 1))
     return out
 
 
@@ -201,21 +210,48 @@ def per_sample(delta: collections.Counter[str], size: int) -> tuple[float, dict[
             {name: round(n / size, 2) for name, n in delta.most_common() if n / size >= 0.05})
 
 
-async def _in_flight_count(size: int) -> tuple[float, dict[str, float]]:
-    pipe = single_pipeline(size)
+async def _in_flight_count(size: int, slots: int) -> tuple[float, dict[str, float]]:
+    """Per sample, once ``slots`` samples wait on the engine and the rest for a slot."""
+    pipe = single_pipeline(slots)
     engine = pipe.resources.engine
     assert isinstance(engine, SimulatedEngine)
     engine.latency_s = 600.0
     base = census()
     batch = asyncio.ensure_future(pipe.run_batch(single_rows(size)))
-    for _ in range(60_000):  # bounded: every sample reaches the engine within seconds
+    waiters = None
+    for _ in range(60_000):  # bounded: every sample reaches the engine or a slot's queue
         await asyncio.sleep(0.001)
-        if len(engine.in_flight) == size:
+        waiters = waiters or pipe._loop_state().slots.waiters
+        if len(engine.in_flight) == slots and len(waiters) == size - slots:
             break
     counts = per_sample(census() - base, size)
-    await engine.aclose()  # the samples end aborted
+    engine.latency_s = 0.0  # the queued samples then end at once, once a slot is theirs
+    await engine.aclose()  # the samples at the engine end aborted
     await batch
     return counts
+
+
+def full_pass_walk(workload: str, size: int) -> dict[str, Any]:
+    """Objects the collector's full passes walk during one batch with CPython's settings,
+    per sample: ``gc.get_objects()`` counted as each full pass starts (a separate, untimed
+    run: counting takes time of its own)."""
+    make_pipe, make_rows = WORKLOADS[workload]
+    pipe, rows = make_pipe(size), make_rows(size)
+    gc.collect()
+    walked: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            walked.append(len(gc.get_objects()))
+
+    gc.callbacks.append(count)
+    try:
+        result = asyncio.run(pipe.run_batch(rows))
+    finally:
+        gc.callbacks.remove(count)
+    assert result.stats.by_status == {"completed": size}
+    return {"samples": size, "full_passes": len(walked),
+            "walked_per_sample": round(sum(walked) / size, 1)}
 
 
 def table(sizes: list[int], repeats: int, workloads: list[str],
@@ -258,6 +294,8 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=["library_gc", "edge_gc"],
                         default=["library_gc", "edge_gc"])
     parser.add_argument("--name", default="flat_cost", help="results file name")
+    parser.add_argument("--table-only", action="store_true",
+                        help="the CPU table alone (no memory, object or walk counts)")
     args = parser.parse_args()
     figures: dict[str, Any] = {"engine": "simulated (no model)", "latency_s": LATENCY_S,
                                "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
@@ -266,9 +304,12 @@ def main() -> None:
                                "goal_cpu_ratio": 1.15, "goal_memory_kb_per_sample": 5,
                                "table": table(args.sizes, args.repeats, args.workloads,
                                               args.settings)}
-    figures["kept"] = {w: kept_after(w, 2000) for w in args.workloads}
-    figures["tracked_objects"] = {w: tracked_objects(w, 2000) for w in args.workloads}
-    print(f"after run_batch: {figures['kept']}; tracked objects: {figures['tracked_objects']}")
+    if not args.table_only:
+        figures["kept"] = {w: kept_after(w, 2000) for w in args.workloads}
+        figures["tracked_objects"] = {w: tracked_objects(w, 2000) for w in args.workloads}
+        figures["full_pass_walk"] = {w: full_pass_walk(w, 10_000) for w in args.workloads}
+        print(f"after run_batch: {figures['kept']}; tracked objects: "
+              f"{figures['tracked_objects']}; full passes: {figures['full_pass_walk']}")
     figures["load_average_after"] = os.getloadavg()
     if not args.quick:
         print(f"written to {write_result(args.name, figures)}")
