@@ -383,17 +383,24 @@ async def test_the_server_load_is_read_from_vllm_metrics(server, tiny_tokenizer)
         # vLLM sets its gauges at each engine step, but while this process handles the
         # batch's answers on a loaded machine its loop lags seconds (1.9 s measured beside
         # four CPU burners), and a scrape (2 s limit) that spans the lag reads nothing. So:
-        # wait (patiently, from a thread) until the server runs the whole batch, freeze it
-        # there (pause "keep": no step, gauges as last set), then read through the engine.
+        # wait (patiently, from a thread) until the server runs the batch, freeze it there
+        # (pause "keep": no step, gauges as last set), then read through the engine. (Not
+        # all 40 need run at once: a sample may sample the template's end-of-turn id early,
+        # a stop id that ignore_eos keeps; the rest run to 512 tokens together.)
         for _ in range(600):
-            if batch.done() or await asyncio.to_thread(running_requests, server, 30) \
-                    == len(COUNT_ROWS):
+            if batch.done() or await asyncio.to_thread(running_requests, server, 30) > 1:
                 break
             await asyncio.sleep(0.05)
-        assert not batch.done(), "the server never ran the whole batch at once"
+        assert not batch.done(), "the server never reported the batch running"
         await engine.pause("keep")
         try:
             frozen = await asyncio.to_thread(running_requests, server, 30)
+            for _ in range(50):  # the server may still record its last outputs: until it holds
+                await asyncio.sleep(0.2)
+                again = await asyncio.to_thread(running_requests, server, 30)
+                if again == frozen:
+                    break
+                frozen = again
             busy = None
             for _ in range(20):  # bounded: a reading fails only if this loop lags 2 s
                 busy = await engine.load()
