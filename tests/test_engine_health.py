@@ -331,3 +331,25 @@ def test_bad_health_settings_name_the_field():
         with pytest.raises(ConfigError, match=field) as info:
             OpenAIEngine("http://127.0.0.1:1", model="m", **{field: bad})
         assert info.value.field == field
+
+
+async def test_requests_sent_that_the_server_counts_nowhere_read_as_waiting():
+    # vLLM's gauges count a request once its API frontend handed it to the scheduler; a busy
+    # frontend holds hundreds of received ones. Flow control must see them as queued, not
+    # as room (on an H200, ~600 of ~1,000 sent were in neither gauge and the limit grew).
+    server = await VllmLike().start()  # its /metrics: 3 running, 1 waiting
+    server.release.clear()
+    engine = OpenAIEngine([server.url], model="m")
+    try:
+        sent = [asyncio.create_task(engine.generate([k], SamplingParams(), f"q{k}-0-0"))
+                for k in range(10)]
+        await until(lambda: len(server.seen) == 10)
+        load = await engine.load()
+        assert load is not None and (load.running, load.waiting) == (3, 7)  # 10 - 3 running
+        server.release.set()
+        await asyncio.gather(*sent)
+        load = await engine.load()  # nothing in flight: the server's own counts
+        assert load is not None and (load.running, load.waiting) == (3, 1)
+    finally:
+        await engine.aclose()
+        await server.stop()

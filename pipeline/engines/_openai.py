@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -315,9 +316,23 @@ class OpenAIEngine:
         when none reports them. Read by adaptive concurrency (:mod:`pipeline._runner.adaptive`).
         Servers that are down are not asked (a hung one would hold the reading for the
         scrape's timeout); with none up, there is no reading.
+
+        Requests this engine has sent to those servers that they count neither running nor
+        waiting count as waiting: a server's scheduler counts a request only once its API
+        frontend has handed it over, and a busy frontend holds hundreds (on an H200 with
+        ~1,000 requests sent, ~600 were in neither gauge; read as a short queue they grew
+        the limit). Other clients' requests are not known here: a shared server's counts can
+        only cover more than this engine's own.
         """
         urls = self.health.healthy()
-        return await scrape_load(self._get_session(), urls) if urls else None
+        if not urls:
+            return None
+        load = await scrape_load(self._get_session(), urls)
+        if load is None:
+            return None
+        sent = sum(server.in_flight for server in self.servers if server.url in urls)
+        unscheduled = sent - load.running - load.waiting
+        return replace(load, waiting=load.waiting + unscheduled) if unscheduled > 0 else load
 
     async def abort(self, request_id: str) -> None:
         """Close ``request_id``'s connection (the server aborts it); its ``generate``
