@@ -194,8 +194,12 @@ def train(args: argparse.Namespace) -> None:
     (work / f"{args.loop}.command.json").write_text(json.dumps(command, indent=1))
     start = time.monotonic()
     with log.open("w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                              cwd=ROOT, timeout=args.timeout_s, check=False).returncode
+        try:
+            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                  cwd=ROOT, timeout=args.timeout_s, check=False).returncode
+        except subprocess.TimeoutExpired:  # the steps logged so far are still kept
+            code = 124
+            print(f"{args.loop}: stopped at --timeout-s {args.timeout_s:.0f} s")
     wall = time.monotonic() - start
     steps = parse_steps(log.read_text(errors="replace"))
     (work / f"{args.loop}.steps.json").write_text(json.dumps(

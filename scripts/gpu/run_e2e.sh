@@ -7,6 +7,13 @@
 #   bash scripts/gpu/run_e2e.sh train verl       # the same with verl's ToolAgentLoop
 #   bash scripts/gpu/run_e2e.sh report           # benchmarks/results/verl_gpu_e2e.json
 #
+# A train that may outlast one device call (10 minutes; a start-up of ~4 minutes plus five
+# steps of ~65 s did, on an H200 on 2026-11-27) runs in the background instead, in its own
+# process session so it outlives the call; the machine must be kept (calls back to back):
+#
+#   bash scripts/gpu/run_e2e.sh start pipeline   # returns at once
+#   bash scripts/gpu/run_e2e.sh wait pipeline    # until it ended, at most 570 s; again if not
+#
 # Extra arguments after the loop go to verl_gpu_e2e.py train (hydra overrides after "--").
 # Logs and per-step records are copied to $OUT (the device call's return folder) when set.
 set -uo pipefail
@@ -37,10 +44,29 @@ PY
     fi
     exit $code
     ;;
+  start)
+    loop=$1; shift
+    ray stop --force >/dev/null 2>&1
+    rm -f "$E2E/$loop.steps.json"
+    setsid nohup python3 benchmarks/verl_gpu_e2e.py train --work "$E2E" --loop "$loop" \
+      --timeout-s 1500 "$@" > "$E2E/$loop.driver.log" 2>&1 < /dev/null &
+    echo "started $loop in the background (pid $!)"
+    ;;
+  wait)
+    loop=$1; limit=${2:-570}; end=$((SECONDS + limit))
+    while [ ! -f "$E2E/$loop.steps.json" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+    grep -o "step:[0-9]* " "$E2E/$loop.log" | sort -u | tail -1
+    if [ -n "${OUT:-}" ]; then
+      tail -c 15000000 "$E2E/$loop.log" > "$OUT/$loop.log"
+      cp "$E2E/$loop.steps.json" "$E2E/$loop.command.json" "$E2E/$loop.driver.log" "$OUT/" \
+        2>/dev/null
+    fi
+    [ -f "$E2E/$loop.steps.json" ] && cat "$E2E/$loop.driver.log" || echo "$loop still running"
+    ;;
   report)
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
     python3 benchmarks/verl_gpu_e2e.py report --work "$E2E" --card "$card" "$@"
     [ -n "${OUT:-}" ] && cp benchmarks/results/verl_gpu_e2e.json "$OUT/"
     ;;
-  *) echo "unknown step $what (setup, train LOOP, report)" >&2; exit 2 ;;
+  *) echo "unknown step $what (setup, train|start|wait LOOP, report)" >&2; exit 2 ;;
 esac
