@@ -38,7 +38,6 @@ from pipeline._runner.outcome import (
 from pipeline._runner.producer import Batch, SampleCallback, SampleRun
 from pipeline._runner.stage import (
     must_wait_turn,
-    stage_call,
     stage_raised,
     stage_returned,
     start_stage,
@@ -139,9 +138,9 @@ class SampleRunner:
                                     stage = stages[i]
                                     if must_wait_turn(stage, ctx):
                                         await ctx.loop_slice.wait_turn()  # type: ignore[union-attr]
-                                    record = start_stage(stage, item, ctx)
+                                    record, call = start_stage(stage, item, ctx)
                                     try:
-                                        await stage_call(stage, item, ctx, record.start)
+                                        await call
                                         stage_returned(stage, item, ctx)
                                     except BaseException as exc:
                                         stage_raised(record, exc, ctx)

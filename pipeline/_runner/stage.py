@@ -174,15 +174,15 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     (its record ends ``timeout``; the sample too, the error naming the stage).
 
     The sample runner runs a pipeline's top-level stages with the same steps written out in
-    its own coroutine (:func:`must_wait_turn`, :func:`start_stage`, :func:`stage_call`,
-    :func:`stage_returned`, :func:`stage_raised`), so that a sample in flight holds no frame
+    its own coroutine (:func:`must_wait_turn`, :func:`start_stage`, :func:`stage_returned`,
+    :func:`stage_raised`), so that a sample in flight holds no frame
     of this function; nested stage lists (``Loop``, ``Route``) run through it.
     """
     if must_wait_turn(stage, ctx):
         await ctx.loop_slice.wait_turn()  # type: ignore[union-attr]  # checked by must_wait_turn
-    record = start_stage(stage, item, ctx)
+    record, call = start_stage(stage, item, ctx)
     try:
-        await stage_call(stage, item, ctx, record.start)
+        await call
         stage_returned(stage, item, ctx)
     except BaseException as exc:
         stage_raised(record, exc, ctx)
@@ -200,23 +200,24 @@ def must_wait_turn(stage: Stage, ctx: Context) -> bool:
     return ctx.loop_slice is not None and ctx.loop_slice.spent()
 
 
-def start_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> StageRecord:
-    """Mark ``stage`` started on the sample and append its record (returned)."""
+def start_stage(stage: Stage, item: AgentRolloutItem,
+                ctx: Context) -> tuple[StageRecord, Awaitable[None]]:
+    """Mark ``stage`` started on the sample and append its record; returns the record and
+    what to await to run the stage: its own ``run`` coroutine (no frame around it), or that
+    run under the stage's budget."""
     start = ctx.mark_started(stage)
     record = StageRecord(stage.name, start, time.time(), "run", ctx.turn)  # positional: faster
     item.records.append(record)
-    return record
-
-
-def stage_call(stage: Stage, item: AgentRolloutItem, ctx: Context,
-               start: float) -> Awaitable[None]:
-    """What to await to run the stage: its own ``run`` coroutine (no frame around it), or
-    that run under the stage's budget."""
-    budget = (getattr(stage, "stage_timeout_s", None) if not ctx.config.stage_timeout_s
-              else stage_budget(stage, ctx))  # the common case without a function call
-    if budget is None:
-        return stage.run(item, ctx)
-    return _run_within(stage, item, ctx, budget, start)
+    try:
+        budget = (getattr(stage, "stage_timeout_s", None) if not ctx.config.stage_timeout_s
+                  else stage_budget(stage, ctx))  # the common case without a function call
+        if budget is None:
+            return record, stage.run(item, ctx)
+        return record, _run_within(stage, item, ctx, budget, start)
+    except BaseException as exc:  # a run that cannot even be called (a wrong signature)
+        stage_raised(record, exc, ctx)
+        record.end = time.monotonic()
+        raise
 
 
 def stage_returned(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
