@@ -174,6 +174,35 @@ def kept_after(workload: str, size: int) -> dict[str, Any]:
             "kept_by_result_kb_per_sample": round((kept - base) / 1024 / size, 2)}
 
 
+def in_flight_memory(size: int) -> dict[str, Any]:
+    """Python memory per single-turn sample while every sample waits on the engine (the
+    engine's latency raised), tracemalloc from before the rows are made: the row, item,
+    records, artifacts, messages, task, coroutines and the simulated engine's timer."""
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    kb = asyncio.run(_in_flight_memory(size, base))
+    tracemalloc.stop()
+    return {"samples": size, "python_alloc_kb_per_sample_in_flight": kb}
+
+
+async def _in_flight_memory(size: int, base: int) -> float:
+    pipe = single_pipeline(size)
+    engine = pipe.resources.engine
+    assert isinstance(engine, SimulatedEngine)
+    engine.latency_s = 600.0
+    batch = asyncio.ensure_future(pipe.run_batch(single_rows(size)))
+    for _ in range(60_000):  # bounded: every sample reaches the engine within seconds
+        await asyncio.sleep(0.001)
+        if len(engine.in_flight) == size:
+            break
+    gc.collect()
+    kb = round((tracemalloc.get_traced_memory()[0] - base) / 1024 / size, 2)
+    await engine.aclose()  # the samples end aborted
+    await batch
+    return kb
+
+
 def tracked_objects(workload: str, size: int) -> dict[str, Any]:
     """Objects the cyclic collector tracks per sample (``gc.get_objects()``, after a
     collection), in all and by type: per finished sample held in the result, per finished
@@ -306,6 +335,8 @@ def main() -> None:
                                               args.settings)}
     if not args.table_only:
         figures["kept"] = {w: kept_after(w, 2000) for w in args.workloads}
+        if "single" in args.workloads:
+            figures["kept"]["single_in_flight"] = in_flight_memory(2000)
         figures["tracked_objects"] = {w: tracked_objects(w, 2000) for w in args.workloads}
         figures["full_pass_walk"] = {w: full_pass_walk(w, 10_000) for w in args.workloads}
         print(f"after run_batch: {figures['kept']}; tracked objects: "
