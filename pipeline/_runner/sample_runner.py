@@ -128,6 +128,9 @@ class SampleRunner:
                     if state.flow.breaker.opened:  # admitted no more: the batch ends on it
                         force_end(item, Status.FAILED, f"not run: {state.flow.breaker.error()}")
                     else:
+                        # Kept here: abandoning the run drops run.task, and the deadline's
+                        # cancel must still be taken back from the task when the stages end.
+                        task = run.task
                         ctx, window = self._enter_stages(run, state)
                         try:
                             try:
@@ -148,7 +151,7 @@ class SampleRunner:
                                     finally:
                                         record.end = time.monotonic()
                             except BaseException as exc:  # SystemExit in a tool fails its
-                                self._leave_stages(run, ctx, window)  # sample, not the batch
+                                self._leave_stages(run, ctx, window, task)  # sample, not the batch
                                 if not run.abandoned:
                                     settle(exc, run, batch, ctx.deadline_passed(),
                                            self.config.sample_timeout_s)
@@ -156,7 +159,7 @@ class SampleRunner:
                                         state.flow.breaker.failed(item, exc,
                                                                   self.resources.engine)
                             else:
-                                self._leave_stages(run, ctx, window)
+                                self._leave_stages(run, ctx, window, task)
                                 if not run.abandoned:
                                     end(item, Status.COMPLETED, None)
                                     state.flow.sample_completed(item)
@@ -208,14 +211,15 @@ class SampleRunner:
         return ctx, window
 
     @staticmethod
-    def _leave_stages(run: SampleRun, ctx: Context, window: Window | None) -> None:
+    def _leave_stages(run: SampleRun, ctx: Context, window: Window | None,
+                      task: asyncio.Task[RolloutSample] | None) -> None:
         """The stages ended: the deadline withdrawn, and the deadline's cancel taken back
-        from the task once it fired (as ``asyncio.timeout`` does)."""
+        from the sample's task once it fired (as ``asyncio.timeout`` does)."""
         run.in_stages = False
         if window is not None:
             disarm(window, ctx)
-        if ctx.timed_out and run.task is not None:
-            run.task.uncancel()
+        if ctx.timed_out and task is not None:
+            task.uncancel()
 
     def _finish(self, run: SampleRun, batch: Batch, on_done: SampleCallback | None,
                 still_running: bool = False) -> RolloutSample:
