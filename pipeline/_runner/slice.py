@@ -78,9 +78,9 @@ class LoopSlice:
     async def wait_turn(self) -> None:
         """Park until a later iteration lets this sample go (FIFO); a sample cancelled after
         it was let go passes its turn on."""
-        # Not through slots.wait_in_line: its pass-on callback, a bound method made per
-        # parked sample, and its coroutine frame were two more objects per parked sample for
-        # the collector (thousands park at once in a large batch).
+        # The future awaited here, not through a helper coroutine with a pass-on callback:
+        # that frame and a bound method made per parked sample were two more objects per
+        # parked sample for the collector (thousands park at once in a large batch).
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._parked.append(turn)
         try:
