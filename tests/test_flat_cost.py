@@ -238,7 +238,8 @@ def _three_calls_then_answer(tok: ByteTokenizer):
     return reply
 
 
-async def test_a_tool_loops_calls_and_replies_keep_no_field_set_of_their_own():
+def tool_loop_pipeline() -> Pipeline:
+    """BuildPrompt, then Generate and CallTools in a loop: three calculator calls, an answer."""
     from pipeline import Loop
     from pipeline.stages import CallTools
     from pipeline.tools import calculator_tool
@@ -246,9 +247,13 @@ async def test_a_tool_loops_calls_and_replies_keep_no_field_set_of_their_own():
     tok = ByteTokenizer()
     engine = SimulatedEngine(latency_s=0.0, latency_sigma=0.0, tail_prob=0.0,
                              responder=_three_calls_then_answer(tok))
-    pipe = Pipeline([BuildPrompt(), Loop([Generate(), CallTools()], max_turns=5)],
+    return Pipeline([BuildPrompt(), Loop([Generate(), CallTools()], max_turns=5)],
                     engine=engine, tokenizer=tok, tools=[calculator_tool()],
                     sampling={"max_tokens": 256})
+
+
+async def test_a_tool_loops_calls_and_replies_keep_no_field_set_of_their_own():
+    pipe = tool_loop_pipeline()
     schema = {"type": "function", "function": {
         "name": "calculator", "description": "Evaluate an arithmetic expression.",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
@@ -366,16 +371,7 @@ async def test_a_single_turn_samples_message_holds_the_response_lists():
 
 
 async def test_a_multi_turn_samples_messages_keep_their_own_lists():
-    from pipeline import Loop
-    from pipeline.stages import CallTools
-    from pipeline.tools import calculator_tool
-
-    tok = ByteTokenizer()
-    engine = SimulatedEngine(latency_s=0.0, latency_sigma=0.0, tail_prob=0.0,
-                             responder=_three_calls_then_answer(tok))
-    pipe = Pipeline([BuildPrompt(), Loop([Generate(), CallTools()], max_turns=5)],
-                    engine=engine, tokenizer=tok, tools=[calculator_tool()],
-                    sampling={"max_tokens": 256})
+    pipe = tool_loop_pipeline()
     (item,) = (await pipe.run_batch([{"prompt": "q"}])).items
     turns = [m for m in item.artifacts[artifacts.MESSAGES] if m.role == "assistant"]
     assert len(turns) == 4
