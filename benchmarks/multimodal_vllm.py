@@ -62,14 +62,33 @@ features agree, the image-logprob gap comes after the vision tower.
    (CPU) the engine side is a stand-in, transformers with text positions only, whose known
    difference starts on the image tokens: the diagnostic runs end to end there.
 
+8. ``embeds`` (``--mode embeds`` or ``both``): per fresh image prompt, what vLLM's text model
+   actually receives, taken by a forward pre-hook on its first decoder layer in vLLM's worker
+   (``collective_rpc``; installed for one ``max_tokens=1`` request, then removed): the input
+   embeddings and the (3-row mrope) positions of the prefill, against what transformers'
+   Qwen2.5-VL hands its ``language_model`` for the same ids and pixels (``inputs_embeds``
+   with the features scattered in, and its ``get_rope_index`` positions, by a pre-hook on the
+   model's own forward). Per position: the embeddings' largest difference and whether the
+   positions are equal, the first position where either differs; per image token the
+   transformers feature row nearest to vLLM's (shifted or reordered rows, different ones, or
+   the pad token's plain embedding: no features merged). With ``--engine transformers`` the
+   engine side is a stand-in (no features in row 0, features rolled by one in the others,
+   text positions) that exercises the report.
+
+``--no-uuids`` sends the images without ``multi_modal_uuids`` in every phase (vLLM then keys
+its caches by its own hash of the image): whether its caches keyed by the pipeline's sha256
+take part. The engine's prefix caching stays as its config has it; the run prints it.
+
 ``--engine transformers`` runs the throughput mode on ``TransformersEngine`` (no vLLM; the
 checks are vLLM's): the plumbing runs on CPU. ``--budget-s`` (seconds from the start) ends
 the throughput rounds early where the next pair would not fit; each phase's figures are
 written as soon as it ends, so a run stopped by ``timeout`` keeps what it finished. On a GPU
-machine with vLLM, checks, divergence, throughput and vision features in one run, about
-3-4 minutes with the engine's start::
+machine with vLLM, checks, divergence, embeds, throughput and vision features in one run,
+about 4 minutes with the engine's start::
 
-    timeout 240 python benchmarks/multimodal_vllm.py --budget-s 200 --suffix h200
+    timeout 300 python benchmarks/multimodal_vllm.py --budget-s 240 --suffix h200
+
+Each phase's failure is recorded in the JSON (``<phase>_error``), and the run goes on.
 
 One JSON file, ``benchmarks/results/multimodal_vllm_<device>[_bfloat16][_<suffix>].json``
 (with ``phase_s``: seconds per phase); the last lines printed are a short summary.
@@ -83,8 +102,10 @@ import base64
 import dataclasses
 import io
 import os
+import random
 import statistics
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -114,6 +135,16 @@ def png_url(size: tuple[int, int], seed: int) -> str:
     image.paste(block, (size[0] // 4, size[1] // 4))
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def noise_png_url(size: tuple[int, int], seed: int) -> str:
+    """A PNG of seeded random pixels, as a data URL: every patch differs, so every image
+    token's feature row does (a flat area of :func:`png_url` gives rows equal to 1e-5 on
+    the tiny model, which no row-matching can tell apart)."""
+    noise = random.Random(seed).randbytes(size[0] * size[1] * 3)
+    buffer = io.BytesIO()
+    Image.frombytes("RGB", size, noise).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
@@ -147,6 +178,33 @@ class Recorder:
                 yield output
 
         llm.generate = generate
+
+
+def prefix_caching(engine: Any) -> Any:
+    """Whether the started vLLM engine caches prefixes (as its config has it; the
+    benchmark leaves it), and its multimodal processor cache size where it says."""
+    try:
+        config = engine.llm.vllm_config
+        multimodal = getattr(config.model_config, "multimodal_config", None)
+        return {"enable_prefix_caching": config.cache_config.enable_prefix_caching,
+                "mm_processor_cache_gb": getattr(multimodal, "mm_processor_cache_gb", None)}
+    except Exception as exc:  # a diagnostic: reported, never fatal to the run
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def without_uuids(engine: Any) -> None:
+    """``--no-uuids``: the engine's requests carry their images without
+    ``multi_modal_uuids`` (vLLM then hashes the images itself): tells whether vLLM's caches
+    keyed by the pipeline's sha256 take part in the image-logprob gap. Instrumentation of
+    this one engine object: its :meth:`~pipeline.engines.vllm.VLLMEngine.prompt` wrapped."""
+    original = engine.prompt
+
+    def prompt(prompt_ids: Any, multi_modal: Any = None) -> dict[str, Any]:
+        built: dict[str, Any] = original(prompt_ids, multi_modal)
+        built.pop("multi_modal_uuids", None)
+        return built
+
+    engine.prompt = prompt
 
 
 def placeholder_runs(ids: list[int], token: int) -> list[int]:
@@ -221,10 +279,12 @@ def fast_pixels(model_dir: Path, processor: Any) -> tuple[Any, str | None]:
 
 
 def check(result: Any, recorder: Recorder, model: Any, processor: Any,
-          other_image: Any, rescore: bool = True, fast: Any = None) -> list[dict[str, Any]]:
+          other_image: Any, rescore: bool = True, fast: Any = None,
+          uuids: bool = True) -> list[dict[str, Any]]:
     """The per-sample checks of the module doc (1-3, and 4 with ``rescore``: the sampled
     rollout, whose temperature-1 logprobs a plain log-softmax reproduces; ``fast``: the
-    fast image processor of :func:`fast_pixels`, compared where given)."""
+    fast image processor of :func:`fast_pixels`, compared where given; ``uuids=False``:
+    the requests are expected without ``multi_modal_uuids``, ``--no-uuids``)."""
     import torch
 
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -246,9 +306,10 @@ def check(result: Any, recorder: Recorder, model: Any, processor: Any,
         row["prompt_ok"] = (prompt == list(final.prompt_token_ids)
                             and row["placeholder_runs"] == counts)
         data = (sent.get("multi_modal_data") or {}).get("image") or []
-        uuids = (sent.get("multi_modal_uuids") or {}).get("image") or []
-        row["images_ok"] = (not data and not uuids) if mm is None else (
-            len(data) == len(mm.images) and list(uuids) == [i.sha256 for i in mm.images]
+        sent_uuids = (sent.get("multi_modal_uuids") or {}).get("image") or []
+        row["images_ok"] = (not data and not sent_uuids) if mm is None else (
+            len(data) == len(mm.images)
+            and list(sent_uuids) == ([i.sha256 for i in mm.images] if uuids else [])
             and [im.size for im in data] == [i.image.size for i in mm.images])
         out_ = final.outputs[0]
         row["tokens_ok"] = (list(sample.response_ids) == [int(t) for t in out_.token_ids]
@@ -618,6 +679,285 @@ async def prompt_divergence(engine_logprobs: PromptLogprobs, model: Any,
     return out
 
 
+_CAPTURE = "_pipeline_embeds_capture"
+"""The worker attribute that holds :func:`_vllm_capture_install`'s hook and what it kept."""
+
+
+def _first_text_layer(model: Any) -> tuple[str, Any]:
+    """The text model's first decoder layer of a vLLM model (``language_model.model.layers.0``
+    in vLLM's Qwen2.5-VL, ``model.layers.0`` in its Qwen2): its ``forward(positions,
+    hidden_states, residual)`` gets the input embeddings as ``hidden_states``."""
+    return next((name, module) for name, module in model.named_modules()
+                if name.endswith("layers.0") and "visual" not in name)
+
+
+def _vllm_capture_remove(worker: Any) -> Any:
+    """Runs in vLLM's worker: removes :func:`_vllm_capture_install`'s hook (if any) and
+    returns what it kept (None without one)."""
+    state = getattr(worker, _CAPTURE, None)
+    if state is not None:
+        state["handle"].remove()
+        delattr(worker, _CAPTURE)
+    return state
+
+
+def _vllm_capture_install(worker: Any, max_calls: int) -> str:
+    """Runs in vLLM's worker (``collective_rpc``): a forward pre-hook on the text model's
+    first decoder layer that keeps ``positions`` and ``hidden_states`` (the input embeddings
+    vLLM built: token embeddings with the image features merged in) of its next
+    ``max_calls`` calls; an earlier hook goes first. The hook never raises (an exception
+    inside vLLM's forward would end its engine): a failure is kept as text. Returns the
+    layer's name and class."""
+    _vllm_capture_remove(worker)
+    name, layer = _first_text_layer(worker.model_runner.model)
+    state: dict[str, Any] = {"calls": [], "errors": []}
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            if len(state["calls"]) < max_calls:
+                positions = kwargs["positions"] if "positions" in kwargs else args[0]
+                hidden = (kwargs["hidden_states"] if "hidden_states" in kwargs
+                          else args[1 - ("positions" in kwargs)])
+                state["calls"].append((positions.detach().clone(), hidden.detach().clone()))
+        except Exception as exc:  # never into vLLM's forward: it would end the engine
+            state["errors"].append(f"{type(exc).__name__}: {exc}"[:300])
+
+    state["handle"] = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    setattr(worker, _CAPTURE, state)
+    return f"{name} ({type(layer).__name__})"
+
+
+def _vllm_capture_fetch(worker: Any) -> dict[str, Any]:
+    """Runs in vLLM's worker: removes the hook and returns what it kept, packed."""
+    state = _vllm_capture_remove(worker)
+    if state is None:
+        return {"calls": [], "errors": ["no capture hook was installed"]}
+    return {"calls": [{"positions": _pack(p), "hidden_states": _pack(h)}
+                      for p, h in state["calls"]], "errors": state["errors"]}
+
+
+EngineEmbeds = Callable[[list[int], Any, int], Awaitable[dict[str, Any]]]
+"""``(ids, multi_modal_inputs, index) -> {"positions": (rows, n), "embeds": (n, hidden),
+"offset": first prompt position of the n, ...}``: what the engine's text model received for
+the prompt (the engine side of :func:`embeds_diagnostic`)."""
+
+
+def vllm_embeds(engine: Any) -> EngineEmbeds:
+    """What vLLM's text model receives for one prompt: a capture hook installed in its worker
+    (:func:`_vllm_capture_install`), one request (``max_tokens=1``, the images passed as the
+    engine passes them), the hook removed and its record fetched (shielded: the hook never
+    stays). The prefill is the first call that holds the prompt's uncached tokens."""
+    from vllm import SamplingParams as VllmSampling
+
+    async def capture(ids: list[int], mm: Any, index: int) -> dict[str, Any]:
+        layer = (await engine.llm.collective_rpc(_vllm_capture_install, args=(4,)))[0]
+        final = None
+        try:
+            async for output in engine.llm.generate(
+                    engine.prompt(ids, mm), VllmSampling(max_tokens=1, temperature=0.0),
+                    f"diag-embeds-{index}"):
+                final = output
+        finally:
+            got = (await asyncio.shield(engine.llm.collective_rpc(_vllm_capture_fetch)))[0]
+        cached = int(getattr(final, "num_cached_tokens", None) or 0)
+        want = len(ids) - cached
+        calls = [(_unpack(c["positions"]), _unpack(c["hidden_states"])) for c in got["calls"]]
+        shapes = [[list(p.shape), list(h.shape)] for p, h in calls]
+        prefill = next(((p, h) for p, h in calls if h.shape[0] >= want), None)
+        if prefill is None:
+            raise RuntimeError(f"no captured call holds the prompt's {want} uncached tokens: "
+                               f"calls (positions, hidden) {shapes}; hook errors "
+                               f"{got['errors']}")
+        positions, hidden = prefill
+        positions = positions.reshape(-1, positions.shape[-1])  # text models: one row
+        return {"positions": positions[:, :want].long(), "embeds": hidden[:want],
+                "offset": cached, "layer": layer, "captured_shapes": shapes,
+                "hook_errors": got["errors"]}
+
+    return capture
+
+
+def hf_language_inputs(model: Any, ids: list[int], mm: Any, pad: int,
+                       images: bool = True) -> tuple[Any, Any]:
+    """What transformers' Qwen2.5-VL hands its text model for ``ids`` and the images'
+    pixels: ``inputs_embeds`` (its own embedding lookup with the vision features scattered
+    at the image tokens) and the 3 rows of mrope position ids (its own ``get_rope_index``
+    from ``mm_token_type_ids``), taken by a pre-hook on ``language_model`` during one
+    forward pass (the model's own path, nothing re-implemented). ``images=False``: no pixels
+    and no ``mm_token_type_ids`` (the pad token's embedding, text positions)."""
+    import torch
+
+    device = next(model.parameters()).device
+    tensor = torch.tensor([ids], device=device)
+    seen: dict[str, Any] = {}
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        positions = kwargs.get("position_ids")
+        seen.update(embeds=kwargs["inputs_embeds"][0].detach().float().cpu(),
+                    positions=None if positions is None
+                    else positions.reshape(-1, len(ids))[-3:].long().cpu())
+
+    extra = ({"pixel_values": mm.pixel_values.to(device),
+              "image_grid_thw": mm.image_grid_thw.to(device),
+              "mm_token_type_ids": (tensor == pad).long()} if images else {})
+    handle = model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model.model(input_ids=tensor, **extra)
+    finally:
+        handle.remove()
+    if seen["positions"] is None:  # no images: the text model counts the positions itself
+        seen["positions"] = torch.arange(len(ids)).expand(3, -1)
+    return seen["embeds"], seen["positions"]
+
+
+def standin_embeds(model: Any, pad: int) -> EngineEmbeds:
+    """The stand-in engine side where vLLM cannot run (``--engine transformers``, CPU), two
+    known differences that exercise the report: row 0 gets no image features (the pad
+    token's embedding, text positions), later rows transformers' own inputs with each
+    image's feature rows rolled by one (a shift) and text positions."""
+    import torch
+
+    async def capture(ids: list[int], mm: Any, index: int) -> dict[str, Any]:
+        if index == 0:
+            embeds, positions = hf_language_inputs(model, ids, mm, pad, images=False)
+        else:
+            embeds, _ = hf_language_inputs(model, ids, mm, pad)
+            embeds = embeds.clone()
+            for start, length in pad_spans(ids, pad):
+                embeds[start:start + length] = embeds[start:start + length].roll(-1, 0)
+            positions = torch.arange(len(ids)).expand(3, -1)
+        return {"positions": positions, "embeds": embeds, "offset": 0,
+                "layer": "stand-in: transformers " + ("without image features" if index == 0
+                                                      else "with features rolled by one")}
+
+    return capture
+
+
+def _where(position: int | None, spans: list[tuple[int, int]]) -> str | None:
+    """Where ``position`` lies against the image placeholder runs ``spans``."""
+    if position is None:
+        return None
+    for number, (start, length) in enumerate(spans):
+        if start <= position < start + length:
+            return f"image {number} token {position - start}"
+    return "text"
+
+
+async def embeds_diagnostic(engine_embeds: EngineEmbeds, model: Any, processor: Any,
+                            dtype: str) -> list[dict[str, Any]]:
+    """Per fresh image prompt (one 120x90 image of random pixels, one 224x224 gradient as
+    the other phases', two random images; new pixels, so no cache of vLLM's holds them):
+    what the engine's text model received (``engine_embeds``; on vLLM :func:`vllm_embeds`)
+    against transformers' (:func:`hf_language_inputs`), position by position: the largest
+    difference of the input embeddings, whether the 3 mrope positions are equal, the first
+    position where either differs; and per image token the transformers feature row (all
+    images' rows in order) nearest to the engine's row, and whether the engine's row is the
+    pad token's plain embedding: "shifted or reordered" (a near row, not its own) tells from
+    "different" (no near row) and "none merged" (the pad embedding). A diagnostic: a failure
+    is recorded."""
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    sizes = [[(120, 90)], [(224, 224)], [(200, 150), (96, 300)]]
+    kinds = ["noise", "gradient", "noise"]  # the gradient: the images of the other phases
+    fresh = [{"messages": [{"role": "user", "content": [
+        *({"type": "image_url", "image_url": {"url": (
+            noise_png_url if kinds[i] == "noise" else png_url)(size, 60 + 3 * i + k)}}
+          for k, size in enumerate(row)), {"type": "text", "text": TEXT}]}]}
+        for i, row in enumerate(sizes)]
+    items = (await Pipeline([BuildPrompt(processor=processor)], tokenizer=processor.tokenizer)
+             .run_batch(fresh)).items
+    # relative to a row's largest entry (at least 1): vLLM's vision features agreed with
+    # transformers' to 1.2e-3 of 3.4 in float32 (H200); neighbouring patches of a flat image
+    # area give feature rows closer than 1e-2 on the tiny model, so a shift needs a tight bound
+    tolerance = 3e-3 if dtype == "float32" else 5e-2
+    pad_embedding = model.get_input_embeddings().weight[pad].detach().float().cpu()
+    out = []
+    for index, item in enumerate(items):
+        ids = [int(t) for t in item.artifacts[A.PROMPT_IDS]]
+        mm = multi_modal_inputs(item.artifacts)
+        spans = pad_spans(ids, pad)
+        entry: dict[str, Any] = {"row": index, "images": [list(s) for s in sizes[index]],
+                                 "pixels": kinds[index],
+                                 "prompt_tokens": len(ids), "pad_spans": spans}
+        try:
+            got = await engine_embeds(ids, mm, index)
+            ours, our_positions = hf_language_inputs(model, ids, mm, pad)
+            offset = int(got["offset"])
+            theirs, positions = got["embeds"].float(), got["positions"].long()
+            entry.update({k: got[k] for k in ("layer", "captured_shapes", "hook_errors")
+                          if k in got})
+            entry["offset"] = offset  # prompt positions before it: a prefix-cache hit
+            ours, our_positions = ours[offset:], our_positions[:, offset:]
+            if theirs.shape != ours.shape:
+                raise RuntimeError(f"embedding shapes differ: engine {list(theirs.shape)}, "
+                                   f"transformers {list(ours.shape)}")
+            scale = ours.abs().amax(1).clamp(min=1.0)
+            diff = (theirs - ours).abs().amax(1)
+            entry["embeds_max_abs"] = [round(float(d), 5) for d in diff]
+            entry["position_rows"] = positions.shape[0]
+            if positions.shape[0] == 1:  # text positions only: every row the same
+                positions = positions.expand(3, -1)
+            equal = (positions == our_positions).all(0)
+            entry["positions_equal"] = [bool(e) for e in equal]
+            off = [offset + j for j in range(len(diff)) if diff[j] > tolerance * scale[j]]
+            moved = [offset + j for j in range(len(equal)) if not equal[j]]
+            entry["first_embeds_off"] = off[0] if off else None
+            entry["first_embeds_off_where"] = _where(entry["first_embeds_off"], spans)
+            entry["first_positions_off"] = moved[0] if moved else None
+            entry["first_positions_off_where"] = _where(entry["first_positions_off"], spans)
+            if moved:
+                j = moved[0] - offset
+                entry["first_positions_off_values"] = {
+                    "engine": positions[:, j].tolist(),
+                    "transformers": our_positions[:, j].tolist()}
+            entry["max_text_embeds_diff"] = max(
+                (float(diff[j]) for j in range(len(diff)) if ids[offset + j] != pad),
+                default=None)
+            # image tokens, in order over all images: transformers' feature rows
+            image_at = [j for j in range(len(ids) - offset) if ids[offset + j] == pad]
+            features = ours[image_at]
+            nearest = []
+            for own, j in enumerate(image_at):
+                distances = (features - theirs[j]).abs().amax(1)
+                best = int(distances.argmin())
+                if distances[own] <= distances[best]:  # a tie (identical rows): its own
+                    best = own
+                nearest.append({"position": offset + j, "own": own, "nearest": best,
+                                "distance": round(float(distances[best]), 5),
+                                "own_distance": round(float(distances[own]), 5),
+                                "pad_distance": round(float(
+                                    (pad_embedding - theirs[j]).abs().max()), 5)})
+            limit = tolerance * float(scale[image_at].max()) if image_at else tolerance
+            entry["image_tokens"] = len(image_at)
+            entry["image_rows_own"] = sum(n["own_distance"] <= limit for n in nearest)
+            entry["image_rows_shifted"] = sum(n["distance"] <= limit < n["own_distance"]
+                                              for n in nearest)
+            entry["image_rows_pad_embedding"] = sum(n["pad_distance"] <= limit
+                                                    for n in nearest)
+            entry["image_rows_unmatched"] = sum(
+                n["distance"] > limit and n["pad_distance"] > limit for n in nearest)
+            verdict = (
+                "embeddings equal" if not off
+                else "image rows equal, text rows differ"
+                if entry["image_rows_own"] == len(nearest)
+                else "image rows: none merged (the pad embedding)"
+                if entry["image_rows_pad_embedding"] == len(nearest)
+                else "image rows shifted or reordered"
+                if entry["image_rows_own"] + entry["image_rows_shifted"] == len(nearest)
+                else "image rows different")
+            entry["verdict"] = verdict + (f"; positions differ from {moved[0]}" if moved
+                                          else "; positions equal")
+            entry["nearest"] = nearest
+            entry["nearest_first"] = [(n["own"], n["nearest"], n["distance"],
+                                       n["own_distance"]) for n in nearest[:8]]
+            entry["max_image_embeds_diff"] = max((float(diff[j]) for j in image_at),
+                                                 default=None)
+        except Exception as exc:  # a diagnostic: reported, never fatal to the run
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        out.append(entry)
+    return out
+
+
 async def checks(engine: Any, model_dir: Path, processor: Any, model: Any,
                  recorder: Recorder, args: argparse.Namespace) -> dict[str, Any]:
     """Checks 1-5 of the module doc on a started ``VLLMEngine`` wrapped by ``recorder``."""
@@ -626,8 +966,10 @@ async def checks(engine: Any, model_dir: Path, processor: Any, model: Any,
     greedy = await rollout(engine, processor, data, 1, 0.0)
     other = Image.new("RGB", (64, 64), (10, 200, 30))
     fast, why_not = fast_pixels(model_dir, processor)
-    rows_sampled = check(sampled, recorder, model, processor, other, fast=fast)
-    rows_greedy = check(greedy, recorder, model, processor, other, rescore=False)
+    uuids = not args.no_uuids
+    rows_sampled = check(sampled, recorder, model, processor, other, fast=fast, uuids=uuids)
+    rows_greedy = check(greedy, recorder, model, processor, other, rescore=False,
+                        uuids=uuids)
     for row, item, sample in zip(rows_greedy, greedy.items, greedy.samples, strict=True):
         if item.status.value == "completed":
             prompt, tokens = greedy_reference(model, processor, data[item.index],
@@ -706,9 +1048,15 @@ async def main(args: argparse.Namespace) -> None:
                                              kv_cache_gib=args.kv_cache_gib,
                                              max_model_len=4096)
         figures["vllm_version"] = vllm.__version__
+        figures["prefix_caching"] = prefix_caching(engine)
+        print(f"vLLM prefix caching (as the engine config has it): "
+              f"{figures['prefix_caching']}", flush=True)
+        if args.no_uuids:
+            without_uuids(engine)
         recorder = Recorder(engine.llm)
         model = reference()  # after the start: vLLM's memory check sees an idle card
         engine_logprobs = vllm_prompt_logprobs(engine)
+        engine_embeds = vllm_embeds(engine)
     else:  # the plumbing without vLLM (CPU): throughput, and divergence with a stand-in
         from pipeline.engines.transformers import TransformersEngine
 
@@ -716,31 +1064,71 @@ async def main(args: argparse.Namespace) -> None:
         engine = TransformersEngine(model, processor.tokenizer,
                                     max_batch_size=args.tp_groups * args.tp_n)
         engine_logprobs = text_positions_logprobs(model, pad)
+        engine_embeds = standin_embeds(model, pad)
         figures["divergence_engine"] = "stand-in: transformers with text positions only"
+        figures["embeds_engine"] = ("stand-in: transformers without image features (row 0), "
+                                    "with each image's features rolled by one (the others); "
+                                    "text positions")
+    figures["multi_modal_uuids"] = not args.no_uuids
     figures["engine_start_s"] = round(time.perf_counter() - STARTED, 1)
     done("start")
+    summary = figures.setdefault("summary", {})
+
+    async def phase(name: str, run: Callable[[], Awaitable[None]]) -> None:
+        """One phase: its failure is recorded (``<name>_error``) and the run goes on."""
+        try:
+            await run()
+        except Exception as exc:  # a diagnostic run: the other phases still report
+            traceback.print_exc()
+            figures[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+            summary[f"{name}_error"] = figures[f"{name}_error"]
+        done(name)
+
+    async def run_checks() -> None:
+        assert recorder is not None
+        result = await checks(engine, model_dir, processor, model, recorder, args)
+        summary.update(result.pop("summary"))
+        figures.update(result)
+
+    async def run_divergence() -> None:
+        divergence = await prompt_divergence(engine_logprobs, model, processor)
+        figures["prompt_divergence"] = divergence
+        summary["prompt_first_off"] = [
+            (d.get("first_off_position"), d.get("first_off_where"), d.get("pad_spans"))
+            if "error" not in d else d["error"] for d in divergence]
+
+    async def run_embeds() -> None:
+        embeds = await embeds_diagnostic(engine_embeds, model, processor, args.dtype)
+        figures["embeds"] = embeds
+        summary["embeds"] = [
+            {k: e.get(k) for k in ("first_embeds_off", "first_embeds_off_where",
+                                   "first_positions_off", "first_positions_off_where",
+                                   "verdict", "nearest_first", "offset",
+                                   "max_text_embeds_diff", "max_image_embeds_diff")}
+            if "error" not in e else e["error"] for e in embeds]
+
+    async def run_throughput() -> None:
+        figures["throughput"] = await throughput(engine, processor, args, deadline)
+
+    async def run_features() -> None:
+        features = await vision_features(engine, model, rows(), processor)
+        figures["vision_features"] = features
+        summary["vision_features_max_abs_diff"] = max(
+            (f["max_abs_diff"] for f in features if "max_abs_diff" in f),
+            default=next((f.get("error") or f.get("shapes") for f in features), None))
+
     try:
         if recorder is not None and args.mode in ("check", "both"):
-            figures.update(await checks(engine, model_dir, processor, model, recorder, args))
-            done("check")
+            await phase("check", run_checks)
         if args.mode in ("divergence", "both"):
-            divergence = await prompt_divergence(engine_logprobs, model, processor)
-            figures["prompt_divergence"] = divergence
-            figures.setdefault("summary", {})["prompt_first_off"] = [
-                (d.get("first_off_position"), d.get("first_off_where"), d.get("pad_spans"))
-                if "error" not in d else d["error"] for d in divergence]
-            done("divergence")
+            await phase("divergence", run_divergence)
+        if args.mode in ("embeds", "both"):
+            await phase("embeds", run_embeds)
         if args.mode in ("throughput", "both"):
-            figures["throughput"] = await throughput(engine, processor, args, deadline)
-            done("throughput")
+            await phase("throughput", run_throughput)
         if recorder is not None and args.mode in ("divergence", "both"):
             # last: a failed call into vLLM's worker (collective_rpc) ends nothing else
-            features = await vision_features(engine, model, rows(), processor)
-            figures["vision_features"] = features
-            figures["summary"]["vision_features_max_abs_diff"] = max(
-                (f["max_abs_diff"] for f in features if "max_abs_diff" in f),
-                default=next((f.get("error") or f.get("shapes") for f in features), None))
-            done("vision_features")
+            await phase("vision_features", run_features)
     finally:
         await engine.aclose()
     figures["total_s"] = round(time.perf_counter() - STARTED, 1)
@@ -761,6 +1149,22 @@ async def main(args: argparse.Namespace) -> None:
     if "vision_features_max_abs_diff" in summary:
         print(f"vision-tower features vLLM vs transformers max diff "
               f"{summary['vision_features_max_abs_diff']}")
+    for number, entry in enumerate(summary.get("embeds", [])):
+        if isinstance(entry, str):
+            print(f"embeds row {number}: error {entry}")
+            continue
+        print(f"embeds row {number} (engine vs transformers at the text model's input): "
+              f"embeddings first off at {entry['first_embeds_off']} "
+              f"({entry['first_embeds_off_where']}), positions first off at "
+              f"{entry['first_positions_off']} ({entry['first_positions_off_where']}); "
+              f"{entry['verdict']}; max diff text {entry['max_text_embeds_diff']}, image "
+              f"{entry['max_image_embeds_diff']}; first image tokens (own row, nearest "
+              f"transformers row, its distance, own row's) {entry['nearest_first']}")
+    errors = {k: v for k, v in summary.items() if k.endswith("_error")}
+    if errors:
+        print(f"phases that failed: {errors}")
+    print(f"multi_modal_uuids sent: {figures['multi_modal_uuids']}; prefix caching: "
+          f"{figures.get('prefix_caching', 'n/a (no vLLM)')}")
     tp = figures.get("throughput", {})
     if "rounds" in tp:
         print(f"throughput ({args.engine}, {tp['samples']} samples x {tp['max_tokens']} "
@@ -777,8 +1181,9 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("check", "throughput", "divergence", "both"),
-                        default="both", help="both: checks, divergence, throughput, features")
+    parser.add_argument("--mode", choices=("check", "throughput", "divergence", "embeds",
+                                           "both"), default="both",
+                        help="both: checks, divergence, embeds, throughput, features")
     parser.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
                         help="transformers: the throughput plumbing and the divergence "
                              "diagnostic (against a stand-in) without vLLM (CPU)")
@@ -795,6 +1200,9 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the guard is requi
                         help="throughput: start no round pair that would end later than this "
                              "many seconds after the start (for a run under `timeout`)")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--no-uuids", action="store_true",
+                        help="send images without multi_modal_uuids (vLLM then keys its "
+                             "caches by its own hash of the image): every phase")
     parser.add_argument("--name", default=None, help="results file name")
     parser.add_argument("--suffix", default=None, help="appended to the results file name")
     parser.add_argument("--vision-width", type=int, default=None,
