@@ -71,9 +71,11 @@ features agree, the image-logprob gap comes after the vision tower.
    model's own forward). Per position: the embeddings' largest difference and whether the
    positions are equal, the first position where either differs; per image token the
    transformers feature row nearest to vLLM's (shifted or reordered rows, different ones, or
-   the pad token's plain embedding: no features merged). With ``--engine transformers`` the
-   engine side is a stand-in (no features in row 0, features rolled by one in the others,
-   text positions) that exercises the report.
+   the pad token's plain embedding: no features merged). Both sides' first decoder layer
+   output too: where it differs at a position whose inputs (and those before it) are equal,
+   the layer's own computation (attention, rotary) differs. With ``--engine transformers``
+   the engine side is a stand-in (no features in row 0, features rolled by one in the
+   others, text positions) that exercises the report.
 
 ``--no-uuids`` sends the images without ``multi_modal_uuids`` in every phase (vLLM then keys
 its caches by its own hash of the image): whether its caches keyed by the pipeline's sha256
@@ -696,7 +698,8 @@ def _vllm_capture_remove(worker: Any) -> Any:
     returns what it kept (None without one)."""
     state = getattr(worker, _CAPTURE, None)
     if state is not None:
-        state["handle"].remove()
+        for handle in state["handles"]:
+            handle.remove()
         delattr(worker, _CAPTURE)
     return state
 
@@ -705,12 +708,13 @@ def _vllm_capture_install(worker: Any, max_calls: int) -> str:
     """Runs in vLLM's worker (``collective_rpc``): a forward pre-hook on the text model's
     first decoder layer that keeps ``positions`` and ``hidden_states`` (the input embeddings
     vLLM built: token embeddings with the image features merged in) of its next
-    ``max_calls`` calls; an earlier hook goes first. The hook never raises (an exception
-    inside vLLM's forward would end its engine): a failure is kept as text. Returns the
-    layer's name and class."""
+    ``max_calls`` calls, and a forward hook that keeps the layer's output (its two returns
+    summed: the residual stream after the layer); an earlier hook goes first. The hooks
+    never raise (an exception inside vLLM's forward would end its engine): a failure is kept
+    as text. Returns the layer's name and class."""
     _vllm_capture_remove(worker)
     name, layer = _first_text_layer(worker.model_runner.model)
-    state: dict[str, Any] = {"calls": [], "errors": []}
+    state: dict[str, Any] = {"calls": [], "outputs": [], "errors": []}
 
     def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
@@ -722,7 +726,17 @@ def _vllm_capture_install(worker: Any, max_calls: int) -> str:
         except Exception as exc:  # never into vLLM's forward: it would end the engine
             state["errors"].append(f"{type(exc).__name__}: {exc}"[:300])
 
-    state["handle"] = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    def after(module: Any, args: tuple[Any, ...], output: Any) -> None:
+        try:  # cloned now: the next layer's fused add-norm writes these tensors in place
+            if len(state["outputs"]) < max_calls:
+                hidden, residual = output if isinstance(output, tuple) else (output, None)
+                stream = hidden if residual is None else hidden + residual
+                state["outputs"].append(stream.detach().clone())
+        except Exception as exc:  # never into vLLM's forward: it would end the engine
+            state["errors"].append(f"output: {type(exc).__name__}: {exc}"[:300])
+
+    state["handles"] = [layer.register_forward_pre_hook(hook, with_kwargs=True),
+                        layer.register_forward_hook(after)]
     setattr(worker, _CAPTURE, state)
     return f"{name} ({type(layer).__name__})"
 
@@ -733,7 +747,8 @@ def _vllm_capture_fetch(worker: Any) -> dict[str, Any]:
     if state is None:
         return {"calls": [], "errors": ["no capture hook was installed"]}
     return {"calls": [{"positions": _pack(p), "hidden_states": _pack(h)}
-                      for p, h in state["calls"]], "errors": state["errors"]}
+                      for p, h in state["calls"]],
+            "outputs": [_pack(o) for o in state["outputs"]], "errors": state["errors"]}
 
 
 EngineEmbeds = Callable[[list[int], Any, int], Awaitable[dict[str, Any]]]
@@ -761,30 +776,46 @@ def vllm_embeds(engine: Any) -> EngineEmbeds:
             got = (await asyncio.shield(engine.llm.collective_rpc(_vllm_capture_fetch)))[0]
         cached = int(getattr(final, "num_cached_tokens", None) or 0)
         want = len(ids) - cached
-        calls = [(_unpack(c["positions"]), _unpack(c["hidden_states"])) for c in got["calls"]]
-        shapes = [[list(p.shape), list(h.shape)] for p, h in calls]
-        prefill = next(((p, h) for p, h in calls if h.shape[0] >= want), None)
+        outputs = [_unpack(o) for o in got.get("outputs", [])]
+        calls = [(_unpack(c["positions"]), _unpack(c["hidden_states"]),
+                  outputs[i] if i < len(outputs) else None)
+                 for i, c in enumerate(got["calls"])]
+        shapes = [[list(p.shape), list(h.shape)] for p, h, _ in calls]
+        prefill = next((call for call in calls if call[1].shape[0] >= want), None)
         if prefill is None:
             raise RuntimeError(f"no captured call holds the prompt's {want} uncached tokens: "
                                f"calls (positions, hidden) {shapes}; hook errors "
                                f"{got['errors']}")
-        positions, hidden = prefill
+        positions, hidden, output = prefill
         positions = positions.reshape(-1, positions.shape[-1])  # text models: one row
         return {"positions": positions[:, :want].long(), "embeds": hidden[:want],
+                "layer0": None if output is None else output[:want],
                 "offset": cached, "layer": layer, "captured_shapes": shapes,
                 "hook_errors": got["errors"]}
 
     return capture
 
 
+def _first_layer_output(seen: dict[str, Any]) -> Callable[..., None]:
+    """A forward hook that keeps a transformers decoder layer's output as ``seen["layer0"]``
+    (the residual stream after the layer)."""
+
+    def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        seen["layer0"] = out[0].detach().float().cpu()
+
+    return hook
+
+
 def hf_language_inputs(model: Any, ids: list[int], mm: Any, pad: int,
-                       images: bool = True) -> tuple[Any, Any]:
+                       images: bool = True) -> tuple[Any, Any, Any]:
     """What transformers' Qwen2.5-VL hands its text model for ``ids`` and the images'
     pixels: ``inputs_embeds`` (its own embedding lookup with the vision features scattered
     at the image tokens) and the 3 rows of mrope position ids (its own ``get_rope_index``
     from ``mm_token_type_ids``), taken by a pre-hook on ``language_model`` during one
-    forward pass (the model's own path, nothing re-implemented). ``images=False``: no pixels
-    and no ``mm_token_type_ids`` (the pad token's embedding, text positions)."""
+    forward pass (the model's own path, nothing re-implemented), and the output of its first
+    decoder layer. ``images=False``: no pixels and no ``mm_token_type_ids`` (the pad token's
+    embedding, text positions)."""
     import torch
 
     device = next(model.parameters()).device
@@ -800,34 +831,57 @@ def hf_language_inputs(model: Any, ids: list[int], mm: Any, pad: int,
     extra = ({"pixel_values": mm.pixel_values.to(device),
               "image_grid_thw": mm.image_grid_thw.to(device),
               "mm_token_type_ids": (tensor == pad).long()} if images else {})
-    handle = model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    language = model.model.language_model
+    handles = [language.register_forward_pre_hook(hook, with_kwargs=True),
+               language.layers[0].register_forward_hook(_first_layer_output(seen))]
     try:
         with torch.no_grad():
             model.model(input_ids=tensor, **extra)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if seen["positions"] is None:  # no images: the text model counts the positions itself
         seen["positions"] = torch.arange(len(ids)).expand(3, -1)
-    return seen["embeds"], seen["positions"]
+    return seen["embeds"], seen["positions"], seen["layer0"]
+
+
+def hf_first_layer(model: Any, embeds: Any, positions: Any) -> Any:
+    """transformers' text model's first decoder layer output for given input embeddings and
+    3-row positions (the stand-in's layer output for its own inputs)."""
+    import torch
+
+    device = next(model.parameters()).device
+    seen: dict[str, Any] = {}
+    language = model.model.language_model
+    handle = language.layers[0].register_forward_hook(_first_layer_output(seen))
+    try:
+        with torch.no_grad():
+            language(inputs_embeds=embeds[None].to(device, next(model.parameters()).dtype),
+                     position_ids=positions[:, None, :].to(device))
+    finally:
+        handle.remove()
+    return seen["layer0"]
 
 
 def standin_embeds(model: Any, pad: int) -> EngineEmbeds:
     """The stand-in engine side where vLLM cannot run (``--engine transformers``, CPU), two
     known differences that exercise the report: row 0 gets no image features (the pad
     token's embedding, text positions), later rows transformers' own inputs with each
-    image's feature rows rolled by one (a shift) and text positions."""
+    image's feature rows rolled by one (a shift) and text positions; the first layer's
+    output is transformers' for those inputs."""
     import torch
 
     async def capture(ids: list[int], mm: Any, index: int) -> dict[str, Any]:
         if index == 0:
-            embeds, positions = hf_language_inputs(model, ids, mm, pad, images=False)
+            embeds, positions, _ = hf_language_inputs(model, ids, mm, pad, images=False)
         else:
-            embeds, _ = hf_language_inputs(model, ids, mm, pad)
+            embeds, _, _ = hf_language_inputs(model, ids, mm, pad)
             embeds = embeds.clone()
             for start, length in pad_spans(ids, pad):
                 embeds[start:start + length] = embeds[start:start + length].roll(-1, 0)
             positions = torch.arange(len(ids)).expand(3, -1)
         return {"positions": positions, "embeds": embeds, "offset": 0,
+                "layer0": hf_first_layer(model, embeds, positions),
                 "layer": "stand-in: transformers " + ("without image features" if index == 0
                                                       else "with features rolled by one")}
 
@@ -854,8 +908,10 @@ async def embeds_diagnostic(engine_embeds: EngineEmbeds, model: Any, processor: 
     position where either differs; and per image token the transformers feature row (all
     images' rows in order) nearest to the engine's row, and whether the engine's row is the
     pad token's plain embedding: "shifted or reordered" (a near row, not its own) tells from
-    "different" (no near row) and "none merged" (the pad embedding). A diagnostic: a failure
-    is recorded."""
+    "different" (no near row) and "none merged" (the pad embedding); and the first decoder
+    layer's output, where the engine side has it (the first position off, and the largest
+    difference before the image as a yardstick of the two computations' noise). A
+    diagnostic: a failure is recorded."""
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     sizes = [[(120, 90)], [(224, 224)], [(200, 150), (96, 300)]]
     kinds = ["noise", "gradient", "noise"]  # the gradient: the images of the other phases
@@ -870,6 +926,8 @@ async def embeds_diagnostic(engine_embeds: EngineEmbeds, model: Any, processor: 
     # transformers' to 1.2e-3 of 3.4 in float32 (H200); neighbouring patches of a flat image
     # area give feature rows closer than 1e-2 on the tiny model, so a shift needs a tight bound
     tolerance = 3e-3 if dtype == "float32" else 5e-2
+    # the first layer's output: vLLM's float32 attention runs in TF32 on a GPU
+    layer_tolerance = 1e-2 if dtype == "float32" else 1e-1
     pad_embedding = model.get_input_embeddings().weight[pad].detach().float().cpu()
     out = []
     for index, item in enumerate(items):
@@ -881,13 +939,14 @@ async def embeds_diagnostic(engine_embeds: EngineEmbeds, model: Any, processor: 
                                  "prompt_tokens": len(ids), "pad_spans": spans}
         try:
             got = await engine_embeds(ids, mm, index)
-            ours, our_positions = hf_language_inputs(model, ids, mm, pad)
+            ours, our_positions, our_layer0 = hf_language_inputs(model, ids, mm, pad)
             offset = int(got["offset"])
             theirs, positions = got["embeds"].float(), got["positions"].long()
             entry.update({k: got[k] for k in ("layer", "captured_shapes", "hook_errors")
                           if k in got})
             entry["offset"] = offset  # prompt positions before it: a prefix-cache hit
             ours, our_positions = ours[offset:], our_positions[:, offset:]
+            our_layer0 = our_layer0[offset:]
             if theirs.shape != ours.shape:
                 raise RuntimeError(f"embedding shapes differ: engine {list(theirs.shape)}, "
                                    f"transformers {list(ours.shape)}")
@@ -913,6 +972,22 @@ async def embeds_diagnostic(engine_embeds: EngineEmbeds, model: Any, processor: 
             entry["max_text_embeds_diff"] = max(
                 (float(diff[j]) for j in range(len(diff)) if ids[offset + j] != pad),
                 default=None)
+            layer0 = got.get("layer0")
+            if layer0 is not None and layer0.shape == our_layer0.shape:
+                # a causal layer's output at p depends on its inputs at p and before: where
+                # those are equal and the output is not, the layer's computation differs
+                layer_diff = (layer0.float() - our_layer0).abs().amax(1)
+                layer_scale = our_layer0.abs().amax(1).clamp(min=1.0)
+                layer_off = [offset + j for j in range(len(layer_diff))
+                             if layer_diff[j] > layer_tolerance * layer_scale[j]]
+                entry["layer0_max_abs"] = [round(float(d), 5) for d in layer_diff]
+                entry["first_layer0_off"] = layer_off[0] if layer_off else None
+                entry["first_layer0_off_where"] = _where(entry["first_layer0_off"], spans)
+                first_image = spans[0][0] - offset if spans else len(layer_diff)
+                entry["layer0_max_before_image"] = (float(layer_diff[:first_image].max())
+                                                    if first_image > 0 else None)
+            elif layer0 is not None:
+                entry["layer0_shapes"] = [list(layer0.shape), list(our_layer0.shape)]
             # image tokens, in order over all images: transformers' feature rows
             image_at = [j for j in range(len(ids) - offset) if ids[offset + j] == pad]
             features = ours[image_at]
@@ -947,6 +1022,14 @@ async def embeds_diagnostic(engine_embeds: EngineEmbeds, model: Any, processor: 
                 else "image rows different")
             entry["verdict"] = verdict + (f"; positions differ from {moved[0]}" if moved
                                           else "; positions equal")
+            layer_at = entry.get("first_layer0_off")
+            inputs_at = min(off[:1] + moved[:1], default=None)
+            if layer_at is not None and (inputs_at is None or layer_at < inputs_at):
+                entry["verdict"] += (f"; the first layer's output differs at {layer_at} "
+                                     f"where its inputs up to there are equal: the layer's "
+                                     f"computation (attention, rotary) differs")
+            elif layer_at is None and "first_layer0_off" in entry:
+                entry["verdict"] += "; the first layer's outputs equal"
             entry["nearest"] = nearest
             entry["nearest_first"] = [(n["own"], n["nearest"], n["distance"],
                                        n["own_distance"]) for n in nearest[:8]]
@@ -1104,7 +1187,9 @@ async def main(args: argparse.Namespace) -> None:
             {k: e.get(k) for k in ("first_embeds_off", "first_embeds_off_where",
                                    "first_positions_off", "first_positions_off_where",
                                    "verdict", "nearest_first", "offset",
-                                   "max_text_embeds_diff", "max_image_embeds_diff")}
+                                   "max_text_embeds_diff", "max_image_embeds_diff",
+                                   "first_layer0_off", "first_layer0_off_where",
+                                   "layer0_max_before_image")}
             if "error" not in e else e["error"] for e in embeds]
 
     async def run_throughput() -> None:
@@ -1158,8 +1243,11 @@ async def main(args: argparse.Namespace) -> None:
               f"({entry['first_embeds_off_where']}), positions first off at "
               f"{entry['first_positions_off']} ({entry['first_positions_off_where']}); "
               f"{entry['verdict']}; max diff text {entry['max_text_embeds_diff']}, image "
-              f"{entry['max_image_embeds_diff']}; first image tokens (own row, nearest "
-              f"transformers row, its distance, own row's) {entry['nearest_first']}")
+              f"{entry['max_image_embeds_diff']}; first layer's output first off at "
+              f"{entry['first_layer0_off']} ({entry['first_layer0_off_where']}; max before "
+              f"the image {entry['layer0_max_before_image']}); first image tokens (own "
+              f"row, nearest transformers row, its distance, own row's) "
+              f"{entry['nearest_first']}")
     errors = {k: v for k, v in summary.items() if k.endswith("_error")}
     if errors:
         print(f"phases that failed: {errors}")
