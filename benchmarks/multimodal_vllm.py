@@ -899,7 +899,7 @@ def _where(position: int | None, spans: list[tuple[int, int]]) -> str | None:
 
 
 async def embeds_diagnostic(engine_embeds: EngineEmbeds, model: Any, processor: Any,
-                            dtype: str) -> list[dict[str, Any]]:
+                            dtype: str, fast: Any = None) -> list[dict[str, Any]]:
     """Per fresh image prompt (one 120x90 image of random pixels, one 224x224 gradient as
     the other phases', two random images; new pixels, so no cache of vLLM's holds them):
     what the engine's text model received (``engine_embeds``; on vLLM :func:`vllm_embeds`)
@@ -910,7 +910,10 @@ async def embeds_diagnostic(engine_embeds: EngineEmbeds, model: Any, processor: 
     pad token's plain embedding: "shifted or reordered" (a near row, not its own) tells from
     "different" (no near row) and "none merged" (the pad embedding); and the first decoder
     layer's output, where the engine side has it (the first position off, and the largest
-    difference before the image as a yardstick of the two computations' noise). A
+    difference before the image as a yardstick of the two computations' noise). ``fast``
+    (:func:`fast_pixels`, where the model's default image processor is another one: vLLM
+    builds its own pixels with it) gives transformers' side a second time from those pixels;
+    the side nearer to the engine's image rows is the reference (``reference_pixels``). A
     diagnostic: a failure is recorded."""
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     sizes = [[(120, 90)], [(224, 224)], [(200, 150), (96, 300)]]
@@ -939,9 +942,23 @@ async def embeds_diagnostic(engine_embeds: EngineEmbeds, model: Any, processor: 
                                  "prompt_tokens": len(ids), "pad_spans": spans}
         try:
             got = await engine_embeds(ids, mm, index)
-            ours, our_positions, our_layer0 = hf_language_inputs(model, ids, mm, pad)
             offset = int(got["offset"])
             theirs, positions = got["embeds"].float(), got["positions"].long()
+            ours, our_positions, our_layer0 = hf_language_inputs(model, ids, mm, pad)
+            entry["reference_pixels"] = "pipeline's (PIL image processor)"
+            pixels = None if fast is None else fast(mm.pil_images()).to(mm.pixel_values.dtype)
+            if pixels is not None and pixels.shape == mm.pixel_values.shape:
+                entry["fast_pixels_max"] = float((pixels - mm.pixel_values).abs().max())
+                other = hf_language_inputs(model, ids, _with_pixels(mm, pixels), pad)
+                at = [j for j in range(offset, len(ids)) if ids[j] == pad]
+                if at and theirs.shape[0] == len(ids) - offset:
+                    engine_rows = theirs[[j - offset for j in at]]
+                    by = {"pipeline": float((engine_rows - ours[at]).abs().max()),
+                          "default": float((engine_rows - other[0][at]).abs().max())}
+                    entry["image_embeds_diff_by_pixels"] = by
+                    if by["default"] < by["pipeline"]:
+                        ours, our_positions, our_layer0 = other
+                        entry["reference_pixels"] = "the model's default image processor's"
             entry.update({k: got[k] for k in ("layer", "captured_shapes", "hook_errors")
                           if k in got})
             entry["offset"] = offset  # prompt positions before it: a prefix-cache hit
@@ -1181,7 +1198,9 @@ async def main(args: argparse.Namespace) -> None:
             if "error" not in d else d["error"] for d in divergence]
 
     async def run_embeds() -> None:
-        embeds = await embeds_diagnostic(engine_embeds, model, processor, args.dtype)
+        fast, why_not = fast_pixels(model_dir, processor)
+        figures["embeds_default_image_processor"] = why_not or "compared"
+        embeds = await embeds_diagnostic(engine_embeds, model, processor, args.dtype, fast)
         figures["embeds"] = embeds
         summary["embeds"] = [
             {k: e.get(k) for k in ("first_embeds_off", "first_embeds_off_where",
@@ -1189,7 +1208,8 @@ async def main(args: argparse.Namespace) -> None:
                                    "verdict", "nearest_first", "offset",
                                    "max_text_embeds_diff", "max_image_embeds_diff",
                                    "first_layer0_off", "first_layer0_off_where",
-                                   "layer0_max_before_image")}
+                                   "layer0_max_before_image", "reference_pixels",
+                                   "image_embeds_diff_by_pixels")}
             if "error" not in e else e["error"] for e in embeds]
 
     async def run_throughput() -> None:
@@ -1238,7 +1258,9 @@ async def main(args: argparse.Namespace) -> None:
         if isinstance(entry, str):
             print(f"embeds row {number}: error {entry}")
             continue
-        print(f"embeds row {number} (engine vs transformers at the text model's input): "
+        print(f"embeds row {number} (engine vs transformers at the text model's input, "
+              f"transformers from the {entry['reference_pixels']} pixels; image rows' max "
+              f"diff by pixels {entry['image_embeds_diff_by_pixels']}): "
               f"embeddings first off at {entry['first_embeds_off']} "
               f"({entry['first_embeds_off_where']}), positions first off at "
               f"{entry['first_positions_off']} ({entry['first_positions_off_where']}); "
