@@ -946,19 +946,22 @@ async def embeds_diagnostic(engine_embeds: EngineEmbeds, model: Any, processor: 
             theirs, positions = got["embeds"].float(), got["positions"].long()
             ours, our_positions, our_layer0 = hf_language_inputs(model, ids, mm, pad)
             entry["reference_pixels"] = "pipeline's (PIL image processor)"
-            pixels = None if fast is None else fast(mm.pil_images()).to(mm.pixel_values.dtype)
-            if pixels is not None and pixels.shape == mm.pixel_values.shape:
-                entry["fast_pixels_max"] = float((pixels - mm.pixel_values).abs().max())
-                other = hf_language_inputs(model, ids, _with_pixels(mm, pixels), pad)
-                at = [j for j in range(offset, len(ids)) if ids[j] == pad]
-                if at and theirs.shape[0] == len(ids) - offset:
-                    engine_rows = theirs[[j - offset for j in at]]
-                    by = {"pipeline": float((engine_rows - ours[at]).abs().max()),
-                          "default": float((engine_rows - other[0][at]).abs().max())}
-                    entry["image_embeds_diff_by_pixels"] = by
-                    if by["default"] < by["pipeline"]:
-                        ours, our_positions, our_layer0 = other
-                        entry["reference_pixels"] = "the model's default image processor's"
+            try:  # the second reference: its failure leaves the first one in use
+                pixels = None if fast is None else fast(mm.pil_images()).to(mm.pixel_values.dtype)
+                if pixels is not None and pixels.shape == mm.pixel_values.shape:
+                    entry["fast_pixels_max"] = float((pixels - mm.pixel_values).abs().max())
+                    other = hf_language_inputs(model, ids, _with_pixels(mm, pixels), pad)
+                    at = [j for j in range(offset, len(ids)) if ids[j] == pad]
+                    if at and theirs.shape[0] == len(ids) - offset:
+                        engine_rows = theirs[[j - offset for j in at]]
+                        by = {"pipeline": float((engine_rows - ours[at]).abs().max()),
+                              "default": float((engine_rows - other[0][at]).abs().max())}
+                        entry["image_embeds_diff_by_pixels"] = by
+                        if by["default"] < by["pipeline"]:
+                            ours, our_positions, our_layer0 = other
+                            entry["reference_pixels"] = "the model's default image processor's"
+            except Exception as exc:  # a diagnostic: reported, never fatal to the run
+                entry["fast_pixels_error"] = f"{type(exc).__name__}: {exc}"[:300]
             entry.update({k: got[k] for k in ("layer", "captured_shapes", "hook_errors")
                           if k in got})
             entry["offset"] = offset  # prompt positions before it: a prefix-cache hit
