@@ -13,6 +13,7 @@ Read from the source with ``ast`` (no import side effects):
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import warnings
 from pathlib import Path
@@ -44,6 +45,13 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
+@functools.cache
+def _tree(name: str) -> ast.Module:
+    """``name``'s syntax tree, parsed once per run: three rules read every module, and parsing
+    is most of their time."""
+    return ast.parse(MODULES[name].read_text())
+
+
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
@@ -53,7 +61,7 @@ def _is_type_checking(node: ast.If) -> bool:
 def module_level_imports(name: str) -> set[str]:
     """Modules of ``pipeline`` that ``name`` imports when it is imported (not in functions,
     not under ``TYPE_CHECKING``)."""
-    tree = ast.parse(MODULES[name].read_text())
+    tree = _tree(name)
     package = name if MODULES[name].name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
 
@@ -106,7 +114,7 @@ def test_no_import_cycle_of_any_kind():
 
 def _type_imports(name: str) -> set[str]:
     """What ``name`` imports under ``if TYPE_CHECKING:``."""
-    tree = ast.parse(MODULES[name].read_text())
+    tree = _tree(name)
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and _is_type_checking(node):
@@ -178,7 +186,7 @@ def test_no_module_imports_another_packages_private_module():
 
 
 def _function_imports(name: str) -> set[str]:
-    tree = ast.parse(MODULES[name].read_text())
+    tree = _tree(name)
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeline"):
