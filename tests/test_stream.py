@@ -70,7 +70,9 @@ async def test_samples_arrive_as_they_finish_while_a_straggler_runs():
             got.append((sample, item))
             if len(got) == 14:
                 break  # everything but the straggler's two samples
-    assert first_after < 1.0
+    # Long before the straggler's 10 s ends: samples are not held back for it. (A bound of
+    # 1 s failed beside other work, at 1.3 s: that measured the machine, not the stream.)
+    assert first_after < 5.0
     assert all(s.status is Status.COMPLETED for s, _ in got)
     assert len({s.uid for s, _ in got}) == 14
     # Leaving the block cancelled the straggler's samples, ran their cleanups, waited for them.
@@ -111,7 +113,7 @@ async def test_groups_are_yielded_once_complete_first_fast_ones():
         assert [s.uid for s in first.samples] == [i.uid for i in first.items]
         assert [i.sample_index for i in first.items] == [0, 1, 2]
         rest = [g async for g in groups]
-    assert first_after < 1.0
+    assert first_after < 3.0  # before the slow group's 3 s could end (not a speed bound)
     assert len(rest) == 3 and groups.report.groups_yielded == 4
     assert rest[-1].items[0].data.extra["delay"] == 3.0  # the straggler's group is last
     assert groups.report.by_status == {"completed": 12}
