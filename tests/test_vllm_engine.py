@@ -35,6 +35,7 @@ from structlog.testing import capture_logs  # noqa: E402
 
 from pipeline import (  # noqa: E402
     AdaptiveConcurrency,
+    EngineError,
     FinishReason,
     Pipeline,
     SamplingParams,
@@ -127,6 +128,24 @@ async def test_stops_on_token_ids_and_keeps_the_stop_token(engine, tiny_tokenize
         ids, SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(stop,)), "stopped")
     assert stopped.token_ids == free.token_ids[:cut + 1]
     assert stopped.finish_reason is FinishReason.STOP and stopped.raw_finish_reason == "stop_token"
+
+
+async def test_images_a_model_cannot_take_fail_the_request_instead_of_vanishing(engine):
+    """vLLM takes a rendered ``{"type": "token"}`` input as final and ignores images in it: an
+    H200 run of Qwen2.5-VL generated from image prompts as plain text, no feature merged. The
+    engine hands images to vLLM's renderer and refuses a request it renders without them; on
+    this text-only model vLLM's renderer refuses the image, so the request fails naming it."""
+    from PIL import Image
+
+    from pipeline.multimodal import MultiModalInputs, load_image
+
+    image = load_image(Image.new("RGB", (28, 28), (200, 30, 30)))
+    images = MultiModalInputs(images=(image,), image_token_counts=(1,))
+    with pytest.raises(EngineError, match=r"request img-0: vLLM cannot take the prompt's 1 "
+                                          r"image\(s\): .*text-only"):
+        await engine.generate([5, 6, 7], SamplingParams(max_tokens=2), "img-0",
+                              multi_modal=images)
+    assert engine.num_unfinished() == 0  # nothing went in
 
 
 async def test_timed_out_sample_aborts_its_request_inside_vllm(engine, tiny_tokenizer):

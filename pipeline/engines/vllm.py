@@ -57,6 +57,7 @@ from pipeline.engines._vllm_compat import (
     token_versions,
     vllm_env,
 )
+from pipeline.engines._vllm_images import render_image_prompt
 from pipeline.engines._vllm_restart import (
     CoreDied,
     CoreWatch,
@@ -309,20 +310,21 @@ class VLLMEngine(VLLMWeights):
             output_kind=self._output_kind, **extra)
 
     def prompt(self, prompt_ids: Sequence[int], multi_modal: Any = None) -> dict[str, Any]:
-        """A token-id prompt in the form the installed vLLM takes without re-processing.
+        """The prompt handed to vLLM: token ids in the form it takes without re-processing.
 
-        With ``multi_modal`` (:class:`pipeline.multimodal.MultiModalInputs`) the prompt also
-        carries the images as vLLM's ``multi_modal_data`` (its own processor encodes them and
-        finds their image tokens, already expanded in ``prompt_ids``) and their sha256 as
-        ``multi_modal_uuids`` (vLLM's cache key: the n samples of a group hit it).
+        With ``multi_modal`` (:class:`pipeline.multimodal.MultiModalInputs`): vLLM's raw
+        ``TokensPrompt`` instead, the images as ``multi_modal_data`` and their sha256 as
+        ``multi_modal_uuids`` (vLLM's cache key: the n samples of a group hit it), which vLLM's
+        renderer must process (:meth:`generate` does; vLLM ignores images in a rendered token
+        input, see :mod:`pipeline.engines._vllm_images`).
         """
         ids = list(map(int, prompt_ids))  # plain ints for vLLM's serializer, a third cheaper
-        prompt: dict[str, Any] = ({"type": "token", "prompt_token_ids": ids}
-                                  if self.features.token_input else {"prompt_token_ids": ids})
         if multi_modal:
-            prompt["multi_modal_data"] = {"image": multi_modal.pil_images()}
-            prompt["multi_modal_uuids"] = {"image": [i.sha256 for i in multi_modal.images]}
-        return prompt
+            return {"prompt_token_ids": ids,
+                    "multi_modal_data": {"image": multi_modal.pil_images()},
+                    "multi_modal_uuids": {"image": [i.sha256 for i in multi_modal.images]}}
+        return ({"type": "token", "prompt_token_ids": ids}
+                if self.features.token_input else {"prompt_token_ids": ids})
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                        request_id: str, *, multi_modal: Any = None,
@@ -347,7 +349,9 @@ class VLLMEngine(VLLMWeights):
                 params.structured_outputs = self._vllm.sampling_params.StructuredOutputsParams(
                     **structured_outputs(constraints))
             try:
-                final, submitted = await self._run(llm, prompt, params, request_id)
+                engine_input = (await render_image_prompt(llm, prompt, request_id)
+                                if multi_modal else prompt)
+                final, submitted = await self._run(llm, engine_input, params, request_id)
                 break
             except CoreDied as died:
                 if retry:
