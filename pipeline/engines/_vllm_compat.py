@@ -10,13 +10,14 @@ import dataclasses
 import importlib
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from pipeline._exceptions import ConfigError, EngineError
+from pipeline.engines._consistency import TokenizerProbe
 
 _logger = structlog.get_logger("pipeline.engines.vllm")
 
@@ -255,3 +256,23 @@ def engine_args(model: str | Path, *, dtype: str, max_model_len: int | None, see
         raise ConfigError(f"VLLMEngine pins logprobs_mode={LOGPROBS_MODE!r} (the "
                           f"distribution actually sampled from)")
     return kwargs
+
+
+def tokenizer_probe(llm: Any, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None) -> TokenizerProbe:
+    """How ``llm``'s own tokenizer renders ``messages`` and which stop ids it uses (the
+    consistency check's vLLM side)."""
+    tokenizer = llm.get_tokenizer()
+    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+    if tools:
+        kwargs["tools"] = [dict(t) for t in tools]
+    text = tokenizer.apply_chat_template([dict(m) for m in messages], **kwargs)
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    hf_config = llm.model_config.hf_config
+    eos = as_ids(getattr(llm.model_config, "generation_config", None)) or set()
+    eos |= as_ids(getattr(hf_config, "eos_token_id", None))
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return TokenizerProbe(prompt_ids=ids, eos_token_ids=sorted(eos),
+                          pad_token_id=None if pad is None else int(pad), source="vllm")

