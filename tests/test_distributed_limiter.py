@@ -101,6 +101,13 @@ async def test_a_dead_workers_queued_leases_are_withdrawn(actor: Any) -> None:
     dead_tasks = [asyncio.create_task(caller(dead, "d")) for _ in range(8)]
     alive_tasks = [asyncio.create_task(caller(alive, "a")) for _ in range(8)]
     await until(lambda: got["d"] >= 10 and got["a"] >= 10, 60)
+    # Release once a lease request of the dead worker is queued at the actor: on a loaded
+    # machine its next request can still be on its way there (a fresh-clone CI run withdrew 0)
+    for _ in range(1000):  # at most ~10 s; with 8 callers one request is queued nearly always
+        stats = (await actor.stats.remote())["tool"]
+        if "d" in stats.keys and stats.keys["d"].queue_len >= 1:
+            break
+        await asyncio.sleep(0.01)
     withdrawn = await actor.release.remote("dead")
     assert withdrawn >= 1  # its lease requests were queued at the actor
     results = await asyncio.gather(*dead_tasks, return_exceptions=True)
