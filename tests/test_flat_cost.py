@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
 
 from pipeline import (
     AgentMessage,
+    AsyncRollout,
     BuildPrompt,
     DatasetRow,
     FinishReason,
@@ -378,3 +380,46 @@ async def test_a_multi_turn_samples_messages_keep_their_own_lists():
     response = item.artifacts[artifacts.RESPONSE_IDS]
     assert all(turn.token_ids is not response for turn in turns)
     assert sum(len(turn.token_ids or ()) for turn in turns) < len(response)  # tool tokens too
+
+
+async def test_a_stream_keeps_no_sample_its_consumer_dropped():
+    # What a stream has yielded is its consumer's: a stream (or an AsyncRollout, which runs
+    # one producer for its whole life) that kept every run would keep every sample and item
+    # alive until it ends, for the collector to walk on each of its full passes.
+    pipe = two_stage_pipeline(max_concurrency=4)
+    taken: list[tuple[weakref.ref[object], weakref.ref[object]]] = []
+    async with pipe.stream([{"prompt": f"q{i}"} for i in range(40)]) as samples:
+        async for sample, item in samples:
+            taken.append((weakref.ref(sample), weakref.ref(item)))
+            del sample, item
+            if len(taken) == 30:  # ten samples still to come: the stream is running
+                # The stream's generator holds the one it yielded last until asked again.
+                alive = [i for i, pair in enumerate(taken)
+                         if any(ref() is not None for ref in pair)]
+                assert alive == [29]
+    assert samples.report.samples_yielded == 40
+    assert samples.report.by_status == {"completed": 40}
+
+
+async def test_a_group_stream_and_an_async_rollout_keep_no_group_they_handed_over():
+    pipe = two_stage_pipeline(max_concurrency=4)
+    taken: list[weakref.ref[object]] = []
+    async with pipe.stream_groups([{"prompt": f"q{i}"} for i in range(12)], n=2) as groups:
+        async for group in groups:
+            taken.extend(weakref.ref(x) for x in (*group.samples, *group.items))
+            del group
+            if len(taken) == 16:  # the last group (4 objects) is held until asked again
+                assert [i for i, ref in enumerate(taken) if ref() is not None] == [12, 13, 14, 15]
+    engine = SimulatedEngine(latency_s=0.001, latency_sigma=0.0, tail_prob=0.0)
+    pipe = Pipeline([BuildPrompt(), Generate()], tokenizer=ByteTokenizer(), engine=engine,
+                    sampling={"max_tokens": 8})
+    taken = []
+    async with AsyncRollout(pipe, [{"prompt": f"q{i}"} for i in range(12)], n=2,
+                            batch_groups=2, max_inflight=4) as rollout:
+        for _ in range(4):
+            batch = await rollout.next_batch()
+            taken.extend(weakref.ref(x) for g in batch for x in (*g.samples, *g.items))
+            del batch
+            await rollout.update_weights()
+        assert len(taken) == 32
+        assert [i for i, ref in enumerate(taken) if ref() is not None] == []

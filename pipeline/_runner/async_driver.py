@@ -186,10 +186,7 @@ class AsyncRollout:
                             return  # every row started and finished
                         await self._wake.wait()
                         continue
-                    for result in await self.runner.next_groups():
-                        group = self._groups.pop(result.group_id, None)
-                        if group is not None:
-                            self._finish_group(result, group)
+                    self._finish_groups(await self.runner.next_groups())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bad row drawn late: the trainer sees it
@@ -197,6 +194,14 @@ class AsyncRollout:
             finally:
                 self._feeding = False  # before the scope's own exit, which may take steps
                 self._changed.set()
+
+    def _finish_groups(self, results: list[GroupResult]) -> None:
+        # Not in _feed's loop: its locals would keep the last group alive while it waits
+        # for the next one, after the trainer may have taken and dropped it.
+        for result in results:
+            group = self._groups.pop(result.group_id, None)
+            if group is not None:
+                self._finish_group(result, group)
 
     def _finish_group(self, result: GroupResult, group: _Group) -> None:
         for sample in result.samples:

@@ -64,7 +64,12 @@ class Batch:
         self.num_needed = num_needed
         self.completed = 0
         self.cancelled = False
-        self.runs: list[SampleRun] = []
+        self.runs: dict[SampleRun, None] = {}
+        """The runs not handed to the consumer yet, in starting order (a dict as an ordered
+        set). A run leaves once the consumer took it (:meth:`Producer.next_finished`): the
+        batch does not keep what its caller already has, or dropped. A stream, or an
+        ``AsyncRollout`` that runs one producer for its whole life, would otherwise keep
+        every sample it ever yielded, item included, for the collector to walk."""
 
     def abort_rest(self) -> None:
         """Abort every sample still running or queued (over-sampling had enough); one whose
@@ -143,7 +148,7 @@ class Producer:
         self._context = contextvars.copy_context()
         if self.enter is not None:
             self._context.run(self.enter)
-        self.batch.runs.extend(runs)
+        self.batch.runs.update(dict.fromkeys(runs))
         self.unfinished += len(runs)
         self._running += len(runs)
         idle = not self._unstarted
@@ -214,6 +219,9 @@ class Producer:
         task = run.task
         if task is not None and not task.done():  # handed over from its last step
             await asyncio.wait((task,))
+        # Only once it reaches the consumer: a run whose wait was cancelled, or whose
+        # task raised past the runner, stays where cancel() and the consumer look for it.
+        self.batch.runs.pop(run, None)
         return run
 
     async def wait_all(self) -> None:
@@ -242,7 +250,7 @@ class Producer:
         for task in tasks:
             task.cancel()
         cancelled = await wait_through_cancellation(tasks, self.grace_s)
-        for run in self.batch.runs:
+        for run in list(self.batch.runs):  # abandon() calls user callbacks (on_done)
             self.abandon(run, Status.ABORTED, "aborted: the batch was cancelled and a stage "
                          f"ignored its cancellation for {self.grace_s}s (abandoned)")
         rest = [run.task for run in self.batch.runs if run.task is not None]

@@ -124,10 +124,10 @@ async def stream_samples(pipeline: BatchHost, items: list[AgentRolloutItem],
     report = StreamReport() if report is None else report
     producer = pipeline.producer(num_needed, on_done)
     started = time.monotonic()
-    yielded: set[int] = set()
     async with pipeline.batch_scope(len(items)):
         producer.start(items)
         report.started(items, 0)
+        del items  # the stream keeps no sample the consumer took (and may have dropped)
         report.stop("rows_exhausted")  # every row started at once
         try:
             while producer.unfinished:
@@ -135,16 +135,15 @@ async def stream_samples(pipeline: BatchHost, items: list[AgentRolloutItem],
                 sample = pipeline.sample_of(run)
                 report.count(sample)
                 report.samples_yielded += 1
-                yielded.add(id(run))
                 yield SampleResult(sample, run.item)
+                del run, sample
         finally:
             try:
                 if producer.unfinished:
                     await producer.cancel()
             finally:
-                for run in producer.batch.runs:
-                    if id(run) not in yielded:
-                        report.count(pipeline.sample_of(run))
+                for run in producer.batch.runs:  # those never handed to the consumer
+                    report.count(pipeline.sample_of(run))
                 report.wall_time_s = time.monotonic() - started
 
 
@@ -166,8 +165,12 @@ class _Groups:
     def finish(self, run: SampleRun) -> str | None:
         """Count ``run`` as done; its group id when that completed the group."""
         gid = run.item.group_id
-        self.left[gid] -= 1
-        return gid if self.left[gid] == 0 else None
+        left = self.left[gid] - 1
+        if left:
+            self.left[gid] = left
+            return None
+        del self.left[gid]
+        return gid
 
 
 class RowSource:
@@ -260,6 +263,7 @@ async def stream_groups(pipeline: BatchHost, source: RowSource, first: list[Agen
 
     async with pipeline.batch_scope(None):
         launch(first, 0)
+        del first  # the stream keeps no group the consumer took (and may have dropped)
         if dynamic is None:
             report.stop("rows_exhausted")  # every row started at once
         elif source.stopped is not None:
@@ -275,6 +279,7 @@ async def stream_groups(pipeline: BatchHost, source: RowSource, first: list[Agen
                     report.groups_yielded += 1
                     report.samples_yielded += len(group.samples)
                     yield group
+                    del group  # the consumer's now: kept no longer than it keeps it
                 elif kept >= dynamic.target_groups:
                     report.aborted.append(group)
                 elif await judge_group(dynamic, group, report):
@@ -285,6 +290,7 @@ async def stream_groups(pipeline: BatchHost, source: RowSource, first: list[Agen
                         report.stop("target")
                         producer.batch.abort_rest()
                     yield group
+                    del group
                 else:
                     tag(group, "set_aside")
                     report.set_aside.append(group)
