@@ -30,7 +30,9 @@ same results.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -75,7 +77,23 @@ def ray_cluster() -> Iterator[Any]:
                  log_to_driver=False)
     yield ray
     if not _all_cpus_free(ray):
-        ray.shutdown()
+        _shutdown(ray)
+
+
+def _shutdown(ray: Any, reap_s: float = 30.0) -> None:
+    """``ray.shutdown()``, then reap the node's processes. Ray kills them but waits only 1 s
+    for each to exit: on a loaded machine one can still be exiting, and its ``Popen`` then
+    warns "subprocess ... is still running" when collected, inside whichever test runs next
+    (``filterwarnings = error`` made that test fail in a CI run)."""
+    node = getattr(getattr(ray, "_private", None), "worker", None)
+    node = getattr(node, "_global_node", None)
+    processes = [info.process for infos in getattr(node, "all_processes", {}).values()
+                 for info in infos]
+    ray.shutdown()
+    deadline = time.monotonic() + reap_s
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _all_cpus_free(ray: Any, wait_s: float = 5.0) -> bool:
@@ -97,7 +115,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if ray is None or not getattr(ray, "is_initialized", lambda: False)():
         return
     if nextitem is None or _group(nextitem) != "ray":
-        ray.shutdown()
+        _shutdown(ray)
 
 
 def _group(item: pytest.Item) -> str | None:
