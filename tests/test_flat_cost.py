@@ -316,7 +316,7 @@ async def wait_for_requests(engine: SimulatedEngine, count: int) -> None:
     raise AssertionError(f"{len(engine.in_flight)} requests reached the engine, not {count}")
 
 
-async def test_a_sample_waiting_on_the_engine_holds_two_runner_frames_and_no_response_lists():
+async def test_a_sample_waiting_on_the_engine_holds_one_runner_frame_and_no_response_lists():
     pipe = Pipeline([BuildPrompt(), Generate()], tokenizer=ByteTokenizer(),
                     engine=SimulatedEngine(latency_s=60.0, latency_sigma=0.0, tail_prob=0.0),
                     sampling={"max_tokens": 8}, max_concurrency=2)
@@ -325,11 +325,11 @@ async def test_a_sample_waiting_on_the_engine_holds_two_runner_frames_and_no_res
     assert isinstance(engine, SimulatedEngine)
     await wait_for_requests(engine, 2)
     chains = sorted(await_chain(task) for task in sample_tasks())
-    # The runner awaits the stage's own coroutine: no _execute or run_stage frame between.
-    running = ["Producer._run", "SampleRunner._run_sample", "Generate.run",
-               "SimulatedEngine.generate"]
+    # The runner's coroutine is the task's own (no producer frame above it) and awaits the
+    # stage's own coroutine (no _execute or run_stage frame between).
+    running = ["SampleRunner._run_sample", "Generate.run", "SimulatedEngine.generate"]
     # A sample queued for a concurrency slot waits on its future in FifoSlots.wait itself.
-    queued = ["Producer._run", "SampleRunner._run_sample", "FifoSlots.wait"]
+    queued = ["SampleRunner._run_sample", "FifoSlots.wait"]
     assert chains == [queued, queued, running, running]
     waiting = [ctx.item for ctx in pipe._inflight.values()]
     assert len(waiting) == 2

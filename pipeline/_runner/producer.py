@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from pipeline._concurrency.callables import check_callable
-from pipeline._concurrency.cancel import EscapedBaseException, abandon, wait_through_cancellation
+from pipeline._concurrency.cancel import abandon, wait_through_cancellation
 from pipeline._data.models import AgentRolloutItem, RolloutSample, Status
 from pipeline._runner.context import Context
 
@@ -87,6 +87,12 @@ class Batch:
 
 
 RunSample = Callable[[SampleRun, Batch], Coroutine[Any, Any, RolloutSample]]
+"""The coroutine of a sample's task (``SampleRunner._run_sample``): it sets ``run.begun``
+at its first step, ``run.sample`` (and drops ``run.task``, ``run.ctx``) when it returns, hands
+the run to :meth:`Producer.hand_over` from its last step unless it was abandoned, and lets no
+``BaseException`` but ``CancelledError`` out (asyncio re-raises ``SystemExit`` and
+``KeyboardInterrupt`` out of the loop). The producer adds no frame of its own around it: a
+sample in flight holds one coroutine less for the collector to walk."""
 GiveUp = Callable[[SampleRun, Batch, Status, str], RolloutSample]
 """Ends an abandoned sample with a status and an error now, returning its sample."""
 
@@ -164,31 +170,14 @@ class Producer:
         assert context is not None  # set by start(), which schedules this
         for _ in range(min(START_CHUNK, len(unstarted))):
             run = unstarted.popleft()
-            run.task = loop.create_task(self._run(run), name=f"sample:{run.item.uid}",
-                                        context=context.copy())
+            run.task = loop.create_task(self.run_sample(run, self.batch),
+                                        name=f"sample:{run.item.uid}", context=context.copy())
         if unstarted:
             loop.call_soon(self._start_chunk)
 
-    async def _run(self, run: SampleRun) -> RolloutSample:
-        # Handed over from the task's last step (no done-callback, one loop handle less per
-        # sample): the task is done by the time the consumer wakes up to look at it.
-        run.begun = True
-        try:
-            sample = await self.run_sample(run, self.batch)
-        except (Exception, asyncio.CancelledError):
-            raise
-        except BaseException as exc:  # past every guard of the runner: never out of the loop
-            raise EscapedBaseException(f"{type(exc).__name__} escaped the sample runner: "
-                                       f"{exc}") from exc
-        else:
-            run.sample = sample
-            run.task = run.ctx = None
-            return sample
-        finally:
-            if not run.abandoned:  # an abandoned run was handed over already
-                self._hand_over(run)
-
-    def _hand_over(self, run: SampleRun) -> None:
+    def hand_over(self, run: SampleRun) -> None:
+        """Queue ``run`` for the consumer: its task is ending (called from its last step),
+        or it was abandoned."""
         self._finished.put_nowait(run)
         self._running -= 1
         waiter = self._all_done
@@ -207,7 +196,7 @@ class Producer:
         run.task = run.ctx = None
         task.cancel()
         abandon(task, f"sample {run.item.uid}: {error}")
-        self._hand_over(run)
+        self.hand_over(run)
 
     async def next_finished(self) -> SampleRun:
         """The next run whose task has ended (or that was abandoned)."""

@@ -18,6 +18,7 @@ import weakref
 import structlog
 
 from pipeline._concurrency.callables import plain_result
+from pipeline._concurrency.cancel import EscapedBaseException
 from pipeline._data.config import PipelineConfig
 from pipeline._data.construct import set_fields
 from pipeline._data.models import AgentRolloutItem, RolloutSample, Status
@@ -107,91 +108,111 @@ class SampleRunner:
     async def _run_sample(
         self, run: SampleRun, batch: Batch, on_done: SampleCallback | None
     ) -> RolloutSample:
-        """Run one sample to a status and build its trainer view. Raises only
-        ``CancelledError`` when the batch itself is cancelled (and ``BaseException``s that
-        are not ours to stop, such as ``KeyboardInterrupt``).
+        """Run one sample to a status and build its trainer view: the coroutine of the
+        sample's task (:class:`~pipeline._runner.producer.Producer` makes it). Raises only
+        ``CancelledError`` when the batch itself is cancelled; any other ``BaseException``
+        that got past every guard (``KeyboardInterrupt``) is raised as
+        :class:`~pipeline._concurrency.cancel.EscapedBaseException`, never out of the loop.
 
         The stages run in this coroutine itself, each awaited directly (the steps of
-        :func:`~pipeline._runner.stage.run_stage` written out): a sample in flight holds
-        this frame and its stage's, not a frame per layer in between, for the collector to
-        walk."""
-        item = run.item
-        set_fields(item, {"queued_at": time.monotonic()})
-        state = self._loop_state()
-        if run.abort_requested:  # over-sampling had enough before this task was made
-            force_end(item, Status.ABORTED, ENOUGH)
-        else:
-            try:
-                if not state.slots.take_now():
-                    await state.slots.wait()
+        :func:`~pipeline._runner.stage.run_stage` written out), and the run is handed to its
+        producer from this coroutine's last step (no done-callback: one loop handle less per
+        sample): a sample in flight holds this frame and its stage's, not a frame per layer
+        in between (the producer's own was one), for the collector to walk."""
+        run.begun = True
+        try:
+            item = run.item
+            set_fields(item, {"queued_at": time.monotonic()})
+            state = self._loop_state()
+            if run.abort_requested:  # over-sampling had enough before this task was made
+                force_end(item, Status.ABORTED, ENOUGH)
+            else:
                 try:
-                    if state.flow.breaker.opened:  # admitted no more: the batch ends on it
-                        force_end(item, Status.FAILED, f"not run: {state.flow.breaker.error()}")
-                    else:
-                        # Kept here: abandoning the run drops run.task, and the deadline's
-                        # cancel must still be taken back from the task when the stages end.
-                        task = run.task
-                        ctx, window = self._enter_stages(run, state)
-                        try:
+                    if not state.slots.take_now():
+                        await state.slots.wait()
+                    try:
+                        if state.flow.breaker.opened:  # admitted no more: the batch ends on it
+                            force_end(item, Status.FAILED, f"not run: {state.flow.breaker.error()}")
+                        else:
+                            # Kept here: abandoning the run drops run.task, and the deadline's
+                            # cancel must still be taken back from the task when the stages end.
+                            task = run.task
+                            ctx, window = self._enter_stages(run, state)
                             try:
-                                stages = self.stages
-                                # By index: a list iterator held across every await would be
-                                # one more object per sample in flight (a range's is untracked).
-                                for i in range(len(stages)):
-                                    stage = stages[i]
-                                    if must_wait_turn(stage, ctx):
-                                        await ctx.loop_slice.wait_turn()  # type: ignore[union-attr]
-                                    record, call = start_stage(stage, item, ctx)
-                                    try:
-                                        await call
-                                        stage_returned(stage, item, ctx)
-                                    except BaseException as exc:
-                                        stage_raised(record, exc, ctx)
-                                        raise
-                                    finally:
-                                        record.end = time.monotonic()
-                            except BaseException as exc:  # SystemExit in a tool fails its
-                                self._leave_stages(run, ctx, window, task)  # sample, not the batch
-                                if not run.abandoned:
-                                    settle(exc, run, batch, ctx.deadline_passed(),
-                                           self.config.sample_timeout_s)
-                                    if item.status is Status.FAILED:
-                                        state.flow.breaker.failed(item, exc,
-                                                                  self.resources.engine)
-                            else:
-                                self._leave_stages(run, ctx, window, task)
-                                if not run.abandoned:
-                                    end(item, Status.COMPLETED, None)
-                                    state.flow.sample_completed(item)
-                        finally:
-                            try:
-                                steps = cleanup_steps(item, ctx)
-                                if steps:
-                                    await run_cleanups(steps, item, ctx,
-                                                       self.config.cleanup_timeout_s)
+                                try:
+                                    stages = self.stages
+                                    # By index: a list iterator held across every await would be
+                                    # one more object per sample in flight (a range's is untracked).
+                                    loop_slice = ctx.loop_slice
+                                    for i in range(len(stages)):
+                                        stage = stages[i]
+                                        if must_wait_turn(stage, ctx):
+                                            await loop_slice.wait_turn()  # type: ignore[union-attr]
+                                        record, call = start_stage(stage, item, ctx)
+                                        try:
+                                            await call
+                                            stage_returned(stage, item, ctx)
+                                        except BaseException as exc:
+                                            stage_raised(record, exc, ctx)
+                                            raise
+                                        finally:
+                                            record.end = time.monotonic()
+                                except BaseException as exc:  # SystemExit in a tool: one sample
+                                    self._leave_stages(run, ctx, window, task)
+                                    if not run.abandoned:
+                                        settle(exc, run, batch, ctx.deadline_passed(),
+                                               self.config.sample_timeout_s)
+                                        if item.status is Status.FAILED:
+                                            state.flow.breaker.failed(item, exc,
+                                                                      self.resources.engine)
+                                else:
+                                    self._leave_stages(run, ctx, window, task)
+                                    if not run.abandoned:
+                                        end(item, Status.COMPLETED, None)
+                                        state.flow.sample_completed(item)
                             finally:
-                                set_fields(item, {"ended_at": time.monotonic()})
-                                self._inflight.pop(item.uid, None)
-                        if item.status is not Status.COMPLETED and item.status is not None:
-                            ctx.log.debug("sample_ended", status=item.status.value,
-                                          error=item.error)
-                finally:
-                    if not run.abandoned:  # an abandoned run gave its slot back already
-                        state.slots.release()
-            except asyncio.CancelledError:
-                # Cancelled while queued for a slot (no stage ran yet), or re-raised by settle
-                # because the batch itself was cancelled.
-                if batch.cancelled:
+                                try:
+                                    steps = cleanup_steps(item, ctx)
+                                    if steps:
+                                        await run_cleanups(steps, item, ctx,
+                                                           self.config.cleanup_timeout_s)
+                                finally:
+                                    set_fields(item, {"ended_at": time.monotonic()})
+                                    self._inflight.pop(item.uid, None)
+                            if item.status is not Status.COMPLETED and item.status is not None:
+                                ctx.log.debug("sample_ended", status=item.status.value,
+                                              error=item.error)
+                    finally:
+                        if not run.abandoned:  # an abandoned run gave its slot back already
+                            state.slots.release()
+                except asyncio.CancelledError:
+                    # Cancelled while queued for a slot (no stage ran yet), or re-raised by settle
+                    # because the batch itself was cancelled.
+                    if batch.cancelled:
+                        if item.status is None:
+                            force_end(item, Status.ABORTED, BATCH_CANCELLED)
+                        raise
+                    uncancel()
                     if item.status is None:
-                        force_end(item, Status.ABORTED, BATCH_CANCELLED)
-                    raise
-                uncancel()
-                if item.status is None:
-                    force_end(item, Status.ABORTED,
-                               ENOUGH if run.abort_requested else OUTSIDE_CANCEL)
-        if run.abandoned and run.sample is not None:  # handed over when it was abandoned
-            return run.sample
-        return self._finish(run, batch, on_done)
+                        force_end(item, Status.ABORTED,
+                                   ENOUGH if run.abort_requested else OUTSIDE_CANCEL)
+            if run.abandoned and run.sample is not None:  # handed over when it was abandoned
+                sample = run.sample
+            else:
+                sample = self._finish(run, batch, on_done)
+        except (Exception, asyncio.CancelledError):
+            raise
+        except BaseException as exc:  # past every guard above: never out of the loop
+            raise EscapedBaseException(f"{type(exc).__name__} escaped the sample runner: "
+                                       f"{exc}") from exc
+        else:
+            run.sample = sample
+            run.task = run.ctx = None
+            return sample
+        finally:
+            owner = run.owner
+            if not run.abandoned and owner is not None:  # an abandoned run was handed over
+                owner.hand_over(run)
 
     def _enter_stages(self, run: SampleRun, state: LoopState) -> tuple[Context, Window | None]:
         """The sample's context, its deadline armed (the window to disarm it from), the sample
