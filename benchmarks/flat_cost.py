@@ -17,7 +17,10 @@ is the pipeline's, the stages' and the event loop's):
 
 - ``single``: ``BuildPrompt`` + ``Generate`` + a judge function (``scenarios.arith``);
 - ``tool_loop``: ``BuildPrompt`` + ``Loop([Generate(), CallTools()])`` with three calculator
-  calls then an answer per sample (four model turns, three tool turns).
+  calls then an answer per sample (four model turns, three tool turns);
+- ``single_stream``: ``single`` consumed through ``Pipeline.stream`` by a consumer that keeps
+  each ``RolloutSample`` and drops its item (what a trainer that collates samples needs);
+  the others through ``run_batch``, whose result holds every item and sample.
 
 Per run: process CPU time per sample (the whole ``run_batch``: items, stages, samples,
 stats), wall time, the peak RSS growth per sample while the batch runs (sampled every
@@ -91,7 +94,30 @@ def tool_rows(size: int) -> list[dict[str, Any]]:
 WORKLOADS: dict[str, tuple[Callable[[int], Pipeline], Callable[[int], list[Any]]]] = {
     "single": (single_pipeline, single_rows),
     "tool_loop": (tool_pipeline, tool_rows),
+    "single_stream": (single_pipeline, single_rows),
 }
+STREAMED = {"single_stream"}
+
+
+class Outcome:
+    """What a consumer keeps of a batch (``held``), and the counts checked after it."""
+
+    def __init__(self, held: Any, by_status: dict[str, int], tool_turns_min: int) -> None:
+        self.held = held
+        self.by_status = by_status
+        self.tool_turns_min = tool_turns_min
+
+
+async def consume(workload: str, pipe: Pipeline, rows: list[Any]) -> Outcome:
+    """``run_batch`` (its result held), or a stream whose consumer keeps the samples only."""
+    if workload not in STREAMED:
+        result = await pipe.run_batch(rows)
+        return Outcome(result, result.stats.by_status, result.stats.tool_turns_min)
+    kept = []
+    async with pipe.stream(rows) as samples:
+        async for sample, _ in samples:
+            kept.append(sample)
+    return Outcome(kept, samples.report.by_status, min(s.tool_turns for s in kept))
 
 
 def rss_bytes() -> int:
@@ -122,7 +148,7 @@ class CollectorClock:
         gc.callbacks.remove(self)
 
 
-async def one_batch(pipe: Pipeline, rows: list[Any]) -> tuple[Any, int]:
+async def one_batch(workload: str, pipe: Pipeline, rows: list[Any]) -> tuple[Outcome, int]:
     peak = [rss_bytes()]
 
     async def watch() -> None:
@@ -132,7 +158,7 @@ async def one_batch(pipe: Pipeline, rows: list[Any]) -> tuple[Any, int]:
 
     watcher = asyncio.create_task(watch())
     try:
-        result = await pipe.run_batch(rows)
+        result = await consume(workload, pipe, rows)
     finally:
         watcher.cancel()
     return result, peak[0]
@@ -145,11 +171,11 @@ def run_once(workload: str, size: int) -> dict[str, Any]:
     before = rss_bytes()
     with CollectorClock() as clock:
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        result, peak = asyncio.run(one_batch(pipe, rows))
+        result, peak = asyncio.run(one_batch(workload, pipe, rows))
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    assert result.stats.by_status == {"completed": size}, result.stats.by_status
+    assert result.by_status == {"completed": size}, result.by_status
     if workload == "tool_loop":
-        assert result.stats.tool_turns_min == TOOL_TURNS, result.stats.tool_turns_min
+        assert result.tool_turns_min == TOOL_TURNS, result.tool_turns_min
     del result
     return {"cpu_us_per_sample": round(cpu / size * 1e6, 1), "wall_s": round(wall, 2),
             "rss_growth_kb_per_sample": round((peak - before) / 1024 / size, 2),
@@ -158,17 +184,18 @@ def run_once(workload: str, size: int) -> dict[str, Any]:
 
 def kept_after(workload: str, size: int) -> dict[str, Any]:
     """Python allocations still alive, per sample, once ``run_batch`` returned (its result
-    held), and the peak while the batch ran; both with tracemalloc, so on a smaller batch."""
+    held; for a stream, the samples its consumer kept), and the peak while the batch ran;
+    both with tracemalloc, so on a smaller batch."""
     make_pipe, make_rows = WORKLOADS[workload]
     pipe, rows = make_pipe(size), make_rows(size)
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    result = asyncio.run(pipe.run_batch(rows))
+    result = asyncio.run(consume(workload, pipe, rows))
     gc.collect()
     kept, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert result.stats.by_status == {"completed": size}
+    assert result.by_status == {"completed": size}
     return {"samples": size,
             "python_alloc_peak_kb_per_sample": round((peak - base) / 1024 / size, 2),
             "kept_by_result_kb_per_sample": round((kept - base) / 1024 / size, 2)}
@@ -213,12 +240,17 @@ def tracked_objects(workload: str, size: int) -> dict[str, Any]:
     make_pipe, make_rows = WORKLOADS[workload]
     out: dict[str, Any] = {}
     base = census()
-    result = asyncio.run(make_pipe(size).run_batch(make_rows(size)))
+    result = asyncio.run(consume(workload, make_pipe(size), make_rows(size)))
     out["per_kept_sample"], out["kept_by_type"] = per_sample(census() - base, size)
-    samples = result.samples
-    del result
-    out["per_sample_alone"], _ = per_sample(census() - base, size)
-    del samples
+    if workload not in STREAMED:
+        samples = result.held.samples
+        del result
+        out["per_sample_alone"], _ = per_sample(census() - base, size)
+        del samples
+    else:
+        del result
+        out["per_sample_at_last_yield"], out["at_last_yield_by_type"] = asyncio.run(
+            _at_last_yield(workload, size))
     if workload == "single":
         out["per_sample_in_flight"], out["in_flight_by_type"] = asyncio.run(
             _in_flight_count(size, size))
@@ -237,6 +269,24 @@ def per_sample(delta: collections.Counter[str], size: int) -> tuple[float, dict[
     """The total per sample and the types of at least 0.05 per sample."""
     return (round(sum(delta.values()) / size, 1),
             {name: round(n / size, 2) for name, n in delta.most_common() if n / size >= 0.05})
+
+
+async def _at_last_yield(workload: str, size: int) -> tuple[float, dict[str, float]]:
+    """Per sample, as the stream yields its last sample: what the stream still holds beside
+    the samples its consumer kept (before issue 43's fifth round: every run, item and
+    sample it had yielded)."""
+    make_pipe, make_rows = WORKLOADS[workload]
+    pipe, rows = make_pipe(size), make_rows(size)
+    base = census()
+    kept = []
+    counts: tuple[float, dict[str, float]] = (0.0, {})
+    async with pipe.stream(rows) as samples:
+        async for sample, _ in samples:
+            kept.append(sample)
+            if len(kept) == size:
+                del sample, _
+                counts = per_sample(census() - base, size)
+    return counts
 
 
 async def _in_flight_count(size: int, slots: int) -> tuple[float, dict[str, float]]:
@@ -275,10 +325,10 @@ def full_pass_walk(workload: str, size: int) -> dict[str, Any]:
 
     gc.callbacks.append(count)
     try:
-        result = asyncio.run(pipe.run_batch(rows))
+        result = asyncio.run(consume(workload, pipe, rows))
     finally:
         gc.callbacks.remove(count)
-    assert result.stats.by_status == {"completed": size}
+    assert result.by_status == {"completed": size}
     return {"samples": size, "full_passes": len(walked),
             "walked_per_sample": round(sum(walked) / size, 1)}
 
