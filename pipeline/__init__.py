@@ -19,75 +19,131 @@ live in their subpackage.
 
 from __future__ import annotations
 
-from pipeline import artifacts
-from pipeline._data.config import AdaptiveConcurrency, PipelineConfig, SamplingParams
-from pipeline._data.models import (
-    AgentMessage,
-    AgentRolloutItem,
-    BatchStats,
-    ExitReason,
-    FinishReason,
-    ProduceBatchResult,
-    RolloutSample,
-    StageRecord,
-    Status,
-    ToolCall,
-    ToolFunction,
-)
-from pipeline._data.rows import DatasetRow, iter_rows, load_rows, parse_row
-from pipeline._exceptions import (
-    ConfigError,
-    ContractError,
-    DeadlineExceeded,
-    EngineCircuitOpen,
-    EngineError,
-    PipelineError,
-    RowError,
-    SampleAborted,
-    StageDefinitionError,
-    StageTimeout,
-    TokenIntegrityError,
-)
-from pipeline._logging import configure_logging
-from pipeline._runner.async_driver import AsyncRollout
-from pipeline._runner.async_report import AsyncReport
-from pipeline._runner.context import Context, Resources
-from pipeline._runner.dynamic import (
-    DynamicSampling,
-    GroupResult,
-    StreamReport,
-    has_reward_variance,
-)
-from pipeline._runner.fill import SampleBuilder, fill_sample
-from pipeline._runner.pipeline import Pipeline
-from pipeline._runner.stream import RolloutStream, SampleResult
-from pipeline._text.tokenizer import Tokenizer
-from pipeline.batch import collate, group_advantages, summarize_groups, to_verl_batch, to_xtuner
-from pipeline.diagnostics import Watchdog, asyncio_run, capture_snapshot, install_task_dumper
-from pipeline.engines import (
-    Engine,
-    Generation,
-    OpenAIEngine,
-    SimulatedEngine,
-    VLLMEngine,
-    make_engine,
-)
-from pipeline.judgers import JudgeError, Judger, JudgeResult, get_judger, register_judger
-from pipeline.models import ensure_tiny_model
-from pipeline.observability import (
-    BatchProgress,
-    StructlogSink,
-    TrajectoryReader,
-    TrajectoryWriter,
-    chain_callbacks,
-    log_batch_metrics,
-)
-from pipeline.proxy import ProxyServer, RemoteAgent
-from pipeline.ratelimit import FairAsyncTokenBucket, LimiterRegistry
-from pipeline.stages import BuildPrompt, CallTools, Generate, Judge, JudgerSpec, Loop, Stage
-from pipeline.tools import FunctionTool, Tool, calculator_tool, make_registry
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline import artifacts
+    from pipeline._data.config import AdaptiveConcurrency, PipelineConfig, SamplingParams
+    from pipeline._data.models import (
+        AgentMessage,
+        AgentRolloutItem,
+        BatchStats,
+        ExitReason,
+        FinishReason,
+        ProduceBatchResult,
+        RolloutSample,
+        StageRecord,
+        Status,
+        ToolCall,
+        ToolFunction,
+    )
+    from pipeline._data.rows import DatasetRow, iter_rows, load_rows, parse_row
+    from pipeline._exceptions import (
+        ConfigError,
+        ContractError,
+        DeadlineExceeded,
+        EngineCircuitOpen,
+        EngineError,
+        PipelineError,
+        RowError,
+        SampleAborted,
+        StageDefinitionError,
+        StageTimeout,
+        TokenIntegrityError,
+    )
+    from pipeline._logging import configure_logging
+    from pipeline._runner.async_driver import AsyncRollout
+    from pipeline._runner.async_report import AsyncReport
+    from pipeline._runner.context import Context, Resources
+    from pipeline._runner.dynamic import (
+        DynamicSampling,
+        GroupResult,
+        StreamReport,
+        has_reward_variance,
+    )
+    from pipeline._runner.fill import SampleBuilder, fill_sample
+    from pipeline._runner.pipeline import Pipeline
+    from pipeline._runner.stream import RolloutStream, SampleResult
+    from pipeline._text.tokenizer import Tokenizer
+    from pipeline.batch import collate, group_advantages, summarize_groups, to_verl_batch, to_xtuner
+    from pipeline.diagnostics import Watchdog, asyncio_run, capture_snapshot, install_task_dumper
+    from pipeline.engines import (
+        Engine,
+        Generation,
+        OpenAIEngine,
+        SimulatedEngine,
+        VLLMEngine,
+        make_engine,
+    )
+    from pipeline.judgers import JudgeError, Judger, JudgeResult, get_judger, register_judger
+    from pipeline.models import ensure_tiny_model
+    from pipeline.observability import (
+        BatchProgress,
+        StructlogSink,
+        TrajectoryReader,
+        TrajectoryWriter,
+        chain_callbacks,
+        log_batch_metrics,
+    )
+    from pipeline.proxy import ProxyServer, RemoteAgent
+    from pipeline.ratelimit import FairAsyncTokenBucket, LimiterRegistry
+    from pipeline.stages import BuildPrompt, CallTools, Generate, Judge, JudgerSpec, Loop, Stage
+    from pipeline.tools import FunctionTool, Tool, calculator_tool, make_registry
 
 __version__ = "0.1.0"
+
+# Where each re-exported name lives, imported at its first use (PEP 562): a process that needs
+# only the sample runner (a doc example, a CLI command, an agent program of the proxy) does not
+# pay for the proxy's server, the batch adapters or observability at ``import pipeline`` (the
+# suite starts hundreds of such processes). The names and their types are the imports above.
+_WHERE: dict[str, tuple[str, ...]] = {
+    "pipeline._data.config": ("AdaptiveConcurrency", "PipelineConfig", "SamplingParams"),
+    "pipeline._data.models": (
+        "AgentMessage", "AgentRolloutItem", "BatchStats", "ExitReason", "FinishReason",
+        "ProduceBatchResult", "RolloutSample", "StageRecord", "Status", "ToolCall",
+        "ToolFunction"
+    ),
+    "pipeline._data.rows": ("DatasetRow", "iter_rows", "load_rows", "parse_row"),
+    "pipeline._exceptions": (
+        "ConfigError", "ContractError", "DeadlineExceeded", "EngineCircuitOpen",
+        "EngineError", "PipelineError", "RowError", "SampleAborted",
+        "StageDefinitionError", "StageTimeout", "TokenIntegrityError"
+    ),
+    "pipeline._logging": ("configure_logging",),
+    "pipeline._runner.async_driver": ("AsyncRollout",),
+    "pipeline._runner.async_report": ("AsyncReport",),
+    "pipeline._runner.context": ("Context", "Resources"),
+    "pipeline._runner.dynamic": (
+        "DynamicSampling", "GroupResult", "StreamReport", "has_reward_variance"
+    ),
+    "pipeline._runner.fill": ("SampleBuilder", "fill_sample"),
+    "pipeline._runner.pipeline": ("Pipeline",),
+    "pipeline._runner.stream": ("RolloutStream", "SampleResult"),
+    "pipeline._text.tokenizer": ("Tokenizer",),
+    "pipeline.batch": (
+        "collate", "group_advantages", "summarize_groups", "to_verl_batch", "to_xtuner"
+    ),
+    "pipeline.diagnostics": ("Watchdog", "asyncio_run", "capture_snapshot", "install_task_dumper"),
+    "pipeline.engines": (
+        "Engine", "Generation", "OpenAIEngine", "SimulatedEngine", "VLLMEngine",
+        "make_engine"
+    ),
+    "pipeline.judgers": ("JudgeError", "Judger", "JudgeResult", "get_judger", "register_judger"),
+    "pipeline.models": ("ensure_tiny_model",),
+    "pipeline.observability": (
+        "BatchProgress", "StructlogSink", "TrajectoryReader", "TrajectoryWriter",
+        "chain_callbacks", "log_batch_metrics"
+    ),
+    "pipeline.proxy": ("ProxyServer", "RemoteAgent"),
+    "pipeline.ratelimit": ("FairAsyncTokenBucket", "LimiterRegistry"),
+    "pipeline.stages": (
+        "BuildPrompt", "CallTools", "Generate", "Judge", "JudgerSpec", "Loop", "Stage"
+    ),
+    "pipeline.tools": ("FunctionTool", "Tool", "calculator_tool", "make_registry"),
+}
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+
 
 __all__ = [
     "AdaptiveConcurrency",
@@ -178,3 +234,26 @@ __all__ = [
     "to_verl_batch",
     "to_xtuner",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a re-exported name (or a subpackage, as ``import pipeline`` once did) at first
+    use and keep it, so later lookups are plain attribute reads."""
+    module = _MODULE_OF.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif name.isidentifier() and not name.startswith("__"):
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
