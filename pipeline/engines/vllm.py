@@ -318,7 +318,8 @@ class VLLMEngine(VLLMWeights):
                 params.structured_outputs = self._vllm.sampling_params.StructuredOutputsParams(
                     **structured_outputs(constraints))
             try:
-                engine_input = (await render_image_prompt(llm, prompt, request_id)
+                engine_input = (await render_image_prompt(llm, prompt, request_id,
+                                                         multi_modal.image_token_counts)
                                 if multi_modal else prompt)
                 final, submitted = await self._run(llm, engine_input, params, request_id)
                 break

