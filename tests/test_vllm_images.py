@@ -12,7 +12,9 @@ tiny model's vocabulary, the real Aria processor) checks the engine's image path
 - the prompt goes to vLLM with each image's placeholder run collapsed, and vLLM's expansion
   gives back exactly the processor's ids (sent expanded, as before this module, vLLM expands
   the first placeholder again and the engine refused every image prompt);
-- placeholders that do not match the images fail the request with a clear error.
+- placeholders that do not match the images fail the request with a clear error;
+- the same through a real vLLM server (``OpenAIEngine`` to its token-in endpoint
+  ``/inference/v1/generate``, ``--enable-scale-out``), which expands the placeholders too.
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ pytestmark = [
                                ":DeprecationWarning"),  # torch, imported by vLLM
 ]
 
+from _vllm_server import run_vllm_server  # noqa: E402
 from PIL import Image  # noqa: E402
 from pytest_asyncio import fixture as async_fixture  # noqa: E402
 
 from pipeline import EngineError, SamplingParams  # noqa: E402
-from pipeline.engines import VLLMEngine  # noqa: E402
-from pipeline.engines._vllm_images import collapse_placeholders  # noqa: E402
+from pipeline.engines import OpenAIEngine, VLLMEngine  # noqa: E402
 from pipeline.multimodal import MultiModalInputs, load_image  # noqa: E402
 
 pytest_plugins = ["_model_fixtures"]
@@ -119,7 +121,8 @@ def image_prompt(processor: Any, text: str, images: list[Image.Image]
     ids = [int(i) for i in processor(text=text, images=images)["input_ids"][0]]
     runs = _runs(ids, processor.image_token_id)
     return ids, MultiModalInputs(images=tuple(load_image(i) for i in images),
-                                 image_token_counts=tuple(runs))
+                                 image_token_counts=tuple(runs),
+                                 image_token_id=processor.image_token_id)
 
 
 def _runs(ids: list[int], token: int) -> list[int]:
@@ -175,17 +178,38 @@ async def test_placeholders_that_do_not_match_the_images_fail_the_request(
         await generate(engine, ids, short, "bad-0")
     # Collapsed (as the template wrote it) instead of expanded: vLLM's expansion is not the
     # sample's ids, and the engine refuses rather than train on other tokens than sampled.
-    collapsed = collapse_placeholders(ids, processor.image_token_id, [16], "x")
     one = MultiModalInputs(images=inputs.images, image_token_counts=(1,))
     with pytest.raises(EngineError, match=r"request bad-1: vLLM expanded the prompt's image "
                                           r"placeholders to other token ids"):
-        await generate(engine, collapsed, one, "bad-1")
+        await generate(engine, inputs.template_ids(ids), one, "bad-1")
     assert engine.num_unfinished() == 0
 
 
-async def test_collapse_writes_each_run_as_one_placeholder() -> None:
-    assert collapse_placeholders([1, 9, 9, 9, 2, 9, 9, 3], 9, [3, 2], "r") == [1, 9, 2, 9, 3]
-    with pytest.raises(EngineError, match=r"runs \[3, 2\] do not match .* counts \[3\]"):
-        collapse_placeholders([1, 9, 9, 9, 2, 9, 9, 3], 9, [3], "r")
-    with pytest.raises(EngineError, match=r"runs \[\] do not match"):
-        collapse_placeholders([1, 2], 9, [2], "r")
+async def test_a_vllm_server_gets_the_images_and_runs_the_samples_prompt(
+        aria_dir: Path, processor: Any, tmp_path: Path) -> None:
+    red, blue = square((200, 30, 30)), square((20, 30, 220))
+    ids, red_inputs = image_prompt(processor, f"Look: {IMAGE} what?", [red])
+    _, blue_inputs = image_prompt(processor, f"Look: {IMAGE} what?", [blue])
+    with run_vllm_server(aria_dir, tmp_path / "server.log", "--enable-scale-out",
+                         "--max-model-len", "512", "--logprobs-mode", "processed_logprobs"
+                         ) as url:
+        client = OpenAIEngine(url, max_retries=0)
+        try:  # the server's prompt ids and image ranges are checked against the sample's
+            first = await generate(client, ids, red_inputs, "srv-red-0")
+            again = await generate(client, ids, red_inputs, "srv-red-1")
+            other = await generate(client, ids, blue_inputs, "srv-blue-0")
+        finally:
+            await client.aclose()
+    assert (first.token_ids, first.logprobs) == (again.token_ids, again.logprobs)
+    assert first.logprobs != other.logprobs and len(first.token_ids) == 6
+
+
+async def test_template_ids_write_each_run_as_one_placeholder() -> None:
+    inputs = MultiModalInputs(image_token_counts=(3, 2), image_token_id=9)
+    assert inputs.template_ids([1, 9, 9, 9, 2, 9, 9, 3]) == [1, 9, 2, 9, 3]
+    with pytest.raises(ValueError, match=r"runs \[3, 2\] do not match .* counts \[3\]"):
+        MultiModalInputs(image_token_counts=(3,)).template_ids([1, 9, 9, 9, 2, 9, 9, 3], 9)
+    with pytest.raises(ValueError, match=r"runs \[\] do not match"):
+        inputs.template_ids([1, 2])
+    with pytest.raises(ValueError, match="placeholder token is not known"):
+        MultiModalInputs(image_token_counts=(1,)).template_ids([1, 2])

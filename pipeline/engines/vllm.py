@@ -319,7 +319,7 @@ class VLLMEngine(VLLMWeights):
                     **structured_outputs(constraints))
             try:
                 engine_input = (await render_image_prompt(llm, prompt, request_id,
-                                                         multi_modal.image_token_counts)
+                                                         multi_modal)
                                 if multi_modal else prompt)
                 final, submitted = await self._run(llm, engine_input, params, request_id)
                 break

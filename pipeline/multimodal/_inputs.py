@@ -45,12 +45,15 @@ class MultiModalInputs:
             a torch tensor, or None without images.
         image_grid_thw: ``[images, 3]`` patch grid per image (torch), or None.
         image_token_counts: placeholder tokens per image in the token ids.
+        image_token_id: the placeholder token those runs are made of (the processor's
+            ``image_token``), or None where unknown.
     """
 
     images: tuple[LoadedImage, ...] = ()
     pixel_values: Any = None
     image_grid_thw: Any = None
     image_token_counts: tuple[int, ...] = ()
+    image_token_id: int | None = None
 
     def __bool__(self) -> bool:
         return bool(self.images)
@@ -66,7 +69,8 @@ class MultiModalInputs:
         return MultiModalInputs(
             self.images + other.images, torch.cat([self.pixel_values, other.pixel_values]),
             torch.cat([self.image_grid_thw, other.image_grid_thw]),
-            self.image_token_counts + other.image_token_counts)
+            self.image_token_counts + other.image_token_counts,
+            self.image_token_id if self.image_token_id is not None else other.image_token_id)
 
     def first(self, count: int) -> MultiModalInputs:
         """The inputs of the first ``count`` images (a prompt that keeps a prefix of a
@@ -78,7 +82,35 @@ class MultiModalInputs:
         grid = self.image_grid_thw[:count]
         patches = int(grid.prod(dim=1).sum())  # pixel_values rows: one per patch
         return MultiModalInputs(self.images[:count], self.pixel_values[:patches], grid,
-                                self.image_token_counts[:count])
+                                self.image_token_counts[:count], self.image_token_id)
+
+    def template_ids(self, ids: Sequence[int], image_token: int | None = None) -> list[int]:
+        """``ids`` (these images' placeholders expanded, one run of ``image_token_counts[i]``
+        tokens per image) with each run written as the one placeholder the chat template
+        wrote: what vLLM takes with the images, since it expands a token prompt's
+        placeholders itself (sent expanded, each image's first placeholder is expanded
+        again). ``image_token``: the placeholder token where :attr:`image_token_id` is None.
+
+        Raises:
+            ValueError: no placeholder token is known, or its runs in ``ids`` are not one per
+                image with the counted length.
+        """
+        token = self.image_token_id if self.image_token_id is not None else image_token
+        if token is None:
+            raise ValueError("the image placeholder token is not known")
+        out: list[int] = []
+        runs: list[int] = []
+        for t in ids:
+            if t == token:
+                if out and out[-1] == token:
+                    runs[-1] += 1
+                    continue
+                runs.append(1)
+            out.append(int(t))
+        if runs != list(self.image_token_counts):
+            raise ValueError(f"the prompt's image placeholder runs {runs} do not match its "
+                             f"images' token counts {list(self.image_token_counts)}")
+        return out
 
     def pil_images(self) -> list[Any]:
         """The PIL images, as vLLM's ``multi_modal_data["image"]`` takes them."""
@@ -223,7 +255,7 @@ class VisionProcessor:
             raise ImageError(f"the rendered text holds {found} image tokens, the "
                              f"{len(images)} images need {sum(counts)}")
         return Rendered(text, ids, MultiModalInputs(tuple(images), out["pixel_values"], grid,
-                                                    counts))
+                                                    counts, self.image_token_id))
 
     def _expand_direct(self, text: str, pil: list[Any]) -> tuple[Any, list[int]]:
         """What the processor's ``__call__`` does for text with images, its steps called
