@@ -603,9 +603,10 @@ def vllm_prompt_logprobs(engine: Any) -> PromptLogprobs:
 
     async def logprobs(ids: list[int], mm: Any, index: int) -> list[float]:
         final = None
+        rid = f"diag-prompt-{index}"
         async for output in engine.llm.generate(
-                engine.prompt(ids, mm), VllmSampling(max_tokens=1, prompt_logprobs=0),
-                f"diag-prompt-{index}"):
+                await engine.engine_input(ids, mm, rid),
+                VllmSampling(max_tokens=1, prompt_logprobs=0), rid):
             final = output
         assert final is not None and final.prompt_logprobs is not None
         return [final.prompt_logprobs[j][ids[j]].logprob for j in range(1, len(ids))]
@@ -768,9 +769,10 @@ def vllm_embeds(engine: Any) -> EngineEmbeds:
         layer = (await engine.llm.collective_rpc(_vllm_capture_install, args=(4,)))[0]
         final = None
         try:
+            rid = f"diag-embeds-{index}"
             async for output in engine.llm.generate(
-                    engine.prompt(ids, mm), VllmSampling(max_tokens=1, temperature=0.0),
-                    f"diag-embeds-{index}"):
+                    await engine.engine_input(ids, mm, rid),
+                    VllmSampling(max_tokens=1, temperature=0.0), rid):
                 final = output
         finally:
             got = (await asyncio.shield(engine.llm.collective_rpc(_vllm_capture_fetch)))[0]

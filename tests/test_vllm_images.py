@@ -155,6 +155,9 @@ async def test_the_images_reach_the_model_token_exact(engine: Any, processor: An
     assert (first.token_ids, first.logprobs) == (again.token_ids, again.logprobs)
     assert first.logprobs != other.logprobs  # the image reached the model
     assert len(first.token_ids) == 6 and engine.num_unfinished() == 0
+    # what a caller driving engine.llm itself hands vLLM: the rendered, checked input
+    rendered = await engine.engine_input(ids, red_inputs, "red-direct")
+    assert rendered["type"] == "multimodal" and rendered["prompt_token_ids"] == ids
 
 
 async def test_two_images_in_one_prompt_keep_their_order(engine: Any, processor: Any) -> None:

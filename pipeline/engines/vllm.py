@@ -295,6 +295,22 @@ class VLLMEngine(VLLMWeights):
         return ({"type": "token", "prompt_token_ids": ids}
                 if self.features.token_input else {"prompt_token_ids": ids})
 
+    async def engine_input(self, prompt_ids: Sequence[int], multi_modal: Any = None,
+                           request_id: str = "") -> Any:
+        """What :meth:`generate` hands ``llm.generate`` for this prompt: :meth:`prompt`, and
+        for an image prompt vLLM's rendering of it, checked
+        (:mod:`pipeline.engines._vllm_images`). For callers that drive ``self.llm``
+        themselves (diagnostics): a raw image prompt given to vLLM directly would have its
+        expanded placeholders expanded again.
+
+        Raises:
+            EngineError: vLLM cannot take the images or expands them to other ids.
+        """
+        prompt = self.prompt(prompt_ids, multi_modal)
+        if not multi_modal:
+            return prompt
+        return await render_image_prompt(self.llm, prompt, request_id, multi_modal)
+
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                        request_id: str, *, multi_modal: Any = None,
                        constraints: Any = None) -> Generation:
