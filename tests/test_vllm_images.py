@@ -58,11 +58,11 @@ from pipeline import (  # noqa: E402
     SamplingParams,
 )
 from pipeline.engines import Generation, OpenAIEngine, VLLMEngine  # noqa: E402
-from pipeline.families import family_tokenizer  # noqa: E402
 from pipeline.multimodal import (  # noqa: E402
     MultiModalInputs,
+    ensure_tiny_aria_model,
     load_image,
-    vl_chat_template,
+    tiny_aria_processor,
 )
 from pipeline.tools import FunctionTool, tool_schema  # noqa: E402
 
@@ -70,62 +70,14 @@ CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
 IMAGE = "<|image_pad|>"
 
 
-def build_tiny_aria(out: Path) -> Path:
-    """A random-weight ``AriaForConditionalGeneration`` in ``out``, with the Qwen2.5 family's
-    real vocabulary, ``<|image_pad|>`` as its image token and trl's Qwen3-VL chat template
-    (hermes tool calls, images in tool results), as the tiny Qwen2.5-VL has them."""
-    import torch
-    from transformers import (
-        AriaConfig,
-        AriaForConditionalGeneration,
-        AriaProcessor,
-        AriaTextConfig,
-    )
-    from transformers.models.aria.image_processing_pil_aria import AriaImageProcessorPil
-    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
-
-    tokenizer = family_tokenizer("qwen2.5")
-    tokenizer.save_pretrained(out)  # reloaded with the image token the processor reads
-    tokenizer = type(tokenizer).from_pretrained(out, extra_special_tokens={"image_token": IMAGE})
-    tokenizer.chat_template = vl_chat_template("qwen3_vl")
-    text = AriaTextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                          max_position_embeddings=4096, moe_num_experts=4, moe_topk=2,
-                          moe_num_shared_experts=1, tie_word_embeddings=False)
-    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=2, image_size=490, patch_size=14)
-    # Aria's processor takes 490- or 980-pixel crops only (35 x 35 patches of 14): a few query
-    # tokens per crop instead of the real 128 and 256 keep the prompts short (16 an image).
-    config = AriaConfig(vision_config={**vision.to_dict(), "model_type": "idefics3_vision"},
-                        text_config=text.to_dict(),
-                        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE),
-                        projector_patch_to_query_dict={1225: 8, 4900: 16})
-    torch.manual_seed(0)
-    model = AriaForConditionalGeneration(config)
-    with torch.no_grad():  # random weights large enough that an image moves the logits
-        for parameter in model.parameters():
-            parameter.normal_(0, 0.2)
-    model.save_pretrained(out)
-    processor = AriaProcessor(
-        image_processor=AriaImageProcessorPil(max_image_size=490, split_image=False),
-        tokenizer=tokenizer, size_conversion={490: 8, 980: 16},
-        chat_template=tokenizer.chat_template)
-    processor.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
-def aria_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_aria(tmp_path_factory.mktemp("tiny-aria"))
+def aria_dir() -> Path:
+    return ensure_tiny_aria_model()
 
 
 @pytest.fixture(scope="module")
 def processor(aria_dir: Path) -> Any:
-    from transformers import AutoProcessor
-
-    loaded = AutoProcessor.from_pretrained(aria_dir)
-    loaded.tokenizer.chat_template = loaded.chat_template  # the pipeline renders with it
-    return loaded
+    return tiny_aria_processor(aria_dir)
 
 
 @async_fixture(scope="module", loop_scope="module")

