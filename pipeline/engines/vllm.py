@@ -324,7 +324,6 @@ class VLLMEngine(VLLMWeights):
         """
         if self._closed:
             raise EngineError(f"request {request_id}: the engine is closed")
-        prompt = self.prompt(prompt_ids, multi_modal)
         self.watch.start()
         for retry in (False, True):
             await self.watch.ready()
@@ -334,9 +333,7 @@ class VLLMEngine(VLLMWeights):
                 params.structured_outputs = self._vllm.sampling_params.StructuredOutputsParams(
                     **structured_outputs(constraints))
             try:
-                engine_input = (await render_image_prompt(llm, prompt, request_id,
-                                                         multi_modal)
-                                if multi_modal else prompt)
+                engine_input = await self.engine_input(prompt_ids, multi_modal, request_id)
                 final, submitted = await self._run(llm, engine_input, params, request_id)
                 break
             except CoreDied as died:

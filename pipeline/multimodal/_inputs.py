@@ -107,19 +107,12 @@ class MultiModalInputs:
         token = self.image_token_id if self.image_token_id is not None else image_token
         if token is None:
             raise ValueError("the image placeholder token is not known")
-        out: list[int] = []
-        runs: list[int] = []
-        for t in ids:
-            if t == token:
-                if out and out[-1] == token:
-                    runs[-1] += 1
-                    continue
-                runs.append(1)
-            out.append(int(t))
+        runs = _runs(ids, token)
         if runs != list(self.image_token_counts):
             raise ValueError(f"the prompt's image placeholder runs {runs} do not match its "
                              f"images' token counts {list(self.image_token_counts)}")
-        return out
+        return [int(t) for i, t in enumerate(ids)
+                if t != token or i == 0 or ids[i - 1] != token]  # each run's first only
 
     def pil_images(self) -> list[Any]:
         """The PIL images, as vLLM's ``multi_modal_data["image"]`` takes them."""
