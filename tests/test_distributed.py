@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,46 @@ async def test_stream_hands_over_samples_while_others_still_run(
     assert [len(g.samples) for g in groups] == [3, 3, 3, 3]
     assert groups[-1].items[0].data.messages[0]["content"] == "question 0"
     assert [s.uid for s in groups[0].samples] == sorted(s.uid for s in groups[0].samples)
+
+
+async def test_the_driver_keeps_no_item_or_sample_it_handed_over(
+        pool: RayRolloutPool, tmp_path: Path) -> None:
+    # A stream over the fleet may run for a long time (or for an AsyncRollout's whole life):
+    # the driver keeps an item only until its sample is back (a lost worker's are run again
+    # from it) and nothing it yielded, or memory and the collector's walk grow with every
+    # sample ever produced. The slow group waits on the flag, so the stream is still running.
+    local = make_pipeline()
+    rows = [{"prompt": f"fast {i}"} for i in range(4)] + waiting_rows(tmp_path, 1)
+    items = local.make_items(rows, n=2)
+    sent = [weakref.ref(item) for item in items]
+    stream = pool.stream(items)
+    del items
+    taken: list[tuple[weakref.ref[object], weakref.ref[object]]] = []
+    async with stream as samples:
+        async for sample, item in samples:
+            taken.append((weakref.ref(sample), weakref.ref(item)))
+            del sample, item
+            if len(taken) == 8:  # every fast sample is back; the slow pair still runs
+                assert [i for i, pair in enumerate(taken)
+                        if any(ref() is not None for ref in pair)] == []
+                assert [i for i, ref in enumerate(sent) if ref() is not None] == [8, 9]
+                (tmp_path / "go").touch()
+    assert len(taken) == 10
+    (tmp_path / "go").unlink()
+    items = local.make_items(rows[:2] + rows[4:], n=2)
+    sent = [weakref.ref(item) for item in items]
+    groups = pool.stream_groups(items)
+    del items
+    got: list[weakref.ref[object]] = []
+    async with groups as stream_of_groups:
+        async for group in stream_of_groups:
+            got.extend(weakref.ref(x) for x in (*group.samples, *group.items))
+            del group
+            if len(got) == 8:  # both fast groups are back; the slow one still runs
+                assert [i for i, ref in enumerate(got) if ref() is not None] == []
+                assert [i for i, ref in enumerate(sent) if ref() is not None] == [4, 5]
+                (tmp_path / "go").touch()
+    assert len(got) == 12
 
 
 async def test_over_sampling_aborts_the_rest_on_every_worker(

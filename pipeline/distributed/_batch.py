@@ -49,6 +49,12 @@ class BatchRun:
         self.tasks: set[asyncio.Task[None]] = set()
         self.tries: dict[str, list[str]] = {}  # group id -> workers that lost it
 
+    def send_all(self, shards: list[tuple[SlotWorker, list[AgentRolloutItem]]]) -> None:
+        """One worker call per shard (a method of its own: a loop in the caller's frame
+        would keep the last shard's items for the whole batch)."""
+        for worker, items in shards:
+            self.send(worker, items)
+
     def send(self, worker: SlotWorker, items: list[AgentRolloutItem]) -> None:
         call = self.fleet.call_id()
         self.calls[call] = worker
@@ -83,18 +89,11 @@ class BatchRun:
                     worker.load -= len(resend)
                     self.send(worker, resend)
                 return
+            del items  # from here each is kept in pending until its sample is back
             if self.aborting:  # the worker remembers an abort that comes before its batch
                 worker.handle.abort.remote(call)
             async for ref in stream:
-                chunk: Chunk = await ref
-                results = [r for entry in chunk
-                           if (r := self._unpack(worker, entry, pending)) is not None]
-                worker.load -= len(results)
-                for result in results:
-                    if result.sample.status is Status.COMPLETED:
-                        self.completed += 1
-                self.results.put_nowait(results)
-                self._check_enough()
+                self._deliver(worker, await ref, pending)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -104,6 +103,20 @@ class BatchRun:
             worker.load -= len(pending)
         if pending:
             await self._settle(worker, list(pending.values()), error)
+
+    def _deliver(self, worker: SlotWorker, chunk: Chunk,
+                 pending: dict[str, AgentRolloutItem]) -> None:
+        """Hand a chunk's samples to the consumer (not in _consume's loop: its locals would
+        keep the last chunk's samples while it waits for the next, after the consumer may
+        have taken and dropped them)."""
+        results = [r for entry in chunk
+                   if (r := self._unpack(worker, entry, pending)) is not None]
+        worker.load -= len(results)
+        for result in results:
+            if result.sample.status is Status.COMPLETED:
+                self.completed += 1
+        self.results.put_nowait(results)
+        self._check_enough()
 
     def _unpack(self, worker: SlotWorker, entry: Any, pending: dict[str, AgentRolloutItem]
                 ) -> SampleResult | None:

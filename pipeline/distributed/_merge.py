@@ -67,13 +67,16 @@ class GroupCollector:
             self._size[item.group_id] = self._size.get(item.group_id, 0) + 1
         self._got: dict[str, list[SampleResult]] = {}
 
-    def add(self, result: SampleResult) -> GroupResult | None:
-        """Take ``result``; returns its group once that is complete."""
+    def add(self, result: SampleResult) -> str | None:
+        """Take ``result``; returns its group id once that group is complete (then
+        :meth:`take` it)."""
         gid = result.item.group_id
         done = self._got.setdefault(gid, [])
         done.append(result)
-        if len(done) < self._size[gid]:
-            return None
-        done.sort(key=lambda r: r.item.sample_index)
-        del self._got[gid]
+        return gid if len(done) == self._size[gid] else None
+
+    def take(self, gid: str) -> GroupResult:
+        """The complete group ``gid``, which the collector keeps no longer."""
+        done = sorted(self._got.pop(gid), key=lambda r: r.item.sample_index)
+        del self._size[gid]
         return GroupResult(gid, [r.sample for r in done], [r.item for r in done])

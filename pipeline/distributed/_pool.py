@@ -227,27 +227,37 @@ class RayRolloutPool:
     async def _groups(self, items: list[AgentRolloutItem], num_needed: int | None
                       ) -> AsyncGenerator[GroupResult, None]:
         groups = GroupCollector(items)
-        async with RolloutStream(self._run(items, num_needed)) as stream:
+        stream = RolloutStream(self._run(items, num_needed))
+        del items  # the collector counts each group's size; _run keeps what is not back
+        async with stream:
             async for result in stream:
-                group = groups.add(result)
-                if group is not None:
-                    yield group
+                gid = groups.add(result)
+                del result  # the collector's until its group is complete, then the consumer's
+                if gid is not None:
+                    yield groups.take(gid)  # in no local: the consumer's alone once yielded
 
     async def _run(self, items: list[AgentRolloutItem], num_needed: int | None
                    ) -> AsyncGenerator[SampleResult, None]:
-        """The driver's side of one batch: shard, merge, retry, abort."""
+        """The driver's side of one batch: shard, merge, retry, abort.
+
+        It keeps no item or sample it has handed over: an item stays (in its worker call's
+        ``pending``, for a retry) only until its sample is back, and a result only until
+        it is yielded. A long stream would otherwise keep every sample it produced, item
+        included, for the collector to walk (as ``Pipeline.stream`` no longer does)."""
         self._check_open()
         run = BatchRun(self._fleet, num_needed, self.max_retries)
         self._runs.add(run)
         try:
-            for worker, chunk in shard(list(by_group(items).values()), self._fleet.targets()):
-                run.send(worker, chunk)
             left = len(items)
+            run.send_all(shard(list(by_group(items).values()), self._fleet.targets()))
+            del items
             try:
                 while left:
-                    for result in await run.next_results():
-                        left -= 1
-                        yield result
+                    results = await run.next_results()
+                    left -= len(results)
+                    results.reverse()
+                    while results:  # popped: the list keeps none of those yielded before
+                        yield results.pop()
             finally:
                 await run.close()
         finally:
