@@ -20,6 +20,7 @@ from pipeline import (
     Generate,
     Pipeline,
     RowError,
+    SamplingParams,
     SimulatedEngine,
     Status,
     artifacts,
@@ -347,6 +348,28 @@ async def test_a_sample_waiting_on_the_engine_holds_one_runner_frame_and_no_resp
         assert item.artifacts[artifacts.RESPONSE_IDS] == []
         assert item.artifacts[artifacts.RESPONSE_MASK] == []
         assert item.artifacts[artifacts.LOGPROBS] == []
+
+
+async def test_a_request_waiting_on_the_simulated_engine_holds_its_reply_untracked():
+    # The simulated engine is the flat-cost benchmark's baseline: its reply, drawn before
+    # the latency wait, waits as tuples of plain values (which the collector stops tracking
+    # at its first pass), not as two lists per request in flight for every pass to walk.
+    engine = SimulatedEngine(latency_s=60.0, latency_sigma=0.0, tail_prob=0.0)
+    prompt = [1, 2, 3]
+    request = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_tokens=8), "r"))
+    await wait_for_requests(engine, 1)
+    gc.collect()
+    held = request.get_coro().cr_frame.f_locals  # type: ignore[attr-defined]
+    assert [name for name, value in held.items() if gc.is_tracked(value)
+            and type(value) in (list, tuple) and value is not prompt] == []
+    assert len(held["drawn_ids"]) == len(held["drawn_logprobs"]) > 0
+    drawn = list(held["drawn_ids"]), list(held["drawn_logprobs"])
+    del held
+    engine.in_flight["r"].set_result(False)  # the latency ends now: the reply is returned
+    gen = await request
+    assert type(gen.token_ids) is list and type(gen.logprobs) is list
+    assert (gen.token_ids, gen.logprobs) == drawn
+    assert gen.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
 
 async def test_a_turn_that_ends_before_the_engine_still_leaves_empty_response_lists():

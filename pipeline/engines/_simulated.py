@@ -217,6 +217,11 @@ class SimulatedEngine:
             versions, aborted = await self._decode(request_id, len(prompt_ids), tokens)
         else:
             started = asyncio.get_running_loop().time()
+            # The drawn reply waits as tuples: the collector stops tracking a tuple of plain
+            # values at its first young pass, where two lists per request in flight were
+            # two objects more for every full pass to walk. The lists are made again after.
+            drawn_ids, drawn_logprobs = tuple(tokens), tuple(logprobs)
+            del tokens, logprobs
             # Awaited here, not in a coroutine of its own: one frame less per request in
             # flight for the collector to walk.
             outcome, timer = self._submit(request_id, None if hang else latency)
@@ -231,6 +236,7 @@ class SimulatedEngine:
                 if timer is not None:
                     timer.cancel()
                 self._left(request_id)
+            tokens, logprobs = list(drawn_ids), list(drawn_logprobs)
             versions = self._versions_between(
                 started, asyncio.get_running_loop().time(), len(tokens))
         if aborted:
