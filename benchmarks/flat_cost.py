@@ -41,14 +41,17 @@ import collections
 import gc
 import os
 import statistics
+import subprocess
 import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from _common import write_result
 from token_integrity import TOOL_TURNS, TOOLS, TextEngine
 
+import pipeline
 from pipeline import (
     BuildPrompt,
     Generate,
@@ -362,6 +365,15 @@ def rollout_gc_call(fn: Callable[[], Any]) -> Any:
         return fn()
 
 
+def library_commit() -> str:
+    """The commit of the library measured (``git describe --always --dirty``): a before/after
+    pair runs this one script on two checkouts, the other one put first by ``PYTHONPATH``."""
+    root = Path(pipeline.__file__).resolve().parent.parent
+    out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
+                         capture_output=True, text=True, check=False)
+    return out.stdout.strip() or "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10_000, 100_000])
@@ -377,6 +389,7 @@ def main() -> None:
                         help="the CPU table alone (no memory, object or walk counts)")
     args = parser.parse_args()
     figures: dict[str, Any] = {"engine": "simulated (no model)", "latency_s": LATENCY_S,
+                               "library_commit": library_commit(),
                                "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                                "load_average_before": os.getloadavg(),
                                "gc_threshold_at_start": gc.get_threshold(),
