@@ -30,7 +30,8 @@ returned, held by its result; tracemalloc in a separate, smaller run), the objec
 collector tracks per finished sample (held with its item, and as its ``RolloutSample``
 alone), per sample in flight and per sample queued for a slot, in all and by type (what each
 full collection walks), and how many objects the full passes of a 10,000-sample batch walk
-in all, per sample (counted in a separate, untimed run).
+in all, per sample (counted in a separate, untimed run). With ``--ray-driver N``: what a
+``RayRolloutPool``'s driver holds while an ``N``-sample stream runs (a local Ray cluster).
 """
 
 from __future__ import annotations
@@ -313,6 +314,57 @@ async def _in_flight_count(size: int, slots: int) -> tuple[float, dict[str, floa
     return counts
 
 
+def ray_driver(size: int) -> dict[str, Any]:
+    """What a ``RayRolloutPool``'s driver holds while ``pool.stream`` runs, its consumer
+    keeping each ``RolloutSample`` and dropping its item (a local Ray cluster of 2 CPUs, two
+    workers, ``BuildPrompt`` + ``Generate`` on a 2 ms simulated engine): items and samples
+    alive in the driver, and tracked objects per sample, at the middle and last yields."""
+    import ray  # here: the library and the other figures do not need Ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster, as the tests start it
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+    try:
+        return asyncio.run(_ray_driver(size))
+    finally:
+        ray.shutdown()
+
+
+def ray_worker_pipeline() -> Pipeline:
+    return Pipeline([BuildPrompt(), Generate()], engine=SimulatedEngine(latency_s=0.002),
+                    tokenizer=ByteTokenizer(), sampling={"max_tokens": 8})
+
+
+async def _ray_driver(size: int) -> dict[str, Any]:
+    from pipeline import AgentRolloutItem, RolloutSample
+    from pipeline.distributed import RayRolloutPool
+
+    def alive() -> tuple[dict[str, int], int]:
+        gc.collect()
+        found = gc.get_objects()
+        ours = collections.Counter(type(o).__name__ for o in found
+                                   if isinstance(o, (AgentRolloutItem, RolloutSample)))
+        return dict(ours), len(found)
+
+    seen: dict[str, Any] = {}
+    async with RayRolloutPool(2, ray_worker_pipeline) as pool:
+        await pool.run_batch([{"prompt": "warm-up"}])
+        base = alive()[1]
+        kept = []
+        rows = [{"prompt": f"q{i}"} for i in range(size)]
+        async with pool.stream(rows) as samples:
+            del rows
+            async for sample, _ in samples:
+                kept.append(sample)
+                del sample, _
+                if len(kept) in (size // 2, size - 1):
+                    by_type, total = alive()
+                    seen[str(len(kept))] = {"alive": by_type, "tracked_per_sample": round(
+                        (total - base) / size, 1)}
+    return {"samples": size, "workers": 2, "at_yield": seen}
+
+
 def full_pass_walk(workload: str, size: int) -> dict[str, Any]:
     """Objects the collector's full passes walk during one batch with CPython's settings,
     per sample: ``gc.get_objects()`` counted as each full pass starts (a separate, untimed
@@ -385,6 +437,8 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=["library_gc", "edge_gc"],
                         default=["library_gc", "edge_gc"])
     parser.add_argument("--name", default="flat_cost", help="results file name")
+    parser.add_argument("--ray-driver", type=int, metavar="SAMPLES", default=0,
+                        help="also count what a RayRolloutPool's driver holds mid-stream")
     parser.add_argument("--table-only", action="store_true",
                         help="the CPU table alone (no memory, object or walk counts)")
     args = parser.parse_args()
@@ -404,6 +458,9 @@ def main() -> None:
         figures["full_pass_walk"] = {w: full_pass_walk(w, 10_000) for w in args.workloads}
         print(f"after run_batch: {figures['kept']}; tracked objects: "
               f"{figures['tracked_objects']}; full passes: {figures['full_pass_walk']}")
+    if args.ray_driver:
+        figures["ray_driver"] = ray_driver(args.ray_driver)
+        print(f"ray driver: {figures['ray_driver']}")
     figures["load_average_after"] = os.getloadavg()
     if not args.quick:
         print(f"written to {write_result(args.name, figures)}")
