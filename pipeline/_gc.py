@@ -36,16 +36,22 @@ def gc_tuning_enabled(requested: bool | None) -> bool:
 def rollout_gc(enabled: bool = True) -> Iterator[None]:
     """Within the block: fewer collections, and objects alive at entry frozen out of them.
 
-    The previous thresholds are restored and the frozen objects unfrozen on exit.
+    The previous thresholds are restored on exit, and the frozen objects unfrozen unless the
+    host had frozen objects of its own before entry (a server that called ``gc.freeze()``
+    after its start-up, as vLLM's does): CPython can only unfreeze everything at once, and
+    that would hand the host's start-up heap back to the collector. Its frozen set then keeps
+    what was alive at entry too.
     """
     if not enabled:
         yield
         return
     previous = gc.get_threshold()
+    host_froze = gc.get_freeze_count() > 0
     gc.freeze()
     gc.set_threshold(FIRST_GENERATION_THRESHOLD, *previous[1:])
     try:
         yield
     finally:
         gc.set_threshold(*previous)
-        gc.unfreeze()
+        if not host_froze:
+            gc.unfreeze()

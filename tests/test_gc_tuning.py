@@ -77,3 +77,23 @@ def test_the_cli_freezes_the_engine_it_built(tuned, monkeypatch, tmp_path):
     else:
         assert seen["running"] == seen["built"] == 0
     assert gc.get_freeze_count() == 0  # unfrozen on exit
+
+
+def test_a_hosts_own_frozen_objects_stay_frozen():
+    """A host that froze its start-up heap (vLLM's server does) keeps it frozen: CPython can
+    only unfreeze everything at once, so ``asyncio_run`` leaves the frozen set alone on exit
+    and restores only the thresholds."""
+    before_threshold = gc.get_threshold()
+    startup_heap = [[] for _ in range(3)]  # the host's, alive throughout
+    gc.freeze()
+    try:
+        host_frozen = gc.get_freeze_count()
+        threshold, frozen = asyncio_run(observe(), watchdog=False, dump_signal=None)
+        assert threshold[0] == 50_000 and frozen > 0
+        assert gc.get_threshold() == before_threshold
+        # frozen objects are outside every generation gc.get_objects() lists
+        tracked = {id(obj) for obj in gc.get_objects()}
+        assert not {id(part) for part in startup_heap} & tracked
+        assert gc.get_freeze_count() > host_frozen // 2
+    finally:
+        gc.unfreeze()
