@@ -31,6 +31,7 @@ same results.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -109,13 +110,36 @@ def _all_cpus_free(ray: Any, wait_s: float = 5.0) -> bool:
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Shut the group's Ray cluster down after its last test on this worker, so that it does
-    not idle beside the tests that follow."""
+    """After a module's last test on this worker (its fixtures torn down): shut the group's
+    Ray cluster down once the group is done, so that it does not idle beside the tests that
+    follow, and freeze what the module left alive (see :func:`_freeze_heap`)."""
     ray = sys.modules.get("ray")
-    if ray is None or not getattr(ray, "is_initialized", lambda: False)():
-        return
-    if nextitem is None or _group(nextitem) != "ray":
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)() and (
+            nextitem is None or _group(nextitem) != "ray"):
         _shutdown(ray)
+    if nextitem is None or nextitem.module is not item.module:
+        _freeze_heap()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _freeze_heap()
+
+
+def _freeze_heap() -> None:
+    """Move what is alive now out of the collector's sight (``gc.freeze()``), garbage
+    collected first.
+
+    A worker holds about a million tracked objects once the test modules and what they import
+    (torch, transformers, vLLM, ...) are loaded, and every full collection walked them all:
+    0.5 s each, 120 of them in a run, 67 CPU-s (measured with ``gc.callbacks`` on both
+    workers), beside the explicit ``gc.collect()`` of tests that check for leaks. Frozen at
+    the start and after each module, a full pass walks only what the running module made.
+    Objects a test creates are never frozen while it runs, so leak and cycle checks see them
+    as before; tests that read the freeze count unfreeze first (tests/test_gc_tuning.py).
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _group(item: pytest.Item) -> str | None:

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import Iterator
 
 import pytest
 import structlog
 
 from pipeline import BuildPrompt, Pipeline, asyncio_run
 from pipeline.testing import ByteTokenizer
+
+
+@pytest.fixture(autouse=True)
+def nothing_frozen() -> Iterator[None]:
+    """These tests read the freeze count: each starts from a collector with nothing frozen
+    (the suite freezes each worker's heap between modules, tests/conftest.py)."""
+    gc.unfreeze()
+    yield
+    gc.freeze()
 
 
 async def observe() -> tuple[tuple[int, int, int], int]:
