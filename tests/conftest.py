@@ -20,7 +20,7 @@ The longest groups are handed out first (``--no-loadscope-reorder`` keeps the or
 gives): vLLM, then Ray, then the tests marked ``slow``, then the rest in file order.
 
 Every process of the run computes on one thread (``OMP_NUM_THREADS=1``, set below unless the
-environment already sets it; subprocesses inherit it): two workers on two cores each running
+environment already sets it; subprocesses inherit it): workers on two cores each running
 torch with two OpenMP threads left the threads spin-waiting against each other (vLLM's own
 serving code sets torch to one thread for the same reason; its CPU worker binds its threads
 itself). Measured on this 2-core machine at load ~5: test_tiny_policy, test_family_engines

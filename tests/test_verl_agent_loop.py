@@ -29,7 +29,12 @@ from pipeline import ConfigError  # noqa: E402
 from pipeline.integrations.verl import register_agent_loop, register_estimators  # noqa: E402
 
 pytest_plugins = ["_model_fixtures"]
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (tests/conftest.py)
+pytestmark = [
+    pytest.mark.xdist_group("ray"),  # one Ray cluster at a time (tests/conftest.py)
+    # the first test sets up the module's Ray actor, TransferQueue and torch warm-up: past
+    # the suite's 120 s once beside other work (three workers, two cores)
+    pytest.mark.timeout(300),
+]
 
 P, R = 384, 160  # rollout.prompt_length / response_length
 N = 2  # rollouts per prompt
