@@ -5,6 +5,7 @@ server's load read from its `/metrics` and adaptive concurrency steering on it."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import math
 import time
@@ -433,12 +434,12 @@ async def test_the_server_load_is_read_from_vllm_metrics(server, tiny_tokenizer)
         assert idle.running == 0 and idle.waiting == 0
         assert idle.kv_usage is not None and 0.0 <= idle.kv_usage <= 1.0
         assert isinstance(idle.preemptions, int)
+        # Requests long enough to be running whenever the reading comes (the batch is
+        # cancelled once read): with 512 tokens a loaded machine ran the whole batch before
+        # any scrape saw it running (9.8 s), and a quiet one between the scrape and the pause
         pipe = Pipeline([BuildPrompt(), Generate()], engine=engine, tokenizer=tiny_tokenizer,
-                        sampling=SamplingParams(max_tokens=1024), progress_log_s=None)
-        # On a quiet machine the server can finish the whole batch between the scrape that
-        # saw it running and the pause (watched: 40 samples in 3.0 s, frozen at 0 running);
-        # that attempt read nothing and is run again (bounded).
-        for _attempt in range(3):
+                        sampling=SamplingParams(max_tokens=3000), progress_log_s=None)
+        for _attempt in range(3):  # bounded: an attempt whose pause came late reads again
             frozen, busy = await read_load_while_frozen(engine, pipe, server)
             if frozen > 1:
                 break
@@ -451,40 +452,43 @@ async def test_the_server_load_is_read_from_vllm_metrics(server, tiny_tokenizer)
 
 async def read_load_while_frozen(engine: OpenAIEngine, pipe: Pipeline,
                                  server: str) -> tuple[float, EngineLoad | None]:
-    """Run the 40-row batch; while the server runs it, pause it ("keep": no step, gauges as
-    last set) and read its load through the engine. Returns the gauge read without the
-    library at the pause and the engine's reading."""
+    """Start the 40-row batch; while the server runs it, pause it ("keep": no step, gauges
+    as last set) and read its load through the engine; then cancel the batch. Returns the
+    gauge read without the library at the pause and the engine's reading."""
     batch = asyncio.ensure_future(pipe.run_batch(COUNT_ROWS))
-    # Read while the batch is known to be in the server, and with nothing else to do: vLLM
-    # sets its gauges at each engine step, but while this process handles the batch's
-    # answers on a loaded machine its loop lags seconds (1.9 s measured beside four CPU
-    # burners), and a scrape (2 s limit) that spans the lag reads nothing. So: wait
-    # (patiently, from a thread) until the server runs the batch, freeze it there, then read
-    # through the engine. (Not all 40 need run at once: in a full-module run the server read
-    # 22, then 39, then 17 running, never 40.)
-    for _ in range(600):
-        if batch.done() or await asyncio.to_thread(running_requests, server, 30) > 1:
-            break
-        await asyncio.sleep(0.05)
-    assert not batch.done(), "the server never reported the batch running"
-    await engine.pause("keep")
     try:
-        frozen = await asyncio.to_thread(running_requests, server, 30)
-        for _ in range(50):  # the server may still record its last outputs: until it holds
-            await asyncio.sleep(0.2)
-            again = await asyncio.to_thread(running_requests, server, 30)
-            if again == frozen:
+        # Read while the batch is known to be in the server, and with nothing else to do:
+        # vLLM sets its gauges at each engine step, but while this process handles the
+        # batch's answers on a loaded machine its loop lags seconds (1.9 s measured beside
+        # four CPU burners), and a scrape (2 s limit) that spans the lag reads nothing. So:
+        # wait (patiently, from a thread) until the server runs the batch, freeze it there,
+        # then read through the engine. (Not all 40 need run at once: in a full-module run
+        # the server read 22, then 39, then 17 running, never 40.)
+        for _ in range(600):
+            if batch.done() or await asyncio.to_thread(running_requests, server, 30) > 1:
                 break
-            frozen = again
-        busy = None
-        for _ in range(20):  # bounded: a reading fails only if this loop lags 2 s
-            busy = await engine.load()
-            if busy is not None:
-                break
+            await asyncio.sleep(0.05)
+        assert not batch.done(), "the server never reported the batch running"
+        await engine.pause("keep")
+        try:
+            frozen = await asyncio.to_thread(running_requests, server, 30)
+            for _ in range(50):  # the server may still record its last outputs: until it holds
+                await asyncio.sleep(0.2)
+                again = await asyncio.to_thread(running_requests, server, 30)
+                if again == frozen:
+                    break
+                frozen = again
+            busy = None
+            for _ in range(20):  # bounded: a reading fails only if this loop lags 2 s
+                busy = await engine.load()
+                if busy is not None:
+                    break
+        finally:
+            await engine.resume()
     finally:
-        await engine.resume()
-    result = await batch
-    assert result.stats.by_status == {"completed": 40}
+        batch.cancel()  # its requests are closed on the server (the abort tests check how)
+        with contextlib.suppress(asyncio.CancelledError):
+            await batch
     return frozen, busy
 
 
