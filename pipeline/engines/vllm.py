@@ -23,7 +23,6 @@ import collections
 import gc
 import importlib
 import importlib.util
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from pipeline.engines._vllm_compat import (
     tokenizer_probe,
     vllm_env,
 )
+from pipeline.engines._vllm_core import VLLMCore
 from pipeline.engines._vllm_images import render_image_prompt
 from pipeline.engines._vllm_launch import prepare_launch
 from pipeline.engines._vllm_restart import (
@@ -61,12 +61,10 @@ from pipeline.engines._vllm_restart import (
     StepClock,
     check_options,
     core_dead,
-    kill_core,
     shut_down,
     why_dead,
 )
 from pipeline.engines._vllm_stats import SchedulerReadings
-from pipeline.engines._vllm_weights import VLLMWeights
 
 __all__ = ["LOGPROBS_MODE", "VLLMEngine", "apply_vllm_env", "full_length_experts",
            "vllm_available", "vllm_env"]
@@ -78,7 +76,7 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-class VLLMEngine(VLLMWeights):
+class VLLMEngine(VLLMCore):
     """An in-process vLLM ``AsyncLLM`` behind the :class:`~pipeline.Engine` protocol.
 
     Build it with :meth:`start`. Requests carry token-id prompts; stops are token ids (the
@@ -435,45 +433,6 @@ class VLLMEngine(VLLMWeights):
         del llm
         gc.collect()  # collect it now: its __del__ fails at interpreter exit
         self._drop_staged()
-
-    # ----- restart ------------------------------------------------------------------------
-
-    def _why_dead(self) -> str | None:
-        """Why the engine core is dead, or None while it lives (the watch asks); a hung one
-        (see ``stall_s``) is killed here, so that vLLM tears it down as any dead core."""
-        if core_dead(self.llm):
-            return why_dead(self.llm)
-        if self._readings is None:
-            return None
-        busy = bool(self._versions) and not self._paused
-        waited = self.step_clock.stalled(self._readings.steps, busy, time.monotonic())
-        if waited is None:
-            return None
-        pids = kill_core(self.llm)
-        return (f"hung: no engine step for {waited:.1f} s with {len(self._versions)} "
-                f"request(s) in flight (stall_s={self.step_clock.stall_s}); killed pid(s) {pids}")
-
-    async def _replace(self) -> None:
-        """The watch's restart: shut the dead engine down, start a new one with the same
-        arguments, load the current weights into it and check its version."""
-        assert self._launch is not None
-        old = self.llm
-        began = time.monotonic()
-        await shut_down(old)  # its engine core is gone; this reaps it and frees the rest
-        shut = time.monotonic()
-        llm = await self._launch()
-        started = time.monotonic()
-        try:
-            await self._restore(llm)
-        except BaseException:
-            await shut_down(llm)
-            raise
-        self.llm, self.features = llm, Features.detect(llm)
-        del old
-        gc.collect()
-        _logger.info("vllm_engine_replaced", engine=self.name,
-                     shutdown_s=round(shut - began, 3), start_s=round(started - shut, 3),
-                     restore_s=round(time.monotonic() - started, 3))
 
     # ----- consistency probe --------------------------------------------------------------
 
