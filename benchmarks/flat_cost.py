@@ -20,10 +20,15 @@ is the pipeline's, the stages' and the event loop's):
   calls then an answer per sample (four model turns, three tool turns);
 - ``single_stream``: ``single`` consumed through ``Pipeline.stream`` by a consumer that keeps
   each ``RolloutSample`` and drops its item (what a trainer that collates samples needs);
-  the others through ``run_batch``, whose result holds every item and sample.
+  the others through ``run_batch``, whose result holds every item and sample;
+- ``single_held``: ``single`` with a 20 s engine latency, so that every sample is in flight
+  at once (at 100,000 the batch takes about 10 s to start): with 50 ms, samples finish while
+  later ones start, and how many are in flight at once is the scheduler's to decide.
 
 Per run: process CPU time per sample (the whole ``run_batch``: items, stages, samples,
-stats), wall time, the peak RSS growth per sample while the batch runs (sampled every
+stats), wall time, when the first sample finished, the samples' latency (stages begun to
+ended; median and 99th percentile) and the most samples in flight at once (from the items'
+``started_at`` / ``ended_at``), the peak RSS growth per sample while the batch runs (sampled every
 10 ms), the collector's passes per generation and the time they took (``gc.callbacks``), and
 what a finished batch still holds per sample (Python allocations alive after ``run_batch``
 returned, held by its result; tracemalloc in a separate, smaller run), the objects the
@@ -37,6 +42,7 @@ in all, per sample (counted in a separate, untimed run). With ``--ray-driver N``
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import collections
 import gc
@@ -67,11 +73,12 @@ from pipeline.tools import calculator_tool, make_registry
 from scenarios import arith
 
 LATENCY_S = 0.05
+HELD_LATENCY_S = 20.0
 
 
-def single_pipeline(size: int) -> Pipeline:
+def single_pipeline(size: int, latency_s: float = LATENCY_S) -> Pipeline:
     tok = ByteTokenizer()
-    eng = SimulatedEngine(latency_s=LATENCY_S, latency_sigma=0.0, tail_prob=0.0,
+    eng = SimulatedEngine(latency_s=latency_s, latency_sigma=0.0, tail_prob=0.0,
                           responder=arith.responder(tok), eos_token_id=tok.eos_token_id)
     return Pipeline([BuildPrompt(), Generate(), arith.score_answer], engine=eng, tokenizer=tok,
                     max_concurrency=size, sample_timeout_s=600, sampling={"max_tokens": 64},
@@ -99,29 +106,63 @@ WORKLOADS: dict[str, tuple[Callable[[int], Pipeline], Callable[[int], list[Any]]
     "single": (single_pipeline, single_rows),
     "tool_loop": (tool_pipeline, tool_rows),
     "single_stream": (single_pipeline, single_rows),
+    "single_held": (lambda size: single_pipeline(size, HELD_LATENCY_S), single_rows),
 }
 STREAMED = {"single_stream"}
+
+
+class Timeline:
+    """When each sample's stages began and when it ended (``time.monotonic()``), as two
+    arrays of doubles: nothing per sample for the collector to walk."""
+
+    def __init__(self) -> None:
+        self.started = array.array("d")
+        self.ended = array.array("d")
+
+    def add(self, item: Any) -> None:
+        self.started.append(item.started_at)
+        self.ended.append(item.ended_at)
+
+    def figures(self, batch_start: float) -> dict[str, Any]:
+        """First sample done (s after the batch began), latency median / p99 (s), and the
+        most samples in flight at once."""
+        latencies = sorted(e - s for s, e in zip(self.started, self.ended, strict=True))
+        peak = in_flight = 0
+        for _, step in sorted([(t, 1) for t in self.started] + [(t, -1) for t in self.ended]):
+            in_flight += step
+            peak = max(peak, in_flight)
+        return {"first_done_s": round(min(self.ended) - batch_start, 3),
+                "latency_p50_s": round(latencies[len(latencies) // 2], 3),
+                "latency_p99_s": round(latencies[int(len(latencies) * 0.99)], 3),
+                "peak_in_flight": peak}
 
 
 class Outcome:
     """What a consumer keeps of a batch (``held``), and the counts checked after it."""
 
-    def __init__(self, held: Any, by_status: dict[str, int], tool_turns_min: int) -> None:
+    def __init__(self, held: Any, by_status: dict[str, int], tool_turns_min: int,
+                 timeline: Timeline) -> None:
         self.held = held
         self.by_status = by_status
         self.tool_turns_min = tool_turns_min
+        self.timeline = timeline
 
 
 async def consume(workload: str, pipe: Pipeline, rows: list[Any]) -> Outcome:
-    """``run_batch`` (its result held), or a stream whose consumer keeps the samples only."""
+    """``run_batch`` (its result held), or a stream whose consumer keeps the samples only
+    (and notes each one's start and end)."""
+    timeline = Timeline()
     if workload not in STREAMED:
         result = await pipe.run_batch(rows)
-        return Outcome(result, result.stats.by_status, result.stats.tool_turns_min)
+        for item in result.items:
+            timeline.add(item)
+        return Outcome(result, result.stats.by_status, result.stats.tool_turns_min, timeline)
     kept = []
     async with pipe.stream(rows) as samples:
-        async for sample, _ in samples:
+        async for sample, item in samples:
             kept.append(sample)
-    return Outcome(kept, samples.report.by_status, min(s.tool_turns for s in kept))
+            timeline.add(item)
+    return Outcome(kept, samples.report.by_status, min(s.tool_turns for s in kept), timeline)
 
 
 def rss_bytes() -> int:
@@ -174,15 +215,16 @@ def run_once(workload: str, size: int) -> dict[str, Any]:
     gc.collect()
     before = rss_bytes()
     with CollectorClock() as clock:
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        cpu0, wall0, began = time.process_time(), time.perf_counter(), time.monotonic()
         result, peak = asyncio.run(one_batch(workload, pipe, rows))
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     assert result.by_status == {"completed": size}, result.by_status
     if workload == "tool_loop":
         assert result.tool_turns_min == TOOL_TURNS, result.tool_turns_min
+    schedule = result.timeline.figures(began)
     del result
     return {"cpu_us_per_sample": round(cpu / size * 1e6, 1), "wall_s": round(wall, 2),
-            "rss_growth_kb_per_sample": round((peak - before) / 1024 / size, 2),
+            **schedule, "rss_growth_kb_per_sample": round((peak - before) / 1024 / size, 2),
             "gc_passes": clock.passes, "gc_s": [round(s, 3) for s in clock.seconds]}
 
 
@@ -403,8 +445,11 @@ def table(sizes: list[int], repeats: int, workloads: list[str],
                 row["cpu_runs_us"] = [r["cpu_us_per_sample"] for r in runs]
                 rows[str(size)] = row
                 print(f"{workload:9} {setting:10} {size:>7}: {row['cpu_us_per_sample']:6} us/"
-                      f"sample, wall {row['wall_s']} s, RSS +{row['rss_growth_kb_per_sample']} "
-                      f"KB/sample, gc passes {row['gc_passes']} in {row['gc_s']} s", flush=True)
+                      f"sample, wall {row['wall_s']} s, first done {row['first_done_s']} s, "
+                      f"latency p50/p99 {row['latency_p50_s']}/{row['latency_p99_s']} s, "
+                      f"in flight <= {row['peak_in_flight']}, RSS "
+                      f"+{row['rss_growth_kb_per_sample']} KB/sample, gc passes "
+                      f"{row['gc_passes']} in {row['gc_s']} s", flush=True)
             first, last = rows[str(sizes[0])], rows[str(sizes[-1])]
             rows["cpu_ratio_largest_to_smallest"] = round(
                 last["cpu_us_per_sample"] / first["cpu_us_per_sample"], 2)
@@ -451,11 +496,13 @@ def main() -> None:
                                "table": table(args.sizes, args.repeats, args.workloads,
                                               args.settings)}
     if not args.table_only:
-        figures["kept"] = {w: kept_after(w, 2000) for w in args.workloads}
+        # single_held holds what single holds, only longer: counted in the table alone.
+        counted = [w for w in args.workloads if w != "single_held"]
+        figures["kept"] = {w: kept_after(w, 2000) for w in counted}
         if "single" in args.workloads:
             figures["kept"]["single_in_flight"] = in_flight_memory(2000)
-        figures["tracked_objects"] = {w: tracked_objects(w, 2000) for w in args.workloads}
-        figures["full_pass_walk"] = {w: full_pass_walk(w, 10_000) for w in args.workloads}
+        figures["tracked_objects"] = {w: tracked_objects(w, 2000) for w in counted}
+        figures["full_pass_walk"] = {w: full_pass_walk(w, 10_000) for w in counted}
         print(f"after run_batch: {figures['kept']}; tracked objects: "
               f"{figures['tracked_objects']}; full passes: {figures['full_pass_walk']}")
     if args.ray_driver:

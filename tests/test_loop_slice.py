@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from pipeline import Pipeline, Status
-from pipeline._runner.slice import SLICE_S, loop_slice
+from pipeline._runner.slice import SLICE_S, LoopSlice, loop_slice
 from pipeline.testing import ByteTokenizer
 
 pytest_plugins = ["_model_fixtures"]
@@ -95,6 +95,52 @@ async def test_samples_that_time_out_while_parked_end_as_timeouts_and_leave_noth
     for _ in range(5):
         await asyncio.sleep(0)
     assert not clock._parked  # cancelled turns were dropped, granted ones passed on
+
+
+async def test_parked_samples_go_in_admission_order_not_parking_order():
+    clock = LoopSlice()
+    released: list[int] = []
+
+    async def sample(admission: int) -> None:
+        clock.spent()  # as the runner checks (the first check marks the iteration)
+        await clock.wait_turn(admission)
+        released.append(admission)
+
+    tasks = [asyncio.create_task(sample(a)) for a in (7, 2, 9, 1, 5)]
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    # The oldest admitted goes first (a sample further along before a newly started one).
+    assert released == [1, 2, 5, 7, 9]
+    assert not clock.saturated
+
+
+async def test_a_big_batch_finishes_samples_while_it_is_still_starting_others():
+    """The engine calls of a big batch's first samples return while later samples are still
+    being started; those samples finish then, and the batch starts no more samples while the
+    loop has more to run than its slice: samples in flight stay far below the batch. Before,
+    the new samples queued ahead of the returning ones and every sample of the batch was in
+    flight (its deadline running) before the first finished."""
+    samples = 3000
+
+    async def build(item, ctx) -> None:  # CPU work of a prompt build, never awaits
+        busy(0.0001)
+
+    async def engine_call(item, ctx) -> None:  # SIMULATED: a 10 ms engine call
+        await asyncio.sleep(0.01)
+
+    pipe = Pipeline([build, engine_call, score], tokenizer=ByteTokenizer(),
+                    max_concurrency=samples, sample_timeout_s=600)
+    result = await pipe.run_batch([{"prompt": f"q{i}"} for i in range(samples)])
+    assert result.stats.by_status == {"completed": samples}
+    starts = sorted(item.started_at for item in result.items)
+    ends = sorted(item.ended_at for item in result.items)
+    assert ends[0] < starts[-1]  # the first sample finished before the last one started
+    # Most samples in flight at once: the starts up to each end, minus the ends before it.
+    events = sorted([(t, 1) for t in starts] + [(t, -1) for t in ends])
+    in_flight = peak = 0
+    for _, step in events:
+        in_flight += step
+        peak = max(peak, in_flight)
+    assert peak < samples // 2
 
 
 def test_per_loop_state_goes_with_its_loop(tiny_tokenizer):

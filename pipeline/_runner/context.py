@@ -200,6 +200,7 @@ class Context:
     """
 
     __slots__ = (
+        "_admission",
         "_cleanups",
         "_exit_stack",
         "abort_requested",
@@ -234,6 +235,9 @@ class Context:
         """Started stages that have a ``cleanup``, made at the first: most samples run none,
         and an empty dict per sample would be one more object for the collector to walk."""
         self.loop_slice: LoopSlice | None = None
+        self._admission = 0
+        """The sample's admission number on ``loop_slice`` (:meth:`LoopSlice.admit`): parked
+        samples go lowest first."""
         self.timed_out = False
 
     @property

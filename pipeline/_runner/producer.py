@@ -26,6 +26,7 @@ from pipeline._concurrency.callables import check_callable
 from pipeline._concurrency.cancel import abandon, wait_through_cancellation
 from pipeline._data.models import AgentRolloutItem, RolloutSample, Status
 from pipeline._runner.context import Context
+from pipeline._runner.slice import loop_slice
 
 
 class SampleRun:
@@ -118,11 +119,14 @@ def check_callback(on_sample_done: object) -> None:
                        shape="(item, sample) -> None")
 
 
-START_CHUNK = 256
+START_CHUNK = 128
 """Sample tasks a producer makes per event-loop iteration. A 10,000-sample batch then starts
 over 40 iterations instead of making 10,000 tasks in one go: the loop's timers run in
 between, and samples that only queue for a concurrency slot do not yet hold a task, its
-coroutines and a waiter each (objects the collector would walk)."""
+coroutines and a waiter each (objects the collector would walk). No chunk is started while
+the loop is saturated (samples parked by its slice clock, :mod:`pipeline._runner.slice`):
+the samples already running finish first, instead of every sample of a large batch being
+started, and held in flight, before any can finish."""
 
 
 class Producer:
@@ -168,6 +172,9 @@ class Producer:
         unstarted = self._unstarted
         context = self._context
         assert context is not None  # set by start(), which schedules this
+        if unstarted and loop_slice(loop).saturated:
+            loop.call_soon(self._start_chunk)  # the parked samples run first
+            return
         for _ in range(min(START_CHUNK, len(unstarted))):
             run = unstarted.popleft()
             run.task = loop.create_task(self.run_sample(run, self.batch),

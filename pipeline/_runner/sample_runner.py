@@ -147,7 +147,7 @@ class SampleRunner:
                                     for i in range(len(stages)):
                                         stage = stages[i]
                                         if must_wait_turn(stage, ctx):
-                                            await loop_slice.wait_turn()  # type: ignore[union-attr]
+                                            await loop_slice.wait_turn(ctx._admission)  # type: ignore[union-attr]
                                         record, call = start_stage(stage, item, ctx)
                                         try:
                                             await call
@@ -223,6 +223,7 @@ class SampleRunner:
         ctx = run.ctx = Context(self.resources, self.config, item, deadline)
         ctx.abort_requested = run.abort_requested
         ctx.loop_slice = state.slice
+        ctx._admission = state.slice.admit()
         set_fields(item, {"started_at": time.monotonic()})
         self._inflight[item.uid] = ctx
         window = None

@@ -19,17 +19,27 @@ output handling (milliseconds every iteration) spend every slice, and the releas
 shrank to one sample per iteration: 4,096 prompts took 4-10 s to submit instead of about 1.
 
 The first check of an iteration starts its clock and schedules a marker with ``call_soon``,
-which runs early in the next iteration. The marker lets parked samples go, oldest first, in
-a batch that halves after an iteration whose samples ran past the slice and doubles after
-one that did not (so a loop that only waits on I/O lets them all go within a few iterations),
-and keeps marking iterations while any are parked. Parked samples cost nothing while they
-wait: waking every one of 10,000 to yield again each iteration made a batch five times slower.
+which runs early in the next iteration. The marker lets parked samples go in a batch that
+halves after an iteration whose samples ran past the slice and doubles after one that did not
+(so a loop that only waits on I/O lets them all go within a few iterations), and keeps marking
+iterations while any are parked. Parked samples cost nothing while they wait: waking every one
+of 10,000 to yield again each iteration made a batch five times slower.
+
+Parked samples go in the order their samples were admitted (:meth:`LoopSlice.admit`, when a
+sample's stages begin), not the order they parked: a sample further along finishes before a
+newer one starts its first stage. In the order they parked, a batch's new samples (a producer
+starts them every iteration) queued ahead of the samples whose engine call had returned, so no
+sample of a 20,000-sample batch finished before all 20,000 had started: each waited as long as
+the batch took to start (1.5 s for a 50 ms engine call, and 18,186 of them timed out at a 1 s
+deadline), and every sample of the batch was held in flight at once. A producer also starts no
+new samples while any are parked (:attr:`LoopSlice.saturated`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import heapq
+import itertools
 import time
 import weakref
 
@@ -51,8 +61,8 @@ class LoopSlice:
     holds no reference to its loop (nor to a task, which would hold the loop), so the loop's
     entry in the registry goes with the loop."""
 
-    __slots__ = ("__weakref__", "_last", "_last_task", "_marked", "_own", "_parked",
-                 "_release_size")
+    __slots__ = ("__weakref__", "_admitted", "_last", "_last_task", "_marked", "_own",
+                 "_parked", "_parks", "_release_size")
 
     def __init__(self) -> None:
         self._marked = False
@@ -60,7 +70,19 @@ class LoopSlice:
         self._last = 0.0  # when the last check of this iteration was made
         self._last_task = 0  # id() of the task that made it; 0: none (the marker)
         self._release_size = FIRST_RELEASE
-        self._parked: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._admitted = itertools.count(1)
+        self._parks = itertools.count()  # breaks ties: one sample may park in two stages
+        self._parked: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
+
+    def admit(self) -> int:
+        """The next admission number: a sample's stages are beginning (lower goes first)."""
+        return next(self._admitted)
+
+    @property
+    def saturated(self) -> bool:
+        """Whether samples are parked: the loop runs more samples' code than it has time
+        for, so starting new samples now would only add to the queue."""
+        return bool(self._parked)
 
     def spent(self) -> bool:
         """Whether this loop iteration has run the samples' own code for longer than
@@ -75,14 +97,14 @@ class LoopSlice:
         self._last, self._last_task = now, task
         return self._own > SLICE_S
 
-    async def wait_turn(self) -> None:
-        """Park until a later iteration lets this sample go (FIFO); a sample cancelled after
-        it was let go passes its turn on."""
+    async def wait_turn(self, admission: int) -> None:
+        """Park until a later iteration lets this sample go (lowest ``admission`` first, see
+        :meth:`admit`); a sample cancelled after it was let go passes its turn on."""
         # The future awaited here, not through a helper coroutine with a pass-on callback:
         # that frame and a bound method made per parked sample were two more objects per
         # parked sample for the collector (thousands park at once in a large batch).
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._parked.append(turn)
+        heapq.heappush(self._parked, (admission, next(self._parks), turn))
         try:
             await turn
         except asyncio.CancelledError:
@@ -113,8 +135,9 @@ class LoopSlice:
             self._mark(now)
 
     def _release(self, count: int) -> None:
-        while count and self._parked:
-            turn = self._parked.popleft()
+        parked = self._parked
+        while count and parked:
+            turn = heapq.heappop(parked)[2]
             if not turn.done():
                 turn.set_result(None)
                 count -= 1

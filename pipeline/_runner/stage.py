@@ -179,7 +179,7 @@ async def run_stage(stage: Stage, item: AgentRolloutItem, ctx: Context) -> None:
     of this function; nested stage lists (``Loop``, ``Route``) run through it.
     """
     if must_wait_turn(stage, ctx):
-        await ctx.loop_slice.wait_turn()  # type: ignore[union-attr]  # checked by must_wait_turn
+        await ctx.loop_slice.wait_turn(ctx._admission)  # type: ignore[union-attr]  # checked above
     record, call = start_stage(stage, item, ctx)
     try:
         await call
