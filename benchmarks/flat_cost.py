@@ -76,13 +76,13 @@ LATENCY_S = 0.05
 HELD_LATENCY_S = 20.0
 
 
-def single_pipeline(size: int, latency_s: float = LATENCY_S) -> Pipeline:
+def single_pipeline(size: int, latency_s: float = LATENCY_S, timeout_s: float = 600) -> Pipeline:
     tok = ByteTokenizer()
     eng = SimulatedEngine(latency_s=latency_s, latency_sigma=0.0, tail_prob=0.0,
                           responder=arith.responder(tok), eos_token_id=tok.eos_token_id)
     return Pipeline([BuildPrompt(), Generate(), arith.score_answer], engine=eng, tokenizer=tok,
-                    max_concurrency=size, sample_timeout_s=600, sampling={"max_tokens": 64},
-                    seed=1)
+                    max_concurrency=size, sample_timeout_s=timeout_s,
+                    sampling={"max_tokens": 64}, seed=1)
 
 
 def tool_pipeline(size: int) -> Pipeline:

@@ -143,6 +143,22 @@ async def test_a_big_batch_finishes_samples_while_it_is_still_starting_others():
     assert peak < samples // 2
 
 
+async def test_a_sample_waiting_for_the_loop_before_its_first_stage_is_not_started_yet():
+    """A sample that finds the loop saturated before its first stage waits for its turn
+    before its stages begin: its deadline and latency start then, as they start once it has
+    a concurrency slot. Each sample here needs 2 ms; the batch needs 1 s. Before, a chunk's
+    samples waited for their turn with their deadlines running, and about half timed out."""
+    async def hog(item, ctx) -> None:  # 2 ms of CPU, never awaits
+        busy(0.002)
+        item.artifacts["reward"] = 1.0
+
+    samples = 500
+    pipe = Pipeline([hog], tokenizer=ByteTokenizer(), max_concurrency=samples,
+                    sample_timeout_s=0.15)
+    result = await pipe.run_batch([{"prompt": f"q{i}"} for i in range(samples)])
+    assert result.stats.by_status == {"completed": samples}
+
+
 def test_per_loop_state_goes_with_its_loop(tiny_tokenizer):
     import gc
 

@@ -131,13 +131,19 @@ class SampleRunner:
                     if not state.slots.take_now():
                         await state.slots.wait()
                     try:
+                        admission = state.slice.admit()
+                        if state.slice.spent():
+                            # The loop has more to run than its slice: the samples already
+                            # running go first, and this one's deadline and latency start
+                            # once it has its turn (as they start once it has a slot).
+                            await state.slice.wait_turn(admission)
                         if state.flow.breaker.opened:  # admitted no more: the batch ends on it
                             force_end(item, Status.FAILED, f"not run: {state.flow.breaker.error()}")
                         else:
                             # Kept here: abandoning the run drops run.task, and the deadline's
                             # cancel must still be taken back from the task when the stages end.
                             task = run.task
-                            ctx, window = self._enter_stages(run, state)
+                            ctx, window = self._enter_stages(run, state, admission)
                             try:
                                 try:
                                     stages = self.stages
@@ -214,16 +220,18 @@ class SampleRunner:
             if not run.abandoned and owner is not None:  # an abandoned run was handed over
                 owner.hand_over(run)
 
-    def _enter_stages(self, run: SampleRun, state: LoopState) -> tuple[Context, Window | None]:
-        """The sample's context, its deadline armed (the window to disarm it from), the sample
-        marked started and in flight."""
+    def _enter_stages(self, run: SampleRun, state: LoopState,
+                      admission: int) -> tuple[Context, Window | None]:
+        """The sample's context (``admission``: its number on the loop's slice clock), its
+        deadline armed (the window to disarm it from), the sample marked started and in
+        flight."""
         item = run.item
         timeout = self.config.sample_timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         ctx = run.ctx = Context(self.resources, self.config, item, deadline)
         ctx.abort_requested = run.abort_requested
         ctx.loop_slice = state.slice
-        ctx._admission = state.slice.admit()
+        ctx._admission = admission
         set_fields(item, {"started_at": time.monotonic()})
         self._inflight[item.uid] = ctx
         window = None

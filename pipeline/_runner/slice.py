@@ -32,7 +32,9 @@ starts them every iteration) queued ahead of the samples whose engine call had r
 sample of a 20,000-sample batch finished before all 20,000 had started: each waited as long as
 the batch took to start (1.5 s for a 50 ms engine call, and 18,186 of them timed out at a 1 s
 deadline), and every sample of the batch was held in flight at once. A producer also starts no
-new samples while any are parked (:attr:`LoopSlice.saturated`).
+new samples while any are parked (:attr:`LoopSlice.saturated`), and a sample that finds the
+slice spent before its first stage parks before its stages begin: its deadline and latency
+start once it has its turn, as they start once it has a concurrency slot.
 """
 
 from __future__ import annotations
