@@ -23,7 +23,13 @@ is the pipeline's, the stages' and the event loop's):
   the others through ``run_batch``, whose result holds every item and sample;
 - ``single_held``: ``single`` with a 20 s engine latency, so that every sample is in flight
   at once (at 100,000 the batch takes about 10 s to start): with 50 ms, samples finish while
-  later ones start, and how many are in flight at once is the scheduler's to decide.
+  later ones start, and how many are in flight at once is the scheduler's to decide (its
+  1,000 row is mostly the idle loop's own CPU over 20 s: compare its 100,000 row with
+  ``single``'s 1,000);
+- ``bare_asyncio``: the floor, no pipeline at all: a hand-rolled ``asyncio.gather`` loop
+  over the same rows, tokenizer, simulated engine and answer check, keeping a small dict per
+  sample (its ids, reply, logprobs and reward): what any asyncio program pays the collector
+  for the same samples in flight.
 
 Per run: process CPU time per sample (the whole ``run_batch``: items, stages, samples,
 stats), wall time, when the first sample finished, the samples' latency (stages begun to
@@ -64,6 +70,7 @@ from pipeline import (
     Generate,
     Loop,
     Pipeline,
+    SamplingParams,
     SimulatedEngine,
 )
 from pipeline._gc import rollout_gc
@@ -107,6 +114,7 @@ WORKLOADS: dict[str, tuple[Callable[[int], Pipeline], Callable[[int], list[Any]]
     "tool_loop": (tool_pipeline, tool_rows),
     "single_stream": (single_pipeline, single_rows),
     "single_held": (lambda size: single_pipeline(size, HELD_LATENCY_S), single_rows),
+    "bare_asyncio": (single_pipeline, single_rows),  # its tokenizer and engine only
 }
 STREAMED = {"single_stream"}
 
@@ -148,9 +156,34 @@ class Outcome:
         self.timeline = timeline
 
 
+async def bare_batch(pipe: Pipeline, rows: list[Any]) -> Outcome:
+    """``bare_asyncio``: one task per row through ``asyncio.gather``, each rendering its
+    prompt, awaiting the engine and checking the answer, with no item, record, deadline,
+    status or concurrency limit."""
+    tok, engine = pipe.resources.tokenizer, pipe.resources.engine
+    assert tok is not None and engine is not None
+    timeline = Timeline()
+
+    async def one(i: int, row: dict[str, Any]) -> dict[str, Any]:
+        started = time.monotonic()
+        ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True,
+                                      tokenize=True)
+        gen = await engine.generate(ids, SamplingParams(max_tokens=64, seed=i), f"bare-{i}")
+        reward = 1.0 if arith.answer_of(tok.decode(gen.token_ids)) == row["ground_truth"] else 0.0
+        timeline.started.append(started)
+        timeline.ended.append(time.monotonic())
+        return {"prompt_ids": ids, "response_ids": gen.token_ids, "logprobs": gen.logprobs,
+                "reward": reward}
+
+    kept = await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))
+    return Outcome(kept, {"completed": len(kept)}, 0, timeline)
+
+
 async def consume(workload: str, pipe: Pipeline, rows: list[Any]) -> Outcome:
     """``run_batch`` (its result held), or a stream whose consumer keeps the samples only
     (and notes each one's start and end)."""
+    if workload == "bare_asyncio":
+        return await bare_batch(pipe, rows)
     timeline = Timeline()
     if workload not in STREAMED:
         result = await pipe.run_batch(rows)
@@ -497,7 +530,7 @@ def main() -> None:
                                               args.settings)}
     if not args.table_only:
         # single_held holds what single holds, only longer: counted in the table alone.
-        counted = [w for w in args.workloads if w != "single_held"]
+        counted = [w for w in args.workloads if w not in ("single_held", "bare_asyncio")]
         figures["kept"] = {w: kept_after(w, 2000) for w in counted}
         if "single" in args.workloads:
             figures["kept"]["single_in_flight"] = in_flight_memory(2000)

@@ -44,12 +44,17 @@ def rows(count: int, seed: int = 0) -> list[dict[str, Any]]:
     return out
 
 
+def answer_of(text: str) -> str | None:
+    """The last ``<answer>N</answer>`` of ``text``, or None."""
+    found = _ANSWER.findall(text)
+    return found[-1] if found else None
+
+
 async def score_answer(item: AgentRolloutItem, ctx: Context) -> None:
     """Reward 1.0 when the last ``<answer>`` equals the ground truth, else 0.0."""
     messages = item.artifacts.get(artifacts.MESSAGES, [])
     text = next((m.content for m in reversed(messages) if m.role == "assistant"), None) or ""
-    found = _ANSWER.findall(text if isinstance(text, str) else "")
-    answer = found[-1] if found else None
+    answer = answer_of(text if isinstance(text, str) else "")
     correct = answer is not None and answer == str(item.data.ground_truth)
     item.artifacts[artifacts.REWARD] = 1.0 if correct else 0.0
     item.artifacts[artifacts.REWARD_PAYLOAD] = {

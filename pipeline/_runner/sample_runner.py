@@ -149,11 +149,13 @@ class SampleRunner:
                                     stages = self.stages
                                     # By index: a list iterator held across every await would be
                                     # one more object per sample in flight (a range's is untracked).
-                                    loop_slice = ctx.loop_slice
+                                    loop_slice = state.slice
                                     for i in range(len(stages)):
                                         stage = stages[i]
-                                        if must_wait_turn(stage, ctx):
-                                            await loop_slice.wait_turn(ctx._admission)  # type: ignore[union-attr]
+                                        # The first stage's turn was had (and its deadline
+                                        # armed) just before this loop.
+                                        if i and must_wait_turn(stage, ctx):
+                                            await loop_slice.wait_turn(admission)
                                         record, call = start_stage(stage, item, ctx)
                                         try:
                                             await call
