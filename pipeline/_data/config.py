@@ -171,7 +171,8 @@ class PipelineConfig(_RaisesConfigError):
 
     Attributes:
         sample_timeout_s: per-sample deadline, counted from when the sample starts running
-            (not while it waits for a concurrency slot). ``None`` disables it.
+            (not while it waits for a concurrency slot, nor for the event loop's turn
+            before its first stage when the loop is saturated). ``None`` disables it.
         max_concurrency: samples running at once: fixed, or where adaptive concurrency
             starts (``adaptive_concurrency``).
         cleanup_timeout_s: limit for each stage's ``cleanup`` and the sample's exit stack.

@@ -181,7 +181,8 @@ class AgentRolloutItem(BaseModel):
 
     @property
     def latency_s(self) -> float | None:
-        """Running time (excludes waiting for a concurrency slot)."""
+        """Running time (excludes waiting for a concurrency slot, and for the event loop's turn
+        before the first stage when the loop is saturated)."""
         if self.started_at is None or self.ended_at is None:
             return None
         return self.ended_at - self.started_at
