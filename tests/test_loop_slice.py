@@ -159,6 +159,45 @@ async def test_a_sample_waiting_for_the_loop_before_its_first_stage_is_not_start
     assert result.stats.by_status == {"completed": samples}
 
 
+async def test_producers_held_back_by_a_saturated_loop_wait_once_each(monkeypatch):
+    """verl's agent loop runs thousands of one-sample batches at once: while the loop is
+    saturated, each of their producers waits for it once, instead of asking again in every
+    loop iteration."""
+    from pipeline._runner.producer import Producer
+
+    calls = 0
+    start_chunk = Producer._start_chunk
+
+    def counted(self: Producer) -> None:
+        nonlocal calls
+        calls += 1
+        start_chunk(self)
+
+    monkeypatch.setattr(Producer, "_start_chunk", counted)
+
+    async def hog(item, ctx) -> None:  # 2 ms of CPU, never awaits
+        busy(0.002)
+
+    pipe = Pipeline([hog, hog], tokenizer=ByteTokenizer(), max_concurrency=300)
+    saturating = asyncio.create_task(pipe.run_batch([{"prompt": f"q{i}"} for i in range(300)]))
+    clock = loop_slice(asyncio.get_running_loop())
+    for _ in range(1000):  # bounded: until its samples park
+        await asyncio.sleep(0)
+        if clock.saturated:
+            break
+    assert clock.saturated
+    one_sample_batches = 100
+    results = await asyncio.gather(
+        *(pipe.run_batch([{"prompt": f"one {i}"}]) for i in range(one_sample_batches)),
+        saturating)
+    assert all(r.stats.by_status == {"completed": len(r.samples)} for r in results)
+    # Each one-sample producer: its first try, then once more when the loop had room (the
+    # saturating batch's own producer asks once per chunk or wait). Asking every iteration
+    # made it hundreds per producer.
+    assert calls <= 3 * one_sample_batches + 20
+    assert not clock._starters
+
+
 def test_per_loop_state_goes_with_its_loop(tiny_tokenizer):
     import gc
 

@@ -172,9 +172,11 @@ class Producer:
         unstarted = self._unstarted
         context = self._context
         assert context is not None  # set by start(), which schedules this
-        if unstarted and loop_slice(loop).saturated:
-            loop.call_soon(self._start_chunk)  # the parked samples run first
-            return
+        if unstarted:
+            clock = loop_slice(loop)
+            if clock.saturated:
+                clock.when_unsaturated(self._start_chunk)  # the parked samples run first
+                return
         for _ in range(min(START_CHUNK, len(unstarted))):
             run = unstarted.popleft()
             run.task = loop.create_task(self.run_sample(run, self.batch),

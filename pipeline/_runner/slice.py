@@ -32,18 +32,20 @@ starts them every iteration) queued ahead of the samples whose engine call had r
 sample of a 20,000-sample batch finished before all 20,000 had started: each waited as long as
 the batch took to start (1.5 s for a 50 ms engine call, and 18,186 of them timed out at a 1 s
 deadline), and every sample of the batch was held in flight at once. A producer also starts no
-new samples while any are parked (:attr:`LoopSlice.saturated`), and a sample that finds the
-slice spent before its first stage parks before its stages begin: its deadline and latency
+new samples while any are parked (:meth:`LoopSlice.when_unsaturated`), and a sample that finds
+the slice spent before its first stage parks before its stages begin: its deadline and latency
 start once it has its turn, as they start once it has a concurrency slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import time
 import weakref
+from collections.abc import Callable
 
 SLICE_S = 0.005
 """How long one loop iteration may run the samples' own code before samples start parking
@@ -64,7 +66,7 @@ class LoopSlice:
     entry in the registry goes with the loop."""
 
     __slots__ = ("__weakref__", "_admitted", "_last", "_last_task", "_marked", "_own",
-                 "_parked", "_parks", "_release_size")
+                 "_parked", "_parks", "_release_size", "_starters")
 
     def __init__(self) -> None:
         self._marked = False
@@ -75,6 +77,7 @@ class LoopSlice:
         self._admitted = itertools.count(1)
         self._parks = itertools.count()  # breaks ties: one sample may park in two stages
         self._parked: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
+        self._starters: collections.deque[Callable[[], None]] = collections.deque()
 
     def admit(self) -> int:
         """The next admission number: a sample's stages are beginning (lower goes first)."""
@@ -85,6 +88,16 @@ class LoopSlice:
         """Whether samples are parked: the loop runs more samples' code than it has time
         for, so starting new samples now would only add to the queue."""
         return bool(self._parked)
+
+    def when_unsaturated(self, start: Callable[[], None]) -> None:
+        """Call ``start`` (with ``call_soon``) once no sample is parked, in the order asked:
+        how producers hold new samples back. Each waits here once, instead of checking again
+        every iteration (thousands of one-sample producers, as verl's agent loop makes,
+        would each add a callback to every iteration of a saturated loop)."""
+        if self._parked:
+            self._starters.append(start)
+        else:
+            asyncio.get_running_loop().call_soon(start)
 
     def spent(self) -> bool:
         """Whether this loop iteration has run the samples' own code for longer than
@@ -124,6 +137,7 @@ class LoopSlice:
         self._marked = False
         if not self._parked:
             self._release_size = FIRST_RELEASE
+            self._let_starters_go()
             return
         now = time.monotonic()
         # The last sample's step after its check, and maybe other callbacks: a foreign gap.
@@ -135,6 +149,18 @@ class LoopSlice:
         self._release(self._release_size)
         if self._parked:  # nobody else may check this iteration: keep them moving
             self._mark(now)
+        else:
+            self._let_starters_go()
+
+    def _let_starters_go(self) -> None:
+        # A marker is pending whenever samples are parked (each park follows a spent()
+        # check, which marks the iteration, and every marker marks again while any are
+        # parked), so the parked queue draining always passes through here.
+        starters = self._starters
+        if starters:
+            loop = asyncio.get_running_loop()
+            while starters:
+                loop.call_soon(starters.popleft())
 
     def _release(self, count: int) -> None:
         parked = self._parked
