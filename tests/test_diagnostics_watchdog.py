@@ -54,6 +54,39 @@ async def test_a_one_second_block_is_reported_with_the_blocking_function(blocker
     assert blocked["log_level"] == "warning" and blocker.__name__ in blocked["blocking"]
     [unblocked] = [e for e in logs if e["event"] == "event_loop_unblocked"]
     assert unblocked["blocked_s"] >= 0.9
+    assert report.collector_s < 0.1 and blocked["collector_s"] < 0.1  # not the collector's
+
+
+async def test_a_block_by_the_collector_says_how_much_of_it_was_the_collector():
+    """A full pass holds the GIL: the watchdog sees the block once the pass is over, and its
+    stack shows wherever the loop is then. The report says the collector took it."""
+    import gc
+
+    from pipeline.diagnostics._collector import COLLECTOR
+
+    heap = [[] for _ in range(1_000_000)]  # tracked objects for a full pass to walk
+    gc.collect()
+    start = time.monotonic()
+    gc.collect()
+    one_pass = time.monotonic() - start
+    reports: list[BlockReport] = []
+    dog = Watchdog(max(0.01, one_pass / 4), on_block=reports.append)
+    with capture_logs() as logs:
+        dog.start()
+        try:
+            await asyncio.sleep(0.05)
+            gc.collect()  # on the loop thread: the loop is held for the pass
+            spin_the_loop(0.05)  # and goes on with its callback, as in a batch
+            await asyncio.sleep(0.1)
+        finally:
+            dog.stop()
+    del heap
+    assert reports, f"no block reported for a {one_pass:.3f} s pass"
+    by_collector = max(reports, key=lambda r: r.collector_s)
+    assert by_collector.collector_s >= 0.5 * one_pass
+    logged = [e["collector_s"] for e in logs if e["event"] == "event_loop_blocked"]
+    assert round(by_collector.collector_s, 3) in logged
+    assert COLLECTOR not in gc.callbacks  # the observer went with the watchdog
 
 
 async def test_no_false_alarm_on_a_busy_but_healthy_loop():

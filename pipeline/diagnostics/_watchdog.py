@@ -7,7 +7,11 @@ been blocked at least that long: the watchdog reads the loop thread's current Py
 (``sys._current_frames``) and logs ``event_loop_blocked`` with the innermost frame
 (``blocking``, the code that blocks) and the stack (``frames``). A block is detected at
 most ``threshold_s + interval_s`` after it starts (plus a GIL switch interval when the loop
-thread spins in Python).
+thread spins in Python). The cyclic garbage collector holds the GIL for a whole pass, up to a
+second with millions of live objects, so a block it caused is seen once it is over, with a
+stack that is not the collector's: each report says how many of its seconds were the
+collector's passes (``collector_s``; the watchdog observes them through ``gc.callbacks``
+while it runs, and changes no collector setting).
 
 The limits, all in seconds and measured by the watchdog thread:
 
@@ -42,6 +46,7 @@ from pathlib import Path
 import structlog
 
 from pipeline._exceptions import ConfigError
+from pipeline.diagnostics._collector import COLLECTOR
 from pipeline.diagnostics._frames import FrameInfo, iter_list_retrying, stack_of
 from pipeline.diagnostics._snapshot import note_loop_thread
 
@@ -59,6 +64,9 @@ class BlockReport:
     thread_ident: int | None
     stack: tuple[FrameInfo, ...]
     """The loop thread's stack at detection, innermost last."""
+    collector_s: float = 0.0
+    """Seconds of the block that were the cyclic garbage collector's passes (it holds the
+    GIL for a whole pass: the stack then shows where the loop was, not the collector)."""
 
     @property
     def blocking(self) -> FrameInfo | None:
@@ -162,6 +170,7 @@ class Watchdog:
                 self._loop_thread = threading.get_ident()
                 note_loop_thread(self._loop)
         self._stop.clear()
+        COLLECTOR.attach()
         self._thread = threading.Thread(target=self._watch, name="rollout-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -172,6 +181,7 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+            COLLECTOR.detach()
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -217,6 +227,7 @@ class Watchdog:
         while not self._stop.is_set():
             seq += 1
             posted = time.monotonic()
+            collector_at_post = COLLECTOR.total_s
             self._posted_at = posted
             try:
                 loop.call_soon_threadsafe(self._beat, seq, posted)
@@ -235,7 +246,8 @@ class Watchdog:
                     continue
                 lag = now - posted
                 if reported is None and lag >= self.threshold_s:
-                    reported = self._report_block(lag, posted)
+                    reported = self._report_block(lag, posted,
+                                                  COLLECTOR.total_s - collector_at_post)
                 if (not escalated and self.hard_limit_s is not None
                         and lag >= self.hard_limit_s):
                     escalated = True
@@ -260,14 +272,16 @@ class Watchdog:
         left = posted + self.threshold_s - time.monotonic()
         return max(0.0, min(self.interval_s, left))
 
-    def _report_block(self, lag: float, posted: float) -> BlockReport:
+    def _report_block(self, lag: float, posted: float, collector_s: float) -> BlockReport:
         ident = self._loop_thread
         frame = sys._current_frames().get(ident) if ident is not None else None
         stack = stack_of(frame)
-        report = BlockReport(lag_s=lag, started=posted, thread_ident=ident, stack=stack)
+        report = BlockReport(lag_s=lag, started=posted, thread_ident=ident, stack=stack,
+                             collector_s=collector_s)
         self.blocks.append(report)
         blocking = report.blocking
         _logger.warning("event_loop_blocked", lag_s=round(lag, 3),
+                        collector_s=round(collector_s, 3),
                         blocking=None if blocking is None else str(blocking),
                         frames=[str(f) for f in stack[-20:]])
         if self.on_block is not None:
