@@ -132,7 +132,7 @@ class SampleRunner:
                         await state.slots.wait()
                     try:
                         admission = state.slice.admit()
-                        if state.slice.spent():
+                        if state.slice.spent(item):
                             # The loop has more to run than its slice: the samples already
                             # running go first, and this one's deadline and latency start
                             # once it has its turn (as they start once it has a slot).

@@ -99,11 +99,13 @@ class LoopSlice:
         else:
             asyncio.get_running_loop().call_soon(start)
 
-    def spent(self) -> bool:
+    def spent(self, sample: object = None) -> bool:
         """Whether this loop iteration has run the samples' own code for longer than
-        :data:`SLICE_S`."""
+        :data:`SLICE_S`. ``sample``: what tells the checking sample from others (the
+        runner passes the sample's item, one object per sample, cheaper to get than its
+        task; default: the current task)."""
         now = time.monotonic()
-        task = id(asyncio.current_task())
+        task = id(asyncio.current_task() if sample is None else sample)
         if not self._marked:
             self._mark(now)
         else:

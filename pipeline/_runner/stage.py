@@ -197,7 +197,7 @@ def must_wait_turn(stage: Stage, ctx: Context) -> bool:
     ``ctx.loop_slice.wait_turn()`` first (:mod:`pipeline._runner.slice`)."""
     if ctx.deadline is not None and ctx.deadline_passed():
         raise DeadlineExceeded(f"the deadline passed before stage '{stage.name}' started")
-    return ctx.loop_slice is not None and ctx.loop_slice.spent()
+    return ctx.loop_slice is not None and ctx.loop_slice.spent(ctx.item)
 
 
 def start_stage(stage: Stage, item: AgentRolloutItem,
