@@ -55,3 +55,9 @@ def own_fields_set(model: BaseModel) -> None:
     (call before assigning an extra field, which pydantic adds to the set)."""
     if model.__pydantic_fields_set__ is _ALL_FIELDS.get(type(model)):
         _set(model, "__pydantic_fields_set__", set(model.__pydantic_fields_set__))
+
+
+def str_keys(values: dict[Any, Any]) -> bool:
+    """Whether every key of ``values`` is a ``str``; an empty dict (most are: no sampling
+    overrides, no extra fields) is answered without a generator."""
+    return not values or all(type(key) is str for key in values)

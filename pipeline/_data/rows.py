@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline._data.config import check_template_kwargs, describe_validation_error
-from pipeline._data.construct import construct
+from pipeline._data.construct import construct, str_keys
 from pipeline._exceptions import RowError
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -132,7 +132,7 @@ def _plain_row(data: dict[str, Any]) -> DatasetRow | None:
     messages, tools = data["messages"], data.get("tools")
     if (type(messages) is not list or type(data.get("data_source", "")) is not str
             or data.get("chat_template_kwargs")  # its options are checked by the validator
-            or not all(type(m) is dict and _str_keys(m) for m in messages)
+            or not all(type(m) is dict and str_keys(m) for m in messages)
             or (tools is not None and (type(tools) is not list
                                        or not all(type(t) is dict for t in tools)))):
         return None
@@ -140,14 +140,10 @@ def _plain_row(data: dict[str, Any]) -> DatasetRow | None:
               "data_source": data.get("data_source", "default")}
     for key in ("sampling", "chat_template_kwargs", "extra"):
         value = data.get(key, {})
-        if type(value) is not dict or not _str_keys(value):
+        if type(value) is not dict or not str_keys(value):
             return None
         values[key] = value
     return construct(DatasetRow, values)
-
-
-def _str_keys(values: dict[Any, Any]) -> bool:
-    return all(type(key) is str for key in values)
 
 
 def _check_messages(messages: Any, where: str, index: int | None,

@@ -14,7 +14,7 @@ import structlog
 
 from pipeline import artifacts as A
 from pipeline._concurrency.callables import plain_result
-from pipeline._data.construct import construct
+from pipeline._data.construct import construct, str_keys
 from pipeline._data.models import (
     NOT_SAMPLED,
     AgentMessage,
@@ -123,7 +123,7 @@ def _already_valid(values: dict[str, Any]) -> bool:
         and _only(values["response_mask"], int)
         and (values["logprobs"] is None or _only(values["logprobs"], float))
         and (values["token_versions"] is None or _only(values["token_versions"], int))
-        and _str_keys(values["reward_payload"]) and _str_keys(values["extra_fields"])
+        and str_keys(values["reward_payload"]) and str_keys(values["extra_fields"])
         and type(values["status"]) is Status and type(values["finish_reason"]) is FinishReason
         and type(values["exit_reason"]) is str
         and type(values["raw_finish_reason"]) in _OPTIONAL_STR
@@ -140,10 +140,6 @@ def _only(values: list[Any], kind: type) -> bool:
     # The element types collected in C: about what validating the list costs, without its
     # copy.
     return type(values) is list and set(map(type, values)) <= {kind}
-
-
-def _str_keys(values: dict[Any, Any]) -> bool:
-    return all(type(key) is str for key in values)
 
 
 def _as_list(values: Any) -> list[Any]:
