@@ -28,10 +28,11 @@ of 10,000 to yield again each iteration made a batch five times slower.
 Parked samples go in the order their samples were admitted (:meth:`LoopSlice.admit`, when a
 sample's stages begin), not the order they parked: a sample further along finishes before a
 newer one starts its first stage. In the order they parked, a batch's new samples (a producer
-starts them every iteration) queued ahead of the samples whose engine call had returned, so no
-sample of a 20,000-sample batch finished before all 20,000 had started: each waited as long as
-the batch took to start (1.5 s for a 50 ms engine call, and 18,186 of them timed out at a 1 s
-deadline), and every sample of the batch was held in flight at once. A producer also starts no
+starts them every iteration) queued ahead of the samples whose engine call had returned, so
+samples finished only once the whole batch had started: each waited about as long as the
+batch took to start (a median of 1.1 s for a 50 ms engine call in a 20,000-sample batch, and
+17,583 of the 20,000 timed out at a 1 s deadline; ``benchmarks/scheduling.py``), and every
+sample of the batch was held in flight at once. A producer also starts no
 new samples while any are parked (:meth:`LoopSlice.when_unsaturated`), and a sample that finds
 the slice spent before its first stage parks before its stages begin: its deadline and latency
 start once it has its turn, as they start once it has a concurrency slot.
