@@ -128,8 +128,11 @@ class Timeline:
         self.ended = array.array("d")
 
     def add(self, item: Any) -> None:
-        self.started.append(item.started_at)
-        self.ended.append(item.ended_at)
+        self.note(item.started_at, item.ended_at)
+
+    def note(self, started: float, ended: float) -> None:
+        self.started.append(started)
+        self.ended.append(ended)
 
     def figures(self, batch_start: float) -> dict[str, Any]:
         """First sample done (s after the batch began), latency median / p99 (s), and the
@@ -170,8 +173,7 @@ async def bare_batch(pipe: Pipeline, rows: list[Any]) -> Outcome:
                                       tokenize=True)
         gen = await engine.generate(ids, SamplingParams(max_tokens=64, seed=i), f"bare-{i}")
         reward = 1.0 if arith.answer_of(tok.decode(gen.token_ids)) == row["ground_truth"] else 0.0
-        timeline.started.append(started)
-        timeline.ended.append(time.monotonic())
+        timeline.note(started, time.monotonic())
         return {"prompt_ids": ids, "response_ids": gen.token_ids, "logprobs": gen.logprobs,
                 "reward": reward}
 

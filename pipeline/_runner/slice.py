@@ -32,10 +32,10 @@ starts them every iteration) queued ahead of the samples whose engine call had r
 samples finished only once the whole batch had started: each waited about as long as the
 batch took to start (a median of 1.1 s for a 50 ms engine call in a 20,000-sample batch, and
 17,583 of the 20,000 timed out at a 1 s deadline; ``benchmarks/scheduling.py``), and every
-sample of the batch was held in flight at once. A producer also starts no
-new samples while any are parked (:meth:`LoopSlice.when_unsaturated`), and a sample that finds
-the slice spent before its first stage parks before its stages begin: its deadline and latency
-start once it has its turn, as they start once it has a concurrency slot.
+sample of the batch was held in flight at once. A producer also starts no new samples while
+any are parked (:meth:`LoopSlice.when_unsaturated`), and a sample that finds the slice spent
+before its first stage parks before its stages begin: its deadline and latency start once it
+has its turn, as they start once it has a concurrency slot.
 """
 
 from __future__ import annotations
